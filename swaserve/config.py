@@ -1,0 +1,294 @@
+"""Model and engine configuration.
+
+``ModelConfig.from_dict`` reads a MiMo-V2 ``config.json`` in either spelling:
+
+* transformers style (``layer_types``, ``mlp_layer_types``, ``rope_parameters``, ``sliding_window``,
+  ``rms_norm_eps``), as written by ``MiMoV2FlashConfig.save_pretrained``;
+* hub style (``hybrid_layer_pattern`` 0=full/1=SWA, ``moe_layer_freq`` 0=dense/1=MoE,
+  ``swa_num_key_value_heads``, ``swa_num_attention_heads``, ``swa_head_dim``, ``swa_v_head_dim``,
+  ``rope_theta``, ``swa_rope_theta``, ``partial_rotary_factor``, ``layernorm_epsilon``,
+  ``sliding_window_size``, ``add_full_attention_sink_bias``, ``add_swa_attention_sink_bias``),
+  as in the XiaomiMiMo checkpoints on the Hugging Face hub.
+
+Hub keys win where both are present, because transformers silently ignores them: a checkpoint whose
+SWA layers differ from what transformers would assume must not load wrong. Anything we cannot run
+raises ``ConfigError``.
+
+Window convention: ``sliding_window`` counts the query itself (129 = 128 previous tokens + self), as
+transformers does; ``window`` (= sliding_window - 1) is the number of previous tokens a SWA query
+sees, which is what the KV pools must keep.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+FULL = "full_attention"
+SWA = "sliding_attention"
+LayerKind = Literal["full_attention", "sliding_attention"]
+
+
+class ConfigError(ValueError):
+    """The checkpoint's config is missing a key, inconsistent, or describes something unsupported."""
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """Head shapes of one attention kind (full or SWA)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # q/k head dim
+    v_head_dim: int
+    rope_theta: float
+    rotary_dim: int  # int(head_dim * partial_rotary_factor); 2 * ceil(rotary_dim / 2) leading dims rotate
+    has_sinks: bool
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K+V bytes for one token in one layer of this kind."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything about a MiMo-V2 checkpoint that changes logits or KV layout."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # per layer: FULL or SWA
+    mlp_types: tuple[str, ...]  # per layer: "dense" or "sparse"
+    full: AttnShape
+    swa: AttnShape
+    sliding_window: int  # tokens a SWA query sees, counting itself
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    value_scale: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    num_mtp_layers: int = 0
+    quantization: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def window(self) -> int:
+        """Previous tokens a SWA query attends to (sliding_window - 1)."""
+        return self.sliding_window - 1
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def swa_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == SWA]
+
+    def attn(self, layer: int) -> AttnShape:
+        return self.full if self.layer_types[layer] == FULL else self.swa
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, c: dict[str, Any]) -> ModelConfig:
+        model_type = c.get("model_type")
+        if model_type not in ("mimo_v2_flash", "mimo_v2"):
+            raise ConfigError(f"unsupported model_type {model_type!r}: swaserve runs MiMo-V2 (mimo_v2_flash)")
+        text = c.get("text_config", c)
+
+        def req(key: str) -> Any:
+            if key not in text:
+                raise ConfigError(f"config.json is missing required key {key!r}")
+            return text[key]
+
+        n_layers = int(req("num_hidden_layers"))
+        layer_types = _layer_types(text, n_layers)
+        mlp_types = _mlp_types(text, n_layers)
+        heads = int(req("num_attention_heads"))
+        kv_heads = int(req("num_key_value_heads"))
+        head_dim = int(text.get("head_dim") or int(req("hidden_size")) // heads)
+        v_head_dim = int(text.get("v_head_dim") or head_dim)
+        rope = text.get("rope_parameters") or {}
+        full_rope = rope.get(FULL, rope if "rope_theta" in rope else {})
+        swa_rope = rope.get(SWA, full_rope)
+        full_theta = float(text.get("rope_theta", full_rope.get("rope_theta", 10000.0)))
+        swa_theta = float(text.get("swa_rope_theta", swa_rope.get("rope_theta", full_theta)))
+        for r in (full_rope, swa_rope):
+            if r.get("rope_type", "default") != "default":
+                raise ConfigError(
+                    f"unsupported rope_type {r.get('rope_type')!r} (only 'default' is implemented)"
+                )
+        if text.get("rope_scaling"):
+            raise ConfigError("rope_scaling is not supported")
+        prf_full = float(text.get("partial_rotary_factor", full_rope.get("partial_rotary_factor", 1.0)))
+        prf_swa = float(text.get("partial_rotary_factor", swa_rope.get("partial_rotary_factor", prf_full)))
+        swa_heads = int(text.get("swa_num_attention_heads") or heads)
+        # transformers hard-codes SWA kv heads = 2x full kv heads; the hub key states it explicitly.
+        swa_kv_heads = int(text.get("swa_num_key_value_heads") or kv_heads * 2)
+        swa_head_dim = int(text.get("swa_head_dim") or head_dim)
+        swa_v_head_dim = int(text.get("swa_v_head_dim") or v_head_dim)
+        if swa_heads != heads:
+            raise ConfigError("swa_num_attention_heads != num_attention_heads is not supported")
+        for nh, nkv, what in ((heads, kv_heads, "full"), (swa_heads, swa_kv_heads, "SWA")):
+            if nh % nkv:
+                raise ConfigError(f"{what} attention: {nh} heads not divisible by {nkv} kv heads")
+        full_sinks = bool(text.get("add_full_attention_sink_bias", False))
+        swa_sinks = bool(text.get("add_swa_attention_sink_bias", True))
+        if "sliding_window_size" in text:
+            sliding_window = int(text["sliding_window_size"]) + 1
+        else:
+            sliding_window = int(req("sliding_window"))
+        if sliding_window < 2:
+            raise ConfigError(f"sliding_window must be >= 2 (query + 1 previous token), got {sliding_window}")
+        n_experts = int(text.get("n_routed_experts") or text.get("num_local_experts") or 0)
+        if "sparse" in mlp_types and n_experts == 0:
+            raise ConfigError("MoE layers present but n_routed_experts is 0")
+        n_group = int(text.get("n_group") or 1)
+        if n_experts and n_experts % n_group:
+            raise ConfigError(f"n_routed_experts {n_experts} not divisible by n_group {n_group}")
+        scoring = text.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ConfigError(f"unsupported scoring_func {scoring!r} (MiMo-V2 routes with sigmoid)")
+        if int(text.get("n_shared_experts") or 0):
+            raise ConfigError("shared experts are not part of MiMo-V2 and are not supported")
+        if text.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act {text.get('hidden_act')!r}")
+        if text.get("attention_bias"):
+            raise ConfigError("attention_bias=true is not supported")
+        eps = float(text.get("layernorm_epsilon", text.get("rms_norm_eps", 1e-5)))
+        vscale = text.get("attention_value_scale")
+        eos = text.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        quant = c.get("quantization_config")
+        if quant is not None:
+            if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+                raise ConfigError(f"unsupported quantization_config {quant!r} (FP8 e4m3 block only)")
+            if not quant.get("weight_block_size"):
+                raise ConfigError("FP8 quantization_config without weight_block_size is not supported")
+        return cls(
+            vocab_size=int(req("vocab_size")),
+            hidden_size=int(req("hidden_size")),
+            num_layers=n_layers,
+            layer_types=layer_types,
+            mlp_types=mlp_types,
+            full=AttnShape(
+                heads, kv_heads, head_dim, v_head_dim, full_theta, _rotary_dim(head_dim, prf_full), full_sinks
+            ),
+            swa=AttnShape(
+                swa_heads,
+                swa_kv_heads,
+                swa_head_dim,
+                swa_v_head_dim,
+                swa_theta,
+                _rotary_dim(swa_head_dim, prf_swa),
+                swa_sinks,
+            ),
+            sliding_window=sliding_window,
+            intermediate_size=int(text.get("intermediate_size") or 0),
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+            n_routed_experts=n_experts,
+            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+            n_group=n_group,
+            topk_group=int(text.get("topk_group") or 1),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(text.get("routed_scaling_factor") or 1.0),
+            rms_norm_eps=eps,
+            value_scale=float(vscale) if vscale is not None else 1.0,
+            max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            hidden_act="silu",
+            bos_token_id=text.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            num_mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
+            quantization=quant,
+        )
+
+
+def _rotary_dim(head_dim: int, factor: float) -> int:
+    """``int(head_dim * factor)``, as the reference computes it (an odd value rotates one more dim)."""
+    dim = int(head_dim * factor)
+    if not 2 <= dim <= head_dim:
+        raise ConfigError(
+            f"rotary dim {dim} (head_dim {head_dim} x partial_rotary_factor {factor}) out of range"
+        )
+    return dim
+
+
+def _layer_types(c: dict[str, Any], n: int) -> tuple[str, ...]:
+    pattern = c.get("hybrid_layer_pattern")
+    if pattern is not None:
+        if len(pattern) != n or any(p not in (0, 1) for p in pattern):
+            raise ConfigError(
+                f"hybrid_layer_pattern must be {n} entries of 0 (full) / 1 (SWA), got {pattern}"
+            )
+        return tuple(SWA if p else FULL for p in pattern)
+    types = c.get("layer_types")
+    if types is None:  # transformers' default: layer 0 and every 6th layer full
+        return tuple(FULL if (i == 0 or (i + 1) % 6 == 0) else SWA for i in range(n))
+    if len(types) != n or any(t not in (FULL, SWA) for t in types):
+        raise ConfigError(f"layer_types must be {n} entries of {FULL!r}/{SWA!r}, got {types}")
+    return tuple(types)
+
+
+def _mlp_types(c: dict[str, Any], n: int) -> tuple[str, ...]:
+    freq = c.get("moe_layer_freq")
+    if isinstance(freq, list):
+        if len(freq) != n:
+            raise ConfigError(f"moe_layer_freq must have {n} entries, got {len(freq)}")
+        return tuple("sparse" if f else "dense" for f in freq)
+    types = c.get("mlp_layer_types")
+    if types is None:
+        return ("dense",) + ("sparse",) * (n - 1)
+    if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+        raise ConfigError(f"mlp_layer_types must be {n} entries of 'dense'/'sparse', got {types}")
+    return tuple(types)
+
+
+KVLayout = Literal["hybrid", "full"]
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs (CLI flags map 1:1).
+
+    Attributes:
+        page_size: Tokens per KV page, both pools.
+        kv_cache_memory: Bytes for both KV pools together (split by ``kvcache.sizing``).
+        kv_layout: "hybrid" (SWA layers keep only their window) or "full" (SWA-unaware baseline).
+        max_num_seqs: Most requests running at once; also the expected concurrency used to size the
+            SWA pool.
+        max_num_batched_tokens: Token budget per engine step (decode tokens + prefill chunks).
+        max_model_len: Longest prompt + output, tokens (default: the model's max positions).
+        dtype: "float32" | "bfloat16" | "float16" for activations and KV.
+        device: "cpu", "cuda", ... (default: CUDA when present).
+    """
+
+    page_size: int = 16
+    kv_cache_memory: int = 256 * 1024 * 1024
+    kv_layout: KVLayout = "hybrid"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0

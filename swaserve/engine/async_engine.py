@@ -1,0 +1,149 @@
+"""asyncio wrapper around ``LLMEngine``: one background task steps the engine in a worker thread.
+
+Adds and aborts from request handlers are queued and applied by the loop task between steps, so
+the engine core is only ever touched by one step at a time and never while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from swaserve.config import EngineConfig
+from swaserve.engine.llm_engine import LLMEngine
+from swaserve.engine.stats import EngineStats
+from swaserve.engine.types import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    """Serves many concurrent ``generate`` streams from one engine loop."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.engine_config = engine.config
+        self.max_model_len = engine.max_model_len
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending: list[tuple[str, Any]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, engine_config: EngineConfig | None = None, model_name: str | None = None
+    ) -> AsyncLLMEngine:
+        engine = LLMEngine(model_dir, engine_config)
+        return cls(engine, model_name or Path(model_dir).name)
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.create_task(self._loop(), name="swaserve-engine-loop")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream deltas for one request. Raises ValueError (before any output) on bad input."""
+        if not self.running:
+            raise RuntimeError("engine loop is not running (call start())")
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.engine.validate(prompt_token_ids, params)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.clock()))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._submit("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._submit("abort", request_id)
+
+    def _submit(self, op: str, arg: Any) -> None:
+        self._pending.append((op, arg))
+        if self._wake is not None:
+            self._wake.set()
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for op, arg in pending:
+            if op == "add":
+                rid, prompt, params, arrival = arg
+                if rid not in self._queues:  # consumer already gone
+                    continue
+                try:
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                except ValueError as e:
+                    self._queues[rid].put_nowait(e)
+            else:
+                out = self.engine.abort_request(arg)
+                q = self._queues.get(arg)
+                if out is not None and q is not None:
+                    q.put_nowait(out)
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while not self._stopping:
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                if not self._pending and not self._stopping:
+                    await self._wake.wait()
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as e:  # an engine bug: fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                for rid in list(self.engine.requests):
+                    self.engine.abort_request(rid)
+                    q = self._queues.get(rid)
+                    if q is not None:
+                        q.put_nowait(RuntimeError(f"engine step failed: {e}"))
+                continue
+            for o in outputs:
+                q = self._queues.get(o.request_id)
+                if q is not None:
+                    q.put_nowait(o)
+                elif not o.finished:
+                    self._pending.append(("abort", o.request_id))
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        for q in self._queues.values():
+            q.put_nowait(RuntimeError("engine stopped"))

@@ -1,0 +1,228 @@
+"""The synchronous engine core: add requests, step, read outputs.
+
+``step()`` = schedule (continuous batching, chunked prefill) -> one forward over all scheduled
+tokens -> sample the requests whose chunk reached their last token -> detokenize, check stop
+conditions -> free finished requests' pages. It does no I/O; ``AsyncLLMEngine`` drives it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from swaserve.config import EngineConfig, ModelConfig
+from swaserve.engine.detokenizer import IncrementalDetokenizer, check_stop_token
+from swaserve.engine.model_runner import ModelRunner
+from swaserve.engine.request import Request, RequestStatus
+from swaserve.engine.sampler import Sampler, SamplingState
+from swaserve.engine.scheduler import Scheduler
+from swaserve.engine.stats import EngineStats
+from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.sizing import plan_pools
+from swaserve.kvcache.storage import KVStorage
+from swaserve.model.loader import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLMEngine:
+    """Args:
+    model_dir: Hugging Face checkpoint directory.
+    config: engine knobs.
+    clock: seconds, monotonic (injected for tests and simulation).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        self.dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device) if config.device else default_device()
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        torch.manual_seed(config.seed)
+        self.model = load_model(model_dir, self.model_config, self.dtype, self.device)
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        plan = plan_pools(cfg, config, elem)
+        self.kv = KVCacheManager(
+            plan, config.page_size, cfg.window, config.kv_layout, len(cfg.full_layers), len(cfg.swa_layers)
+        )
+        if not self.kv.fits_ever(min(self.max_model_len, config.max_num_batched_tokens)):
+            raise ValueError("kv cache budget too small for even one request; raise --kv-cache-memory")
+        self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a user-facing message if the request cannot be served."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} out of range [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                f"asks for {total} ({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens)"
+            )
+        if not self.kv.fits_ever(total):
+            raise ValueError(
+                f"request of {total} tokens can never fit in the KV cache "
+                f"({self.kv.full.pool.num_pages} pages of {self.config.page_size} tokens)"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError on invalid input or a duplicate id."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.clock() if arrival_time is None else arrival_time,
+            max_total_tokens=len(prompt_token_ids) + params.max_tokens,
+        )
+        req.sampling = SamplingState.create(params, req.prompt_token_ids, self.device)
+        req.sampling.output_token_ids = req.output_token_ids
+        req.detok = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its final output (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req)
+        req.finish_reason = FinishReason.ABORT
+        return self._output(req, [], "", [], finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns one delta per request that produced a token or finished."""
+        now = self.clock()
+        chunks = self.scheduler.schedule(now)
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        sampling = [c for c in chunks if c.samples]
+        states = [c.req.sampling for c in sampling]
+        sampled = self.sampler.sample(logits, states) if sampling else []  # type: ignore[arg-type]
+        for c in chunks:
+            c.req.num_computed = c.start + c.n
+        outputs: list[RequestOutput] = []
+        now = self.clock()
+        for c, s in zip(sampling, sampled, strict=True):
+            outputs.append(self._append(c.req, s.token_id, s.logprob, now))
+        return outputs
+
+    def _append(self, req: Request, token: int, logprob: object, now: float) -> RequestOutput:
+        assert req.detok is not None
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_token_ids.append(token)
+        self.generation_tokens_total += 1
+        text = ""
+        reason: FinishReason | None = None
+        if check_stop_token(token, req.params, self.eos_token_ids):
+            reason = FinishReason.STOP
+        else:
+            text = req.detok.add([token])
+            if req.detok.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (
+            len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None and not req.detok.stopped:
+            text += req.detok.flush()
+        lps = [logprob] if logprob is not None else []
+        if reason is not None:
+            req.finish_reason = reason
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+        return self._output(req, [token], text, lps, finished=reason is not None)  # type: ignore[arg-type]
+
+    def _output(self, req: Request, tokens: list[int], text: str, lps: list, finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            new_logprobs=lps,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            prompt_tokens=req.num_prompt,
+            completion_tokens=len(req.output_token_ids),
+            cached_tokens=req.cached_tokens,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            pools=self.kv.stats(),
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Offline helper: run prompts to completion, return output token ids in order."""
+        ids = [f"offline-{i}-{id(p)}" for i, p in enumerate(prompts)]
+        for rid, p in zip(ids, prompts, strict=True):
+            self.add_request(rid, p, params)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]
+
+    def is_running(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.status == RequestStatus.RUNNING

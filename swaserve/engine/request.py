@@ -1,0 +1,59 @@
+"""A request's life inside the engine: tokens, progress, sampling and detokenization state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from swaserve.engine.types import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from swaserve.engine.detokenizer import IncrementalDetokenizer
+    from swaserve.engine.sampler import SamplingState
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side request.
+
+    ``num_computed`` tokens of ``prompt + output`` have KV in the pools; the next step computes
+    ``[num_computed, num_tokens)`` (a prefill chunk, or the one token sampled last step).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    max_total_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    sampling: SamplingState | None = None
+    detok: IncrementalDetokenizer | None = None
+    cached_tokens: int = 0
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = self.num_prompt
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

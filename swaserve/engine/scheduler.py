@@ -1,0 +1,89 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running requests first, in arrival order (a decoding request needs one token; a request
+still prefilling gets the next chunk that fits the budget and the pools), then waiting requests
+are admitted first come, first served while both pools can reserve their guaranteed pages and
+fewer than ``max_num_seqs`` run. Prefill and decode share a step (Sarathi-Serve, Agrawal et al.
+OSDI'24, "stall-free batching"); requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from swaserve.engine.request import Request, RequestStatus
+from swaserve.kvcache.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute tokens ``[start, start + n)`` of ``req`` this step; sample if that reaches the end."""
+
+    req: Request
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.n == self.req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float) -> list[ScheduledChunk]:
+        budget = self.budget
+        chunks: list[ScheduledChunk] = []
+        for req in self.running:
+            if budget == 0:
+                break
+            c = self._chunk(req, budget)
+            if c is not None:
+                chunks.append(c)
+                budget -= c.n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.kv.admit(req.request_id, req.max_total_tokens):
+                break  # FCFS: the head waits for room, nobody overtakes it
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            c = self._chunk(req, budget)
+            if c is not None:
+                chunks.append(c)
+                budget -= c.n
+        for c in chunks:
+            if c.req.first_scheduled_time is None:
+                c.req.first_scheduled_time = now
+        return chunks
+
+    def _chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
+        start = req.num_computed
+        want = min(req.num_tokens - start, budget)
+        n = self.kv.max_chunk(req.request_id, start, start + want)
+        if n == 0:
+            return None
+        if not self.kv.allocate(req.request_id, start, start + n):
+            raise RuntimeError("allocation failed after max_chunk said it fits (internal error)")
+        return ScheduledChunk(req, start, n)
+
+    def finish(self, req: Request) -> None:
+        """Remove a running or waiting request and free its pages."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.kv.free(req.request_id)

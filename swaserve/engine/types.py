@@ -1,0 +1,108 @@
+"""Plain request/response value types shared by the engine, sampler and API layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a request stopped (OpenAI ``finish_reason`` values, plus ``abort``)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # client went away or the request was cancelled
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI / vLLM semantics).
+
+    Attributes:
+        max_tokens: Number of output tokens at most (>= 1).
+        temperature: 0 means greedy (argmax, exact); otherwise logits are divided by it.
+        top_p: Nucleus mass in (0, 1]; 1 disables.
+        top_k: Keep the k most likely tokens; None disables.
+        min_p: Drop tokens whose probability is below ``min_p * p_max``; 0 disables.
+        seed: Seeds a per-request generator so sampled outputs are reproducible.
+        presence_penalty: Subtracted once from logits of tokens already generated ([-2, 2]).
+        frequency_penalty: Subtracted per occurrence in the generated tokens ([-2, 2]).
+        repetition_penalty: CTRL-style (Keskar et al. 2019, sec. 4.1) over prompt + output; 1 disables.
+        stop: Stop strings; the output is cut before the first match.
+        stop_token_ids: Extra token ids that end the request (the token is not shown in text).
+        ignore_eos: Keep going past EOS (used by trace replay to force the trace's output length).
+        logprobs: Number of top alternatives per output token to return (0 = only the sampled one);
+            None = no logprobs.
+        skip_special_tokens: Leave special tokens out of the detokenized text.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError with a user-facing message for any out-of-range value."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1 (or null to disable), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one output token and its top alternatives (natural log)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """One streaming delta for a request; the last one has ``finished=True``.
+
+    Token and text fields are deltas since the previous output of the same request;
+    the usage counters are cumulative.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    arrival_time: float = 0.0  # engine clock (time.monotonic), seconds
+    first_scheduled_time: float | None = None  # when the request first got a prefill slot
+    first_token_time: float | None = None

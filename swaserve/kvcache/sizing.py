@@ -1,0 +1,55 @@
+"""Split one KV byte budget between the full-attention pool and the SWA pool.
+
+Notation: ``P`` page size (tokens), ``W`` window (previous tokens a SWA query sees), ``N`` expected
+concurrency (``max_num_seqs``), ``C`` per-step token budget (``max_num_batched_tokens``), ``b``
+bytes per element, ``L_f``/``L_s`` full/SWA layer counts, ``h`` KV heads, ``d_k``/``d_v`` head dims.
+
+    page_bytes_full = L_f * P * h_f * (d_k,f + d_v,f) * b
+    page_bytes_swa  = L_s * P * h_s * (d_k,s + d_v,s) * b
+
+hybrid layout: each running request holds at most ``ceil(W/P) + 2`` SWA pages while decoding (its
+window plus the page being written, unaligned), and the prefill chunks of one step add at most
+``ceil(C/P) + 1`` more, so
+
+    swa_pages  = N * (ceil(W/P) + 2) + ceil(C/P) + 1        (capped at half the budget)
+    full_pages = (budget - swa_pages * page_bytes_swa) // page_bytes_full
+
+full layout (SWA-unaware baseline): every layer keeps every token, so both pools get the same
+number of pages: ``pages = budget // (page_bytes_full + page_bytes_swa)``.
+"""
+
+from __future__ import annotations
+
+from swaserve.config import EngineConfig, ModelConfig
+from swaserve.kvcache.manager import PoolPlan, cdiv
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> tuple[int, int]:
+    """(full, swa) bytes of one page across all layers of the pool, K and V."""
+    full = len(cfg.full_layers) * page_size * cfg.full.kv_bytes_per_token(dtype_bytes)
+    swa = len(cfg.swa_layers) * page_size * cfg.swa.kv_bytes_per_token(dtype_bytes)
+    return full, swa
+
+
+def plan_pools(cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: int | None = None) -> PoolPlan:
+    """Pool sizes for ``budget`` bytes (default ``ecfg.kv_cache_memory``) as in the module formula.
+
+    Raises:
+        ValueError: the budget cannot hold one page in each pool.
+    """
+    budget = ecfg.kv_cache_memory if budget is None else budget
+    p = ecfg.page_size
+    pbf, pbs = page_bytes(cfg, p, dtype_bytes)
+    if not cfg.swa_layers:
+        return PoolPlan(max(1, budget // pbf), 1, pbf, 0)
+    if ecfg.kv_layout == "full":
+        pages = budget // (pbf + pbs)
+        if pages < 1:
+            raise ValueError(f"kv cache budget {budget} B is smaller than one page ({pbf + pbs} B)")
+        return PoolPlan(pages, pages, pbf, pbs)
+    swa_pages = ecfg.max_num_seqs * (cdiv(cfg.window, p) + 2) + cdiv(ecfg.max_num_batched_tokens, p) + 1
+    swa_pages = min(swa_pages, (budget // 2) // pbs)
+    full_pages = (budget - swa_pages * pbs) // pbf
+    if swa_pages < 1 or full_pages < 1:
+        raise ValueError(f"kv cache budget {budget} B is too small for one page per pool")
+    return PoolPlan(full_pages, swa_pages, pbf, pbs)

@@ -1,0 +1,129 @@
+"""Attention over paged KV, with per-head sinks and sliding windows.
+
+KV layout of one attention kind (full or SWA), for all layers of that kind::
+
+    k_cache[layer_of_kind]: [num_pages * page_size, num_kv_heads, head_dim]     (slot = page * page_size + offset)
+    v_cache[layer_of_kind]: [num_pages * page_size, num_kv_heads, v_head_dim]
+
+``KindMeta`` (built once per step by the model runner, shared by every layer of the kind) says
+where each new token's K/V goes (``write_slots``) and, per sequence, which slots hold the keys it
+reads and which of them each query may see (causal, and for SWA ``kv_pos > q_pos - sliding_window``).
+
+Sinks (gpt-oss / MiMo-V2 "attention sink bias"): one learned logit per head that joins the softmax
+denominator and contributes no value: ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqAttn:
+    """One sequence's attention view for one kind.
+
+    Attributes:
+        q_start, q_len: rows of this sequence's new tokens in the flat batch.
+        kv_slots: [L_kv] int64 pool slots of the keys it reads (positions ``kv_pos``, ascending).
+        mask: [q_len, L_kv] bool, True where the query may attend; None = all allowed.
+    """
+
+    q_start: int
+    q_len: int
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class KindMeta:
+    """Per-step attention metadata for one attention kind.
+
+    Attributes:
+        write_slots: [T] int64 pool slot of each new token's K/V.
+        prefills: sequences handled one by one (q_len > 1).
+        decode_rows: [B] rows of single-token queries batched together; decode_slots [B, L] their
+            key slots (padded), decode_mask [B, L] bool validity.
+    """
+
+    write_slots: torch.Tensor
+    prefills: list[SeqAttn] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and attends. One implementation per device kind."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: KindMeta,
+        sinks: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """Args: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]; caches as in the module doc;
+        sinks [Hq] or None. Returns [T, Hq, Dv]."""
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Batched grouped-query attention.
+
+    q [B, Lq, Hq, Dk], k [B, Lk, Hkv, Dk], v [B, Lk, Hkv, Dv], mask [B, Lq, Lk] bool or None.
+    Returns [B, Lq, Hq, Dv].
+    """
+    b, lq, hq, dk = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.view(b, lq, hkv, g, dk).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Lq, Dk]
+    kk = k.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Lk, Dk]
+    vv = v.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Lk, Dv]
+    scores = torch.matmul(qg, kk.transpose(-1, -2)) * scale  # [B, Hkv, g, Lq, Lk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, hkv, g, 1, 1).expand(b, hkv, g, lq, 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    out = torch.matmul(probs.to(vv.dtype), vv)  # [B, Hkv, g, Lq, Dv]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, lq, hq, -1)
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Pure-torch reference backend (CPU or CUDA): gathers each sequence's slots and attends."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, sinks, scale):  # type: ignore[no-untyped-def]
+        k_cache.index_copy_(0, meta.write_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.write_slots, v.to(v_cache.dtype))
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for s in meta.prefills:
+            qs = q[s.q_start : s.q_start + s.q_len].unsqueeze(0)
+            ks = k_cache[s.kv_slots].to(q.dtype).unsqueeze(0)
+            vs = v_cache[s.kv_slots].to(q.dtype).unsqueeze(0)
+            m = None if s.mask is None else s.mask.unsqueeze(0)
+            out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, m, sinks, scale)[0]
+        if meta.decode_rows is not None:
+            assert meta.decode_slots is not None and meta.decode_mask is not None
+            qd = q[meta.decode_rows].unsqueeze(1)  # [B, 1, Hq, Dk]
+            kd = k_cache[meta.decode_slots].to(q.dtype)  # [B, L, Hkv, Dk]
+            vd = v_cache[meta.decode_slots].to(q.dtype)
+            out[meta.decode_rows] = _attend(qd, kd, vd, meta.decode_mask.unsqueeze(1), sinks, scale)[:, 0]
+        return out

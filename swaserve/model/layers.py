@@ -1,0 +1,195 @@
+"""MiMo-V2 building blocks: RMSNorm, partial NeoX RoPE, dense MLP and the sigmoid-routed MoE.
+
+All take a flat token batch ``x: [T, hidden]`` (no batch/sequence axes): the engine packs every
+request's tokens of one step into one row block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, scaled in the input dtype (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class PartialRope(nn.Module):
+    """Rotary position embedding on the first ``rotary_dim`` dims of each head, NeoX (half-split) style.
+
+    RoFormer (Su et al. 2021); MiMo-V2 rotates ``int(head_dim * partial_rotary_factor)`` dims and leaves
+    the rest unrotated, with a separate theta for full and sliding-window layers. Frequencies are
+    ``theta ** (-2i / rotary_dim)`` for ``i < ceil(rotary_dim / 2)``, so an odd ``rotary_dim`` rotates
+    ``rotary_dim + 1`` dims, exactly like the transformers reference.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim]; cos/sin [T, rotary_dim] -> rotated x, same shape."""
+        rd = cos.shape[-1]
+        rot, rest = x[..., :rd], x[..., rd:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        half = rd // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * c + rotated * s, rest), dim=-1)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route_sigmoid_topk(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 style router (DeepSeek-V3 report, sec. 2.1.2 "auxiliary-loss-free balancing").
+
+    Scores are sigmoid(x W^T) in fp32. ``correction_bias`` is added for *selection only*: groups are
+    ranked by the sum of their two best biased scores, the best ``topk_group`` groups are kept, and the
+    ``top_k`` best biased experts among them are chosen; their weights are the unbiased scores,
+    optionally renormalized to sum to 1, times ``scaling``.
+
+    Args:
+        x: [T, hidden] activations (any float dtype; cast to fp32).
+        gate_weight: [E, hidden] fp32 router weight.
+        correction_bias: [E] fp32.
+
+    Returns:
+        (weights [T, top_k] fp32, expert ids [T, top_k] int64).
+    """
+    logits = F.linear(x.float(), gate_weight.float())
+    scores = logits.sigmoid()
+    biased = scores + correction_bias
+    n_exp = scores.shape[-1]
+    if n_group > 1:
+        grouped = biased.view(-1, n_group, n_exp // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, n_group, n_exp // n_group).reshape(-1, n_exp)
+        biased = biased.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(biased, k=top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def run_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """Apply the chosen SwiGLU experts and sum them with their router weights.
+
+    The single place where expert compute happens, so expert parallelism can replace it.
+
+    Args:
+        x: [T, hidden].
+        weights: [T, k] fp32 router weights; ids: [T, k] expert ids.
+        w_gate, w_up: [E, inter, hidden]; w_down: [E, hidden, inter].
+
+    Returns:
+        [T, hidden] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w_gate.shape[0]).tolist()
+    k = ids.shape[1]
+    token_of = order // k
+    w_flat = weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token_of[start : start + n]
+        h = x[tok]
+        h = F.silu(F.linear(h, w_gate[e])) * F.linear(h, w_up[e])
+        h = F.linear(h, w_down[e]) * w_flat[start : start + n, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+        start += n
+    return out
+
+
+class MoE(nn.Module):
+    """MiMo-V2 sparse MLP: sigmoid router with correction bias, no shared experts."""
+
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        n_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        scaling: float,
+    ) -> None:
+        super().__init__()
+        self.gate_weight = nn.Parameter(torch.zeros(n_experts, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.w_gate = nn.Parameter(torch.empty(n_experts, inter, hidden))
+        self.w_up = nn.Parameter(torch.empty(n_experts, inter, hidden))
+        self.w_down = nn.Parameter(torch.empty(n_experts, hidden, inter))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_sigmoid_topk(
+            x,
+            self.gate_weight,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.scaling,
+        )
+        return run_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down)

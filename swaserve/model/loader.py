@@ -1,0 +1,195 @@
+"""Load a MiMo-V2 Hugging Face checkpoint directory into ``MiMoV2ForCausalLM``.
+
+Accepted layouts (checkpoint key -> our parameter):
+
+* ``*.safetensors`` (one file, several, or several with ``model.safetensors.index.json``);
+* experts per expert (hub: ``mlp.experts.N.{gate,up,down}_proj.weight``) or fused
+  (transformers v5: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]),
+  stacked into ``w_gate``/``w_up`` [E, I, H] and ``w_down`` [E, H, I];
+* attention q/k/v separate or fused ``qkv_proj`` (split by head shapes);
+* sinks as ``attention_sink_bias`` (hub) or ``sinks`` (transformers module name);
+* FP8 block-quantized weights (``float8_e4m3fn`` + ``weight_scale_inv`` per
+  ``weight_block_size`` block, DeepSeek-V3 format): dequantized at load,
+  ``w = fp8.float() * scale_inv[i // bm, j // bn]``, since CPU torch has no FP8 matmul;
+* ``model.mtp.*``: kept aside in ``model.mtp_state`` for multi-token prediction.
+
+Anything missing or left over raises ``LoadError`` naming the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from swaserve.config import ModelConfig
+from swaserve.model.mimo_v2 import MiMoV2ForCausalLM
+
+
+class LoadError(RuntimeError):
+    """The checkpoint's tensors do not match the model its config describes."""
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise LoadError(f"{model_dir}: index names missing shard files {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor in the checkpoint's safetensors files."""
+    for f in _shard_files(Path(model_dir)):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, fh.get_tensor(name)
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [out, in] float8_e4m3fn, scale_inv [ceil(out/bm), ceil(in/bn)] -> fp32 [out, in]."""
+    bm, bn = block
+    out_dim, in_dim = w.shape
+    s = scale_inv.float().repeat_interleave(bm, 0)[:out_dim].repeat_interleave(bn, 1)[:, :in_dim]
+    return w.float() * s
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: ModelConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> MiMoV2ForCausalLM:
+    """Build the model from ``model_dir`` with weights in ``dtype`` on ``device``.
+
+    The router weight and correction bias stay fp32 (as in the checkpoint), like transformers.
+
+    Raises:
+        ConfigError: unsupported config. LoadError: missing/unexpected/mis-shaped tensors.
+    """
+    model_dir = Path(model_dir)
+    cfg = cfg or ModelConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = MiMoV2ForCausalLM(cfg)
+    raw: dict[str, torch.Tensor] = dict(iter_checkpoint(model_dir))
+    block = tuple(cfg.quantization["weight_block_size"]) if cfg.quantization else None
+
+    def take(name: str) -> torch.Tensor:
+        t = raw.pop(name)
+        if t.dtype == torch.float8_e4m3fn:
+            sname = (
+                name[: -len("weight")] + "weight_scale_inv"
+                if name.endswith("weight")
+                else name + "_scale_inv"
+            )
+            if sname not in raw or block is None:
+                raise LoadError(f"FP8 tensor {name} has no {sname} (or config has no quantization_config)")
+            t = dequantize_fp8(t, raw.pop(sname), (int(block[0]), int(block[1])))
+        return t
+
+    model.mtp_state = {k: raw.pop(k) for k in [k for k in raw if k.startswith("model.mtp.")]}
+    params: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+
+    def want(ours: str, *theirs: str) -> None:
+        for name in theirs:
+            if name in raw:
+                params[ours] = take(name)
+                return
+        missing.append(theirs[0])
+
+    want("embed_tokens.weight", "model.embed_tokens.weight")
+    want("norm.weight", "model.norm.weight")
+    if "lm_head.weight" in raw or not cfg.tie_word_embeddings:
+        want("lm_head.weight", "lm_head.weight")
+    elif "embed_tokens.weight" in params:
+        params["lm_head.weight"] = params["embed_tokens.weight"]
+    for i in range(cfg.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        want(o + "input_layernorm.weight", p + "input_layernorm.weight")
+        want(o + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
+        _load_attention(cfg, i, p + "self_attn.", o + "self_attn.", raw, take, params, missing, want)
+        if cfg.mlp_types[i] == "sparse":
+            _load_moe(cfg, p + "mlp.", o + "mlp.", raw, take, params, missing, want)
+        else:
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                want(o + f"mlp.{n}.weight", p + f"mlp.{n}.weight")
+    leftovers = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
+    if missing or leftovers:
+        raise LoadError(
+            f"{model_dir}: checkpoint does not match config: missing {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''} ({len(missing)}); unexpected {leftovers[:10]}"
+            f"{' ...' if len(leftovers) > 10 else ''} ({len(leftovers)})"
+        )
+    fp32 = {"gate_weight", "e_score_correction_bias"}
+    state = {}
+    expected = dict(model.state_dict())
+    for name, t in params.items():
+        if name not in expected:
+            raise LoadError(f"internal: no parameter {name}")
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise LoadError(
+                f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(expected[name].shape)}"
+            )
+        state[name] = t.to(torch.float32 if name.rsplit(".", 1)[-1] in fp32 else dtype)
+    absent = set(expected) - set(state)
+    if absent:
+        raise LoadError(f"internal: parameters not loaded: {sorted(absent)[:10]}")
+    model.load_state_dict(state, assign=True)
+    for kind, rope in list(model.rope.items()):  # buffers were created on meta: rebuild
+        shape = cfg.full if kind == "full_attention" else cfg.swa
+        model.rope[kind] = type(rope)(shape.rotary_dim, shape.rope_theta)
+    return model.to(device).eval()
+
+
+def _load_attention(cfg, i, p, o, raw, take, params, missing, want):  # type: ignore[no-untyped-def]
+    shape = cfg.attn(i)
+    if p + "qkv_proj.weight" in raw:
+        qkv = take(p + "qkv_proj.weight")
+        nq, nk = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        nv = shape.num_kv_heads * shape.v_head_dim
+        if qkv.shape[0] != nq + nk + nv:
+            raise LoadError(f"{p}qkv_proj.weight has {qkv.shape[0]} rows, expected {nq + nk + nv}")
+        params[o + "q_proj.weight"], params[o + "k_proj.weight"], params[o + "v_proj.weight"] = (
+            qkv[:nq],
+            qkv[nq : nq + nk],
+            qkv[nq + nk :],
+        )
+    else:
+        for n in ("q_proj", "k_proj", "v_proj"):
+            want(o + f"{n}.weight", p + f"{n}.weight")
+    want(o + "o_proj.weight", p + "o_proj.weight")
+    if shape.has_sinks:
+        want(o + "attention_sink_bias", p + "attention_sink_bias", p + "sinks")
+
+
+def _load_moe(cfg, p, o, raw, take, params, missing, want):  # type: ignore[no-untyped-def]
+    want(o + "gate_weight", p + "gate.weight")
+    want(o + "e_score_correction_bias", p + "gate.e_score_correction_bias")
+    if p + "experts.gate_up_proj" in raw:
+        gu = take(p + "experts.gate_up_proj")
+        inter = cfg.moe_intermediate_size
+        params[o + "w_gate"], params[o + "w_up"] = gu[:, :inter].contiguous(), gu[:, inter:].contiguous()
+        want(o + "w_down", p + "experts.down_proj")
+        return
+    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        names = [f"{p}experts.{e}.{theirs}.weight" for e in range(cfg.n_routed_experts)]
+        absent = [n for n in names if n not in raw]
+        if absent:
+            missing.extend(absent)
+            continue
+        params[o + ours] = torch.stack([take(n) for n in names])
