@@ -7,6 +7,7 @@ conditions -> free finished requests' pages. It does no I/O; ``AsyncLLMEngine`` 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,8 @@ from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import plan_pools
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.loader import load_model
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +75,14 @@ class LLMEngine:
         )
         if not self.kv.fits_ever(min(self.max_model_len, config.max_num_batched_tokens)):
             raise ValueError("kv cache budget too small for even one request; raise --kv-cache-memory")
+        kv_tokens = self.kv.full.pool.num_pages * config.page_size
+        if kv_tokens < self.max_model_len:  # as vLLM: one request must always be able to fit
+            log.warning(
+                "max_model_len lowered from %d to %d tokens, what the KV cache holds",
+                self.max_model_len,
+                kv_tokens,
+            )
+            self.max_model_len = kv_tokens
         self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
         self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

@@ -1,0 +1,558 @@
+"""OpenAI-compatible HTTP server around one ``AsyncLLMEngine``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as SSE streams),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Request flow::
+
+    JSON body --pydantic--> request model --tokenize, check--> (prompt ids, SamplingParams)
+        --> engine.generate() --first output--> stream (SSE) or collect (JSON)
+
+The first output is awaited before the response starts, so a ValueError the engine raises while
+admitting the request still becomes a 400 (and not an error event inside a 200 stream).
+
+Client disconnects abort the engine request, which frees its KV pages:
+
+* streaming: sse-starlette listens for ``http.disconnect`` and cancels the task that iterates our
+  event generator; the cancellation lands inside ``engine.generate``'s iterator (or, if we are
+  suspended at a ``yield``, sse-starlette closes our generator, whose ``finally`` closes the
+  engine iterator);
+* non-streaming (and the wait for the first output of a stream): the work runs in a task next to a
+  watcher that blocks on ``receive()`` until ``http.disconnect``; whichever finishes first wins
+  and the other is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from swaserve.api.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    ProtocolError,
+    TokenTexts,
+    Usage,
+    chat_logprobs,
+    check_token_ids,
+    completion_logprobs,
+    error_body,
+)
+from swaserve.config import EngineConfig
+from swaserve.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from swaserve.metrics import RequestTimer, ServerMetrics
+
+if TYPE_CHECKING:
+    from swaserve.engine.async_engine import AsyncLLMEngine
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the work it asked for was done."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first.
+
+    The request body must already have been read. Raises ClientGone on disconnect; cancelling
+    ``work`` is what aborts an engine request running inside it.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+async def _aclose(it: AsyncIterator[Any]) -> None:
+    close = getattr(it, "aclose", None)
+    if close is not None:
+        await close()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass
+class _Job:
+    """One accepted request: what it asks and what it produced so far (for the JSON answer)."""
+
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_token_ids: bool
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: RequestOutput | None = None
+
+    @property
+    def head(self) -> dict[str, Any]:
+        """The fields every response object and chunk starts with."""
+        return {"id": self.request_id, "created": self.created, "model": self.model}
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs)
+        self.last = out
+
+    def usage(self, out: RequestOutput) -> Usage:
+        return Usage.of(out.prompt_tokens or len(self.prompt_ids), out.completion_tokens, out.cached_tokens)
+
+    def ids(self, ids: list[int]) -> list[int] | None:
+        return list(ids) if self.return_token_ids else None
+
+
+def _reason(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finish_reason else None
+
+
+class _Renderer(ABC):
+    """Turns a job's outputs into one endpoint's response objects.
+
+    Args:
+        texts: Token texts for logprobs.
+        include_usage: Streams end with a usage chunk, and other chunks carry ``"usage": null``.
+    """
+
+    def __init__(self, texts: TokenTexts, include_usage: bool) -> None:
+        self.texts = texts
+        self.include_usage = include_usage
+
+    def _dump(self, chunk: BaseModel) -> dict[str, Any]:
+        return chunk.model_dump(exclude=None if self.include_usage else {"usage"})
+
+    @abstractmethod
+    def chunks(self, job: _Job, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
+        """Stream chunks for one output (possibly none)."""
+
+    @abstractmethod
+    def usage_chunk(self, job: _Job, usage: Usage) -> dict[str, Any]:
+        """The final ``stream_options.include_usage`` chunk."""
+
+    @abstractmethod
+    def response(self, job: _Job) -> dict[str, Any]:
+        """The non-streaming answer, after the last output."""
+
+
+class _CompletionRenderer(_Renderer):
+    def __init__(self, texts: TokenTexts, include_usage: bool) -> None:
+        super().__init__(texts, include_usage)
+        self.offset = 0  # text_offset of the next token's logprob
+
+    def _logprobs(self, job: _Job, items: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if job.params.logprobs is None:
+            return None
+        lp, self.offset = completion_logprobs(items, self.texts.text, self.offset)
+        return lp
+
+    def chunks(self, job: _Job, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
+        if not (first or out.finished or out.new_text or out.new_token_ids):
+            return []
+        choice = CompletionChoice(
+            text=out.new_text,
+            logprobs=self._logprobs(job, out.new_logprobs),
+            finish_reason=_reason(out),
+            prompt_token_ids=job.ids(job.prompt_ids) if first else None,
+            token_ids=job.ids(out.new_token_ids),
+        )
+        return [self._dump(CompletionResponse(**job.head, choices=[choice]))]
+
+    def usage_chunk(self, job: _Job, usage: Usage) -> dict[str, Any]:
+        return CompletionResponse(**job.head, choices=[], usage=usage).model_dump()
+
+    def response(self, job: _Job) -> dict[str, Any]:
+        assert job.last is not None
+        choice = CompletionChoice(
+            text="".join(job.text),
+            logprobs=self._logprobs(job, job.logprobs),
+            finish_reason=_reason(job.last),
+            prompt_token_ids=job.ids(job.prompt_ids),
+            token_ids=job.ids(job.token_ids),
+        )
+        return CompletionResponse(**job.head, choices=[choice], usage=job.usage(job.last)).model_dump()
+
+
+class _ChatRenderer(_Renderer):
+    def __init__(self, texts: TokenTexts, include_usage: bool, num_top: int) -> None:
+        super().__init__(texts, include_usage)
+        self.num_top = num_top
+
+    def _logprobs(self, job: _Job, items: list[TokenLogprob]) -> ChatLogprobs | None:
+        if job.params.logprobs is None:
+            return None
+        return chat_logprobs(items, self.texts.text, self.texts.raw, self.num_top)
+
+    def chunks(self, job: _Job, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
+        choices = []
+        if first:  # OpenAI opens every chat stream with the role
+            delta = ChatDelta(role="assistant", content="")
+            choices.append(ChatStreamChoice(delta=delta, prompt_token_ids=job.ids(job.prompt_ids)))
+        if out.finished or out.new_text or out.new_token_ids:
+            choices.append(
+                ChatStreamChoice(
+                    delta=ChatDelta(content=out.new_text or None),
+                    logprobs=self._logprobs(job, out.new_logprobs),
+                    finish_reason=_reason(out),
+                    token_ids=job.ids(out.new_token_ids),
+                )
+            )
+        return [self._dump(ChatCompletionChunk(**job.head, choices=[c])) for c in choices]
+
+    def usage_chunk(self, job: _Job, usage: Usage) -> dict[str, Any]:
+        return ChatCompletionChunk(**job.head, choices=[], usage=usage).model_dump()
+
+    def response(self, job: _Job) -> dict[str, Any]:
+        assert job.last is not None
+        choice = ChatChoice(
+            message=ChatResponseMessage(content="".join(job.text)),
+            logprobs=self._logprobs(job, job.logprobs),
+            finish_reason=_reason(job.last),
+            prompt_token_ids=job.ids(job.prompt_ids),
+            token_ids=job.ids(job.token_ids),
+        )
+        return ChatCompletionResponse(**job.head, choices=[choice], usage=job.usage(job.last)).model_dump()
+
+
+class OpenAIServer:
+    """Request handling shared by the endpoints: checks, engine calls, streaming, disconnects.
+
+    Args:
+        engine: A started (or to-be-started) AsyncLLMEngine.
+        metrics: Where to record latencies and finished requests.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = engine.model_name
+        self.created = int(time.time())
+        self.texts = TokenTexts(engine.tokenizer)
+
+    def models(self) -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len)
+            ]
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ProtocolError(
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
+
+    def _new_job(self, prefix: str, prompt_ids: list[int], params: SamplingParams, return_ids: bool) -> _Job:
+        return _Job(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+            prompt_ids=prompt_ids,
+            params=params,
+            return_token_ids=return_ids,
+        )
+
+    def _check_ids(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+        vocab = self.engine.model_config.vocab_size
+        check_token_ids(prompt_ids, vocab, prompt_param)
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        prompt = req.prompt_input()
+        tok = self.engine.tokenizer
+        prompt_ids = list(prompt) if isinstance(prompt, list) else list(tok.encode(prompt))
+        if not prompt_ids:
+            raise ProtocolError("prompt must not be empty (it encodes to no tokens)", param="prompt")
+        params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
+        self._check_ids(prompt_ids, params, "prompt")
+        job = self._new_job("cmpl", prompt_ids, params, req.return_token_ids)
+        return await self._run(job, _CompletionRenderer(self.texts, req.include_usage), req, raw)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        tok = self.engine.tokenizer
+        try:
+            text = tok.apply_chat_template(
+                req.template_messages(), add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # template errors (bad role order, no template) are the request's fault
+            raise ProtocolError(f"could not apply the chat template: {e}", param="messages") from e
+        prompt_ids = list(tok.encode(text, add_special_tokens=False))
+        if not prompt_ids:
+            raise ProtocolError("messages render to an empty prompt", param="messages")
+        params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
+        self._check_ids(prompt_ids, params, "messages")
+        job = self._new_job("chatcmpl", prompt_ids, params, req.return_token_ids)
+        num_top = req.top_logprobs or 0
+        return await self._run(job, _ChatRenderer(self.texts, req.include_usage, num_top), req, raw)
+
+    async def _first(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+        try:
+            return await anext(gen)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from e
+
+    async def _run(
+        self, job: _Job, renderer: _Renderer, req: CompletionRequest | ChatCompletionRequest, raw: Request
+    ) -> Response:
+        if not self.engine.running:
+            raise ProtocolError(
+                "engine is not running", type="server_error", code="engine_not_running", status=503
+            )
+        timer = self.metrics.timer()
+        gen = self.engine.generate(job.prompt_ids, job.params, job.request_id)
+        handed_over = False
+        try:
+            if req.stream:
+                first = await unless_disconnected(raw, self._first(gen))
+                stream = self._events(gen, first, job, renderer, timer, req.include_usage)
+                handed_over = True
+                return EventSourceResponse(stream, sep="\n")
+            body = await unless_disconnected(raw, self._collect(gen, job, renderer, timer))
+            return JSONResponse(body)
+        except ProtocolError:
+            timer.discard()  # refused by the engine: not a finished request
+            raise
+        except ClientGone:
+            logger.info("client went away; aborted %s", job.request_id)
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                timer.abort()
+                await _aclose(gen)
+
+    async def _collect(
+        self, gen: AsyncIterator[RequestOutput], job: _Job, renderer: _Renderer, timer: RequestTimer
+    ) -> dict[str, Any]:
+        out = await self._first(gen)
+        while True:
+            timer.observe(out)
+            job.add(out)
+            if out.finished:
+                return renderer.response(job)
+            out = await anext(gen)
+
+    async def _events(
+        self,
+        gen: AsyncIterator[RequestOutput],
+        first: RequestOutput,
+        job: _Job,
+        renderer: _Renderer,
+        timer: RequestTimer,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        out, is_first = first, True
+        try:
+            while True:
+                timer.observe(out)
+                for chunk in renderer.chunks(job, out, is_first):
+                    yield _sse(chunk)
+                is_first = False
+                if out.finished:
+                    break
+                out = await anext(gen)
+            if include_usage:
+                yield _sse(renderer.usage_chunk(job, job.usage(out)))
+            yield "[DONE]"
+        except Exception as e:  # an engine failure after the stream started: tell the client, end it
+            logger.exception("stream %s failed", job.request_id)
+            yield _sse(error_body(f"internal error: {e}", "server_error"))
+            yield "[DONE]"
+        finally:
+            timer.abort()  # no-op when the request finished
+            await _aclose(gen)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def _error(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = list(exc.errors())
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    if first.get("type") == "json_invalid":
+        return f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if not loc and isinstance(first.get("input"), bytes | str):
+        return "Request body must be a JSON object sent with Content-Type: application/json", None
+    parts = []
+    for err in errors[:3]:
+        path = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{path}: {err.get('msg')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "Invalid request: " + "; ".join(parts) + more, (loc[0] if loc else None)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProtocolError)
+    async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = str(exc.detail)
+        return _error(
+            exc.status_code, message, "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return _error(500, f"internal error: {exc}", "server_error")
+
+
+# --------------------------------------------------------------------------------------------
+# App
+
+
+def build_app(engine: AsyncLLMEngine, *, manage_engine: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    Args:
+        engine: The engine to serve (its ``model_name`` is the only accepted ``model``).
+        manage_engine: Start the engine in the app's lifespan and stop it at shutdown. Pass False
+            when the caller starts and stops the engine itself.
+
+    Returns:
+        The app; ``app.state.server`` is the ``OpenAIServer``, ``app.state.metrics`` the
+        ``ServerMetrics`` (its own Prometheus registry).
+    """
+    metrics = ServerMetrics(engine.stats, engine.model_name)
+    server = OpenAIServer(engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await engine.stop()
+
+    app = FastAPI(title="swaserve", version="0.1.0", lifespan=lifespan)
+    app.state.server = server
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await server.completions(req, raw)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await server.chat(req, raw)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.running:
+            return JSONResponse({"status": "ok"})
+        return _error(503, "engine is not running", "server_error", code="engine_not_running")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data, content_type = metrics.render()
+        return Response(content=data, headers={"Content-Type": content_type})
+
+    return app
+
+
+def serve(
+    model_dir: str | None, host: str, port: int, engine_config: EngineConfig, model_name: str | None = None
+) -> None:
+    """Load the model, then serve it with uvicorn until interrupted.
+
+    Args:
+        model_dir: Checkpoint directory; None serves the default model.
+        host: Interface to bind (e.g. "127.0.0.1", "0.0.0.0").
+        port: TCP port.
+        engine_config: Engine knobs.
+        model_name: Served model name (default: the engine's, i.e. the directory's basename).
+    """
+    import uvicorn
+
+    from swaserve.engine.async_engine import AsyncLLMEngine
+
+    if model_dir is None:
+        from swaserve.model.checkpoint import default_model_dir
+
+        model_dir = str(default_model_dir())
+    engine = AsyncLLMEngine.from_model_dir(model_dir, engine_config, model_name=model_name)
+    app = build_app(engine)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -1,0 +1,463 @@
+"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
+
+One :meth:`Sampler.sample` call turns the last-position logits of every request scheduled in an
+engine step into one token per request. Semantics follow the OpenAI / vLLM conventions:
+
+1. Repetition penalty (CTRL, Keskar et al. 2019): for every token id seen in prompt + output, a
+   positive logit is divided by the penalty and a negative one multiplied by it.
+2. Frequency / presence penalties over output tokens only:
+   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+3. ``temperature == 0``: greedy ``argmax`` of the penalized logits (bit-identical to
+   ``torch.argmax``), otherwise the logits are divided by the temperature.
+4. top-k, then top-p (smallest set of most likely tokens whose mass reaches ``top_p``; the top
+   token is always kept), then min-p (drop tokens with ``p < min_p * p_max``).
+   Tokens whose probability is below 1e-38 of the top token's (not representable in float32)
+   are treated as zero.
+5. One draw from the resulting categorical distribution (inverse CDF with one uniform number per
+   request, taken from the request's own generator when it has a seed, else from the global RNG;
+   a seeded request therefore gets the same tokens whatever else is in the batch).
+
+Logprobs, when asked for, are ``log_softmax`` of the raw model logits (before penalties and
+temperature), like vLLM's default ``raw_logprobs`` mode.
+
+All work is batched over the rows that need it; the only per-row Python work is drawing one
+uniform number for each seeded request and building penalty index tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from swaserve.engine.types import SamplingParams, TokenLogprob
+
+# Candidates examined first by the top-p search before it looks at more of the row.
+_TOP_P_CANDIDATES = 1024
+# Tokens this far (in logits) below a row's maximum have relative probability < 1.7e-38, which is
+# below float32's normal range; treating them as zero keeps exp() off its slow path.
+_LOG_TINY = 87.0
+# Smaller positive temperatures are raised to this, so that scaled logits stay finite.
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token chosen for one request in one step.
+
+    Attributes:
+        token_id: The sampled (or greedy) token id.
+        logprob: Raw-logit logprob of ``token_id`` and its top alternatives, or None when the
+            request did not ask for logprobs.
+    """
+
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass
+class SamplingState:
+    """Per-request sampling inputs that persist across engine steps.
+
+    The engine appends each accepted token to ``output_token_ids`` after :meth:`Sampler.sample`
+    returns; the list must only grow by appending (a shorter list is detected and re-read, but an
+    in-place edit of an existing element is not).
+
+    Attributes:
+        params: The request's sampling settings.
+        prompt_token_ids: Prompt tokens (used by the repetition penalty).
+        output_token_ids: Tokens generated so far.
+        generator: Per-request RNG on the logits' device when ``params.seed`` is set, else None
+            (the global RNG is used).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    _prompt_t: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _prompt_max: int | None = field(default=None, init=False, repr=False)
+    _out_buf: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _out_len: int = field(default=0, init=False, repr=False)
+
+    @classmethod
+    def create(
+        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str
+    ) -> SamplingState:
+        """Build the state of a new request.
+
+        Args:
+            params: Sampling settings (already validated).
+            prompt_token_ids: The prompt; kept by reference.
+            device: Device the logits will live on; a seeded generator is created there.
+        """
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(params, prompt_token_ids, [], generator)
+
+    @property
+    def needs_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
+        """Prompt ids as an int64 tensor on ``device`` (built once, then cached)."""
+        if self._prompt_t is None or self._prompt_t.device != device:
+            self._prompt_t = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
+        return self._prompt_t
+
+    def max_prompt_id(self) -> int:
+        """Largest prompt token id (-1 for an empty prompt); computed once."""
+        if self._prompt_max is None:
+            self._prompt_max = max(self.prompt_token_ids, default=-1)
+        return self._prompt_max
+
+    def output_tensor(self, device: torch.device) -> torch.Tensor:
+        """Output ids as an int64 tensor on ``device``; only newly appended ids are copied."""
+        n = len(self.output_token_ids)
+        buf = self._out_buf
+        if buf is None or buf.device != device or n < self._out_len:
+            buf, self._out_len = None, 0
+        if buf is None or n > buf.numel():
+            new_buf = torch.empty(max(16, 2 * n), dtype=torch.long, device=device)
+            if buf is not None:
+                new_buf[: self._out_len] = buf[: self._out_len]
+            buf = new_buf
+        if n > self._out_len:
+            new = self.output_token_ids[self._out_len : n]
+            buf[self._out_len : n] = torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)
+            self._out_len = n
+        self._out_buf = buf
+        return buf[:n]
+
+
+class Sampler:
+    """Stateless batched sampler (see the module docstring for the exact semantics)."""
+
+    def __init__(self, top_p_candidates: int = _TOP_P_CANDIDATES) -> None:
+        """Args:
+        top_p_candidates: How many of a row's most likely tokens the top-p search looks at
+            first; rows whose nucleus is larger retry with 16x more, then with a full sort
+            (same result, slower).
+        """
+        self.top_p_candidates = top_p_candidates
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
+        """Pick one token per request.
+
+        Args:
+            logits: [B, V] last-position logits, one row per entry of ``states`` (any float dtype,
+                any device; not modified).
+            states: The B requests, in row order. Seeded generators must live on logits' device.
+
+        Returns:
+            B sampled tokens, in row order.
+
+        Raises:
+            ValueError: If the number of rows and states differ, or a request with a repetition
+                penalty has a prompt token id outside the vocabulary.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(states)} states")
+        if not states:
+            return []
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if all(s.params.greedy for s in states) and not any(s.needs_penalties for s in states):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._pick(logits, states)
+        ids = token_ids.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(states)
+        lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if lp_rows:
+            _fill_logprobs(
+                logits, token_ids, lp_rows, [states[i].params.logprobs or 0 for i in lp_rows], logprobs
+            )
+        return [SampledToken(t, lp) for t, lp in zip(ids, logprobs, strict=True)]
+
+    def _pick(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Penalize, then greedy-pick or sample every row; returns [B] int64 token ids."""
+        device = logits.device
+        x = logits
+        if any(s.needs_penalties for s in states):
+            vocab = logits.shape[1]
+            for s in states:
+                if s.params.repetition_penalty != 1.0 and s.max_prompt_id() >= vocab:
+                    raise ValueError(f"prompt token id {s.max_prompt_id()} is outside the vocab ({vocab})")
+            x = logits.clone(memory_format=torch.contiguous_format)
+            apply_penalties(x, states)
+
+        greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
+        if len(greedy_rows) == len(states):
+            return x.argmax(dim=-1)
+        sample_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        out = torch.empty(len(states), dtype=torch.long, device=device)
+        if greedy_rows:
+            g_idx = _index(greedy_rows, device)
+            out.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
+        s_idx = _index(sample_rows, device)
+        s_states = [states[i] for i in sample_rows]
+        temps = _column([max(s.params.temperature, _MIN_TEMPERATURE) for s in s_states], device)
+        scaled = (x.index_select(0, s_idx) if greedy_rows else x) / temps
+        out.index_copy_(0, s_idx, _draw(scaled, self._thresholds(scaled, s_states), s_states))
+        return out
+
+    def _thresholds(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Per-row cut-off value: tokens with ``x < threshold`` get probability zero.
+
+        top-k, top-p and min-p each keep the tokens at or above some value of the row, so their
+        intersection keeps the tokens at or above the largest of those values. Tokens more than
+        ``_LOG_TINY`` below the row maximum (relative probability < 1e-38, which float32 cannot
+        represent anyway) are dropped too, which keeps ``exp`` on its fast path.
+
+        Args:
+            x: [S, V] temperature-scaled logits.
+            states: The S requests.
+
+        Returns:
+            [S, 1] float32 thresholds.
+        """
+        device, vocab = x.device, x.shape[1]
+        row_max = x.amax(dim=-1, keepdim=True)
+        thresh = row_max - _LOG_TINY
+        ks = [s.params.top_k if s.params.top_k is not None and s.params.top_k < vocab else 0 for s in states]
+        top_vals: torch.Tensor | None = None
+        if any(ks):
+            top_vals = x.topk(max(ks), dim=-1).values  # [S, k_max], descending
+            # Columns past a row's own k are outside its top-k: make them -inf.
+            k_col = _column([k if k else vocab for k in ks], device)
+            top_vals.masked_fill_(torch.arange(top_vals.shape[1], device=device) >= k_col, -math.inf)
+            kth = top_vals.gather(1, _column([max(k, 1) - 1 for k in ks], device, torch.long))
+            thresh = torch.where(
+                _column([bool(k) for k in ks], device, torch.bool), kth.maximum(thresh), thresh
+            )
+        p_rows = [i for i, s in enumerate(states) if s.params.top_p < 1.0]
+        if p_rows:
+            thresh = self._top_p_thresholds(x, states, p_rows, ks, top_vals, thresh)
+        min_ps = [s.params.min_p for s in states]
+        if any(m > 0.0 for m in min_ps):
+            # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf leaves a row alone.
+            thresh = thresh.maximum(row_max + _column(min_ps, device).log())
+        return thresh
+
+    def _top_p_thresholds(
+        self,
+        x: torch.Tensor,
+        states: Sequence[SamplingState],
+        p_rows: list[int],
+        ks: list[int],
+        top_vals: torch.Tensor | None,
+        thresh: torch.Tensor,
+    ) -> torch.Tensor:
+        """Raise ``thresh`` of the top-p rows to the value of the last token of their nucleus.
+
+        A row with top-k finds its nucleus among its top-k values (renormalized over them).
+        Other rows look among their n most likely tokens, growing n (up to a full sort) only for
+        rows whose candidates hold less than top_p of the mass; the kept set is the same
+        whichever n finds it.
+        """
+        device, vocab = x.device, x.shape[1]
+        cut = torch.full_like(thresh, -math.inf)
+        with_k = [i for i in p_rows if ks[i]]
+        if with_k:
+            assert top_vals is not None
+            idx = _index(with_k, device)
+            k_cut, _ = _nucleus_cut(top_vals.index_select(0, idx), None, _top_p(states, with_k, device))
+            cut.index_copy_(0, idx, k_cut)
+        pending_rows = [i for i in p_rows if not ks[i]]
+        if pending_rows:
+            pending = _index(pending_rows, device)
+            top_p = _top_p(states, pending_rows, device)
+            full = x.index_select(0, pending)
+            lse = _logsumexp(full)
+            n = min(vocab, self.top_p_candidates)
+            while True:
+                if n >= vocab:
+                    cand = full.sort(dim=-1, descending=True).values
+                else:
+                    cand = full.topk(n, dim=-1).values
+                row_cut, covered = _nucleus_cut(cand, lse, top_p)
+                if n >= vocab or bool(covered.all()):
+                    cut.index_copy_(0, pending, row_cut)
+                    break
+                cut.index_copy_(0, pending[covered], row_cut[covered])
+                rest = (~covered).nonzero().flatten()
+                pending, full, lse, top_p = (t.index_select(0, rest) for t in (pending, full, lse, top_p))
+                n = min(vocab, n * 16)
+        return thresh.maximum(cut)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _column(
+    values: Sequence[float] | Sequence[int] | Sequence[bool],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[N, 1] tensor of per-row values on ``device``."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
+
+
+def _top_p(states: Sequence[SamplingState], rows: list[int], device: torch.device) -> torch.Tensor:
+    return _column([states[i].params.top_p for i in rows], device)
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[R, 1] log-sum-exp of the rows of ``x`` (clamping tiny terms keeps exp on its fast path)."""
+    row_max = x.amax(dim=-1, keepdim=True)
+    return row_max + (x - row_max).clamp_(min=-_LOG_TINY).exp_().sum(dim=-1, keepdim=True).log_()
+
+
+def _nucleus_cut(
+    cand: torch.Tensor, lse: torch.Tensor | None, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Value of the last token of each row's nucleus among sorted candidates.
+
+    Args:
+        cand: [R, N] descending values (-inf for excluded tokens).
+        lse: [R, 1] log-normalizer of the row's whole distribution, or None to normalize over
+            ``cand``.
+        top_p: [R, 1] nucleus masses.
+
+    Returns:
+        ([R, 1] cut values, [R] bool covered): a row keeps the tokens whose preceding mass is
+        below top_p (at least one); ``covered`` says whether the candidates hold top_p of the
+        mass, i.e. whether the nucleus is complete within them.
+    """
+    if lse is None:
+        lse = _logsumexp(cand)
+    probs = (cand - lse).exp_()
+    cum = probs.cumsum(dim=-1)
+    before = cum - probs  # mass strictly ahead of each token; non-decreasing along a row
+    count = (before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
+    return cand.gather(1, count - 1), cum[:, -1] >= top_p.squeeze(1)
+
+
+def _draw(x: torch.Tensor, thresh: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Draw one token per row among the tokens with ``x >= thresh``, with probability ∝ exp(x).
+
+    Uses the inverse CDF in vocabulary order with exactly one uniform number per row, taken from
+    the row's own generator when seeded, so a seeded request's tokens do not depend on which other
+    requests share the batch. Tokens below the threshold are never chosen.
+
+    Args:
+        x: [S, V] temperature-scaled logits; overwritten.
+        thresh: [S, 1] per-row cut-off values (at most the row maximum).
+        states: The S requests.
+
+    Returns:
+        [S] int64 token ids.
+    """
+    keep = x >= thresh
+    weights = x.sub_(x.amax(dim=-1, keepdim=True)).clamp_(min=-_LOG_TINY).exp_().mul_(keep)
+    cum = weights.cumsum_(dim=-1)
+    total = cum[:, -1:]
+    u = torch.empty(len(states), 1, dtype=torch.float32, device=x.device)
+    if any(s.generator is None for s in states):
+        u.uniform_()
+    for i, s in enumerate(states):
+        if s.generator is not None:
+            u[i].uniform_(generator=s.generator)
+    # Keep the target strictly below the total so the search lands on a token with weight > 0.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
+
+
+def _fill_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    rows: list[int],
+    top_ns: list[int],
+    out: list[TokenLogprob | None],
+) -> None:
+    """Store raw-logit logprobs (chosen token and top-N) of ``rows`` into ``out``."""
+    if len(rows) == logits.shape[0]:
+        raw, chosen_ids = logits, token_ids
+    else:
+        idx = _index(rows, logits.device)
+        raw, chosen_ids = logits.index_select(0, idx), token_ids.index_select(0, idx)
+    lse = _logsumexp(raw)
+    chosen = (raw.gather(1, chosen_ids.unsqueeze(1)) - lse).squeeze(1).tolist()
+    n_max = min(max(top_ns), raw.shape[1])
+    top_vals: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if n_max > 0:
+        vals, ids = raw.topk(n_max, dim=-1)
+        top_vals, top_ids = (vals - lse).tolist(), ids.tolist()
+    for j, (row, token) in enumerate(zip(rows, chosen_ids.tolist(), strict=True)):
+        n = top_ns[j]
+        out[row] = TokenLogprob(token, chosen[j], tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
+
+
+def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """Apply repetition, then frequency and presence penalties to logits in place.
+
+    Only the entries of seen token ids are read and written (flat gather / scatter), so the cost
+    is proportional to the number of prompt + output tokens, not to B * V.
+
+    Args:
+        x: [B, V] contiguous float32 logits, one row per state; modified in place.
+        states: The B requests; every prompt and output token id must be < V.
+    """
+    device, vocab = x.device, x.shape[1]
+    flat = x.view(-1)
+    rep_rows = [
+        i
+        for i, s in enumerate(states)
+        if s.params.repetition_penalty != 1.0 and (s.prompt_token_ids or s.output_token_ids)
+    ]
+    if rep_rows:
+        seen = [
+            torch.cat([states[i].prompt_tensor(device), states[i].output_tensor(device)]) for i in rep_rows
+        ]
+        ids, _ = _padded_ids(seen, vocab)
+        pos = _index(rep_rows, device).unsqueeze(1) * vocab + ids
+        r = torch.tensor([states[i].params.repetition_penalty for i in rep_rows], dtype=torch.float32)
+        r = r.to(device).unsqueeze(1)
+        v = flat[pos]
+        # Repeated ids (and the padding, which repeats a row's first id) write identical values.
+        flat[pos] = torch.where(v > 0, v / r, v * r)
+    freq_rows = [
+        i
+        for i, s in enumerate(states)
+        if (s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0) and s.output_token_ids
+    ]
+    if freq_rows:
+        ids, counts = _padded_ids([states[i].output_tensor(device) for i in freq_rows], vocab)
+        f = torch.tensor([states[i].params.frequency_penalty for i in freq_rows], dtype=torch.float32)
+        p = torch.tensor([states[i].params.presence_penalty for i in freq_rows], dtype=torch.float32)
+        penalty = f.to(device).unsqueeze(1) * counts + p.to(device).unsqueeze(1) * (counts > 0).float()
+        pos = _index(freq_rows, device).unsqueeze(1) * vocab + ids
+        flat[pos] = flat[pos] - penalty
+
+
+def _padded_ids(ids: list[torch.Tensor], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad non-empty id rows to one [R, L] tensor and count each id's occurrences in its row.
+
+    Args:
+        ids: R non-empty int64 tensors of token ids < vocab.
+        vocab: Vocabulary size (used as the sort-last padding value while counting).
+
+    Returns:
+        (padded ids, counts): [R, L] ids where padding repeats the row's first id, and [R, L]
+        float32 occurrence counts of the id at each position within its row (padding gets the
+        first id's count, so scattering per-position values stays consistent).
+    """
+    padded = pad_sequence(ids, batch_first=True, padding_value=vocab)
+    ordered = padded.sort(dim=-1).values
+    counts = (
+        torch.searchsorted(ordered, padded, right=True) - torch.searchsorted(ordered, padded, right=False)
+    ).float()
+    is_pad = padded == vocab
+    padded = torch.where(is_pad, padded[:, :1], padded)
+    counts = torch.where(is_pad, counts[:, :1], counts)
+    return padded, counts

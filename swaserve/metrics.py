@@ -1,0 +1,293 @@
+"""Prometheus metrics for one serving process, in the ``swaserve:`` namespace.
+
+Two sources feed the exposition:
+
+* Engine state (running / waiting requests, KV pool pages, token totals) is read from
+  ``EngineStats`` when Prometheus scrapes, through ``EngineStatsCollector``; nothing has to keep
+  those gauges up to date between scrapes.
+* Request latencies are observed by the HTTP layer from each request's ``RequestOutput`` stream
+  through a ``RequestTimer`` (one per request).
+
+Every ``ServerMetrics`` owns its own ``CollectorRegistry``, so several apps can live in one process
+(tests, benches) without name clashes in the global registry.
+
+Names, units and bucket boundaries follow vLLM's, so dashboards and autoscalers written for vLLM
+work after swapping the ``vllm:`` prefix for ``swaserve:``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from swaserve.engine.stats import EngineStats
+from swaserve.engine.types import FinishReason, RequestOutput
+
+PREFIX = "swaserve:"
+
+# Bucket boundaries in seconds (the same sets vLLM exports, so SLO targets sit on boundaries).
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class EngineStatsCollector(Collector):
+    """Turns one ``EngineStats`` snapshot per scrape into gauges and counters.
+
+    Args:
+        stats: Returns the engine's current snapshot (``AsyncLLMEngine.stats``).
+        model_name: Value of the ``model_name`` label.
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def describe(self) -> list[Metric]:
+        # An empty description keeps the registry from calling collect() at registration time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        m = [self._model]
+        running = GaugeMetricFamily(
+            PREFIX + "num_requests_running", "Requests in model execution batches.", labels=["model_name"]
+        )
+        running.add_metric(m, s.num_running)
+        waiting = GaugeMetricFamily(
+            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", labels=["model_name"]
+        )
+        waiting.add_metric(m, s.num_waiting)
+        yield running
+        yield waiting
+
+        pool_labels = ["model_name", "pool"]
+        usage = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction of the KV pool's pages in use (0..1).",
+            labels=pool_labels,
+        )
+        used = GaugeMetricFamily(
+            PREFIX + "kv_cache_used_pages", "KV pages held by requests now.", labels=pool_labels
+        )
+        total = GaugeMetricFamily(
+            PREFIX + "kv_cache_total_pages", "KV pages in the pool.", labels=pool_labels
+        )
+        peak = GaugeMetricFamily(
+            PREFIX + "kv_cache_peak_used_pages", "Most KV pages held at once since start.", labels=pool_labels
+        )
+        used_bytes = GaugeMetricFamily(
+            PREFIX + "kv_cache_used_bytes", "Bytes of KV pages held by requests now.", labels=pool_labels
+        )
+        for pool, p in sorted(s.pools.items()):
+            labels = [self._model, pool]
+            usage.add_metric(labels, p.usage)
+            used.add_metric(labels, p.used_pages)
+            total.add_metric(labels, p.total_pages)
+            peak.add_metric(labels, p.peak_used_pages)
+            used_bytes.add_metric(labels, p.used_bytes)
+        yield from (usage, used, total, peak, used_bytes)
+
+        prompt = CounterMetricFamily(
+            PREFIX + "prompt_tokens", "Prefill tokens processed.", labels=["model_name"]
+        )
+        prompt.add_metric(m, s.prompt_tokens_total)
+        generation = CounterMetricFamily(
+            PREFIX + "generation_tokens", "Generation tokens processed.", labels=["model_name"]
+        )
+        generation.add_metric(m, s.generation_tokens_total)
+        yield prompt
+        yield generation
+
+
+class ServerMetrics:
+    """The metrics of one serving process, with its own registry.
+
+    Args:
+        stats: Returns the engine's current ``EngineStats`` (read at scrape time).
+        model_name: Value of the ``model_name`` label on every series.
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the last output.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time from arrival to the first scheduled step.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.registry.register(EngineStatsCollector(stats, model_name))
+
+    def count_finished(self, reason: FinishReason | str) -> None:
+        """Count one finished request under ``finished_reason`` (stop, length, abort)."""
+        value = reason.value if isinstance(reason, FinishReason) else reason
+        self._success.labels(self.model_name, value).inc()
+
+    def timer(self) -> RequestTimer:
+        """A timer for one new request, starting now."""
+        return RequestTimer(self)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """Observes one request's latencies from its ``RequestOutput`` stream.
+
+    Engine timestamps (``arrival_time``, ``first_scheduled_time``, ``first_token_time``) are on the
+    ``time.monotonic`` clock; outputs arriving here are timed with the same clock. Where the engine
+    leaves ``arrival_time`` at 0, the time this timer was made stands in for it.
+
+    Args:
+        metrics: Where to record.
+        clock: Monotonic clock in seconds (injectable for tests).
+    """
+
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self._m = metrics
+        self._clock = clock
+        self._created = clock()
+        self._arrival: float | None = None
+        self._last_token: float | None = None
+        self._queued_seen = False
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record what one output tells: queue time, TTFT, inter-token gaps, end-to-end latency."""
+        if self.done:
+            return
+        now = self._clock()
+        if self._arrival is None:
+            self._arrival = out.arrival_time or self._created
+        if not self._queued_seen and out.first_scheduled_time is not None:
+            self._queued_seen = True
+            self._m.queue.observe(max(0.0, out.first_scheduled_time - self._arrival))
+        n = len(out.new_token_ids)
+        if n:
+            if self._last_token is None:
+                first = out.first_token_time if out.first_token_time is not None else now
+                self._m.ttft.observe(max(0.0, first - self._arrival))
+                self._last_token = first
+                n -= 1  # the first token has no predecessor
+            if n:
+                gap = max(0.0, now - self._last_token) / n
+                for _ in range(n):
+                    self._m.itl.observe(gap)
+                self._last_token = now
+        if out.finished:
+            self._finish(out.finish_reason or FinishReason.STOP, now)
+
+    def abort(self) -> None:
+        """Record a request that ended without a final output (client gone, server error)."""
+        if not self.done:
+            self._finish(FinishReason.ABORT, self._clock())
+
+    def discard(self) -> None:
+        """Record nothing more for this request (it was refused, not served)."""
+        self.done = True
+
+    def _finish(self, reason: FinishReason, now: float) -> None:
+        self.done = True
+        arrival = self._arrival if self._arrival is not None else self._created
+        self._m.e2e.observe(max(0.0, now - arrival))
+        self._m.count_finished(reason)
