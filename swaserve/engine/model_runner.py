@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.engine.scheduler import ScheduledChunk
@@ -65,14 +66,14 @@ class ModelRunner:
         for c in chunks:
             rid = c.req.request_id
             end = c.start + c.n
-            writes.append(mgr.slots(rid, torch.arange(c.start, end, dtype=torch.int64)))
+            writes.append(mgr.slots(rid, c.start, end))
             lo = 0 if window is None else max(0, c.start - window)
-            kv_pos = torch.arange(lo, end, dtype=torch.int64)
-            slots = mgr.slots(rid, kv_pos)
+            slots = mgr.slots(rid, lo, end)
             if c.n == 1:
                 dec_rows.append(row)
                 dec_slots.append(slots)
             else:
+                kv_pos = torch.arange(lo, end, dtype=torch.int64)
                 q_pos = torch.arange(c.start, end, dtype=torch.int64)
                 mask = kv_pos[None, :] <= q_pos[:, None]
                 if window is not None:
@@ -81,12 +82,9 @@ class ModelRunner:
             row += c.n
         meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills)
         if dec_rows:
-            width = max(len(s) for s in dec_slots)
-            slots_pad = torch.zeros(len(dec_rows), width, dtype=torch.int64)
-            valid = torch.zeros(len(dec_rows), width, dtype=torch.bool)
-            for i, s in enumerate(dec_slots):
-                slots_pad[i, : len(s)] = s
-                valid[i, : len(s)] = True
+            lengths = torch.tensor([len(s) for s in dec_slots])
+            slots_pad = pad_sequence(dec_slots, batch_first=True)
+            valid = torch.arange(slots_pad.shape[1])[None, :] < lengths[:, None]
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
             meta.decode_slots = slots_pad.to(dev)
             meta.decode_mask = valid.to(dev)

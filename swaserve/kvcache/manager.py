@@ -38,6 +38,7 @@ class PageTable:
     pages: list[int] = field(default_factory=list)
     guarantee: int = 0  # pages this request is promised it can hold at once
     reserved: int = 0  # part of the guarantee not allocated yet (held in the pool's reservation)
+    slot_cache: torch.Tensor | None = None  # slots of every held position, rebuilt when pages change
 
     @property
     def end_page(self) -> int:
@@ -102,6 +103,7 @@ class KindManager:
             dropped, t.pages = t.pages[:k], t.pages[k:]
             t.base = t.base + k if t.pages else first
             self.pool.free(dropped)
+            t.slot_cache = None
             self._rebalance(t)
         new = cdiv(end, self.page_size) - t.end_page
         if new <= 0:
@@ -112,6 +114,7 @@ class KindManager:
             return False
         t.reserved -= from_res
         t.pages.extend(pages)
+        t.slot_cache = None
         return True
 
     def _rebalance(self, t: PageTable) -> None:
@@ -129,14 +132,16 @@ class KindManager:
         self.pool.free(t.pages)
         self.pool.unreserve(t.reserved)
 
-    def slots(self, rid: str, positions: torch.Tensor) -> torch.Tensor:
-        """positions [N] int64 (all within held pages) -> pool slots [N] int64."""
+    def slots(self, rid: str, lo: int, end: int) -> torch.Tensor:
+        """Pool slots [end - lo] int64 of positions ``lo .. end-1`` (all within held pages)."""
         t = self.tables[rid]
-        pages = torch.tensor(t.pages, dtype=torch.int64)
-        logical = torch.div(positions, self.page_size, rounding_mode="floor") - t.base
-        if len(positions) and (int(logical.min()) < 0 or int(logical.max()) >= len(t.pages)):
-            raise RuntimeError(f"request {rid}: positions outside held pages (internal error)")
-        return pages[logical] * self.page_size + positions % self.page_size
+        first = t.base * self.page_size
+        if lo < first or end > t.end_page * self.page_size or lo > end:
+            raise RuntimeError(f"request {rid}: positions [{lo}, {end}) outside held pages (internal error)")
+        if t.slot_cache is None:
+            pages = torch.tensor(t.pages, dtype=torch.int64)
+            t.slot_cache = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        return t.slot_cache[lo - first : end - first]
 
     def held(self, rid: str) -> int:
         return len(self.tables[rid].pages)

@@ -88,12 +88,13 @@ def _attend(
     Returns [B, Lq, Hq, Dv].
     """
     b, lq, hq, dk = q.shape
-    hkv = k.shape[2]
+    lk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg = q.view(b, lq, hkv, g, dk).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Lq, Dk]
-    kk = k.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Lk, Dk]
-    vv = v.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Lk, Dv]
-    scores = torch.matmul(qg, kk.transpose(-1, -2)) * scale  # [B, Hkv, g, Lq, Lk]
+    # fold the query heads of each KV group into the row axis: one matmul per (batch, kv head)
+    qg = q.view(b, lq, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, dk)
+    kk = k.permute(0, 2, 3, 1)  # [B, Hkv, Dk, Lk]
+    vv = v.permute(0, 2, 1, 3)  # [B, Hkv, Lk, Dv]
+    scores = torch.matmul(qg, kk).view(b, hkv, g, lq, lk) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
     if sinks is not None:
@@ -103,8 +104,8 @@ def _attend(
     probs = torch.softmax(scores, dim=-1)
     if sinks is not None:
         probs = probs[..., :-1]
-    out = torch.matmul(probs.to(vv.dtype), vv)  # [B, Hkv, g, Lq, Dv]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, lq, hq, -1)
+    out = torch.matmul(probs.reshape(b, hkv, g * lq, lk).to(vv.dtype), vv)  # [B, Hkv, g*Lq, Dv]
+    return out.view(b, hkv, g, lq, -1).permute(0, 3, 1, 2, 4).reshape(b, lq, hq, -1)
 
 
 class TorchPagedAttention(AttentionBackend):

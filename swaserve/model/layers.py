@@ -136,23 +136,25 @@ def run_experts(
     Returns:
         [T, hidden] in x's dtype.
     """
-    out = torch.zeros_like(x)
+    k = ids.shape[1]
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w_gate.shape[0]).tolist()
-    k = ids.shape[1]
-    token_of = order // k
-    w_flat = weights.reshape(-1)[order]
+    rows = x[order // k]  # [T*k, hidden], grouped by expert
+    w_sorted = weights.reshape(-1)[order].to(x.dtype)
+    outs = []
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        tok = token_of[start : start + n]
-        h = x[tok]
+        h = rows[start : start + n]
         h = F.silu(F.linear(h, w_gate[e])) * F.linear(h, w_up[e])
-        h = F.linear(h, w_down[e]) * w_flat[start : start + n, None]
-        out.index_add_(0, tok, h.to(out.dtype))
+        outs.append(F.linear(h, w_down[e]))
         start += n
+    expert_out = torch.cat(outs) * w_sorted[:, None]
+    per_choice = torch.empty_like(expert_out)
+    per_choice[order] = expert_out  # back to (token, choice) order
+    out = per_choice.view(-1, k, x.shape[-1]).sum(dim=1)
     return out
 
 
