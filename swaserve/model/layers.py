@@ -50,7 +50,7 @@ class PartialRope(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim]; cos/sin [T, rotary_dim] -> rotated x, same shape."""
         rd = cos.shape[-1]
         rot, rest = x[..., :rd], x[..., rd:]

@@ -11,6 +11,7 @@ elsewhere. ``model.mtp.*`` weights (multi-token prediction) are loaded and kept 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(t, self.nkv, self.dk)
         v = self.v_proj(x).view(t, self.nkv, self.dv) * self.v_scale
         cos, sin = cos_sin
-        q, k = PartialRope.apply(q, cos, sin), PartialRope.apply(k, cos, sin)
+        q, k = PartialRope.rotate(q, cos, sin), PartialRope.rotate(k, cos, sin)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.attention_sink_bias, self.scale)
         return self.o_proj(out.reshape(t, self.nh * self.dv))
 
@@ -124,11 +125,12 @@ class MiMoV2ForCausalLM(nn.Module):
         """Returns final-norm hidden states [T, hidden] for every scheduled token."""
         h = self.embed_tokens(batch.input_ids)
         cos_sin = {
-            kind: rope.cos_sin(batch.positions, h.dtype)  # type: ignore[operator]
+            kind: cast(PartialRope, rope).cos_sin(batch.positions, h.dtype)
             for kind, rope in self.rope.items()
             if kind in batch.meta
         }
-        for i, layer in enumerate(self.layers):
+        for i, mod in enumerate(self.layers):
+            layer = cast(DecoderLayer, mod)
             kind = self.cfg.layer_types[i]
             kc, vc = batch.kv[kind]
             j = self.kind_index[i]

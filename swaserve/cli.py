@@ -1,0 +1,242 @@
+"""The ``swaserve`` command line: serve, make-checkpoint, replay, bench.
+
+Heavy modules (torch, the engine, the HTTP server) are imported inside the commands, so
+``swaserve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+app = typer.Typer(
+    name="swaserve",
+    help="Serving stack for MiMo-V2 hybrid sliding-window-attention + MoE models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks (results as JSON).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024, "ki": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mi": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gi": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "ti": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size: ``1073741824``, ``256MiB``, ``1.5GiB``, ``1GB``, ``512M``.
+
+    ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` (also ``Ki/Mi/...``) are powers of 1024;
+    ``KB/MB/GB/TB`` are powers of 1000. Case-insensitive.
+
+    Raises:
+        ValueError: Not a size, or not positive.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"bad size {text!r} (examples: 268435456, 256MiB, 1GiB, 1GB)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _size_option(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+
+def _model_dir(model: Path | None) -> Path:
+    if model is not None:
+        return model
+    from swaserve.model.checkpoint import default_model_dir
+
+    return Path(default_model_dir())
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint directory (default: the bundled default model).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name in the API (default: dir name).")
+    ] = None,
+    page_size: Annotated[int, typer.Option(min=1, help="Tokens per KV page.")] = 16,
+    kv_cache_memory: Annotated[
+        int, typer.Option(parser=_size_option, metavar="BYTES", help="KV cache bytes, e.g. 256MiB, 1GB.")
+    ] = "256MiB",  # type: ignore[assignment]
+    kv_layout: Annotated[
+        Literal["hybrid", "full"],
+        typer.Option(help="hybrid: SWA layers keep only their window; full: baseline."),
+    ] = "hybrid",
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 32,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per engine step.")] = 512,
+    max_model_len: Annotated[
+        int | None, typer.Option(min=1, help="Longest prompt+output (default: model's).")
+    ] = None,
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"], typer.Option(help="Activation and KV dtype.")
+    ] = "float32",
+    device: Annotated[
+        str | None, typer.Option(help="cpu, cuda, cuda:1... (default: CUDA if present).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Engine sampling seed.")] = 0,
+) -> None:
+    """Serve a checkpoint over the OpenAI-compatible HTTP API."""
+    from swaserve.api.server import serve as run_server
+    from swaserve.config import EngineConfig
+
+    engine_config = EngineConfig(
+        page_size=page_size,
+        kv_cache_memory=kv_cache_memory,
+        kv_layout=kv_layout,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+    run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
+
+
+@app.command("make-checkpoint")
+def make_checkpoint(
+    out: Annotated[Path, typer.Option(help="Directory to write the checkpoint to.")],
+    preset: Annotated[Literal["tiny", "default"], typer.Option(help="Model size preset.")] = "default",
+    seed: Annotated[int, typer.Option(help="Weight initialization seed.")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out directory.")] = False,
+) -> None:
+    """Write a randomly initialized MiMo-V2 checkpoint (config, tokenizer, safetensors)."""
+    from swaserve.model.checkpoint import make_checkpoint as write_checkpoint
+
+    try:
+        write_checkpoint(preset, out, seed, overwrite=overwrite)
+    except FileExistsError as e:
+        raise typer.BadParameter(f"{e} (pass --overwrite to replace it)", param_hint="--out") from e
+    typer.echo(f"wrote {preset} checkpoint to {out}")
+
+
+@app.command()
+def replay(
+    url: Annotated[str, typer.Option(help="Server base URL.")] = "http://127.0.0.1:8000",
+    trace: Annotated[
+        Path | None, typer.Option(help="Mooncake .jsonl trace (default: the bundled one).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Replay the first N requests only.")] = None,
+    time_scale: Annotated[float, typer.Option(help="Divide arrival times by S (> 0).")] = 1.0,
+    block_tokens: Annotated[int, typer.Option(min=1, help="Tokens per 512-token trace block.")] = 16,
+    max_output_tokens: Annotated[
+        int | None, typer.Option(min=1, help="Cap on each request's max_tokens.")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here as JSON.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model name to request (default: first of /v1/models).")
+    ] = None,
+    model_dir: Annotated[Path | None, typer.Option(help="Read vocab size and special ids from here.")] = None,
+    vocab_size: Annotated[
+        int | None, typer.Option(min=1, help="Prompt ids < this (default: --model-dir's, else 4096).")
+    ] = None,
+    reserved_ids: Annotated[
+        str | None, typer.Option(help="Ids never used in prompts, e.g. '0-2,100' (default: 0-2).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the prompt token blocks.")] = 0,
+    request_timeout: Annotated[float, typer.Option(help="Seconds per request (> 0).")] = 600.0,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a Mooncake trace against a server and report latency, throughput and KV usage."""
+    from swaserve.replay import (
+        DEFAULT_RESERVED_IDS,
+        DEFAULT_VOCAB_SIZE,
+        ReplayError,
+        ReplayOptions,
+        format_report,
+        parse_id_ranges,
+        run_replay,
+        token_space_from_model_dir,
+    )
+    from swaserve.traces import DEFAULT_MOONCAKE_TRACE, read_mooncake
+
+    vocab, reserved = DEFAULT_VOCAB_SIZE, None
+    if model_dir is not None:
+        try:
+            vocab, found = token_space_from_model_dir(model_dir)
+        except ValueError as e:  # ConfigError
+            raise typer.BadParameter(str(e), param_hint="--model-dir") from e
+        reserved = found
+    if vocab_size is not None:
+        vocab = vocab_size
+    if reserved_ids is not None:
+        try:
+            reserved = parse_id_ranges(reserved_ids)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--reserved-ids") from e
+    if reserved is None:
+        reserved = DEFAULT_RESERVED_IDS
+    trace_path = trace or DEFAULT_MOONCAKE_TRACE
+    try:
+        requests = read_mooncake(trace_path, limit)
+    except (OSError, ValueError) as e:  # unreadable file, TraceError
+        raise typer.BadParameter(str(e), param_hint="--trace") from e
+    try:
+        opts = ReplayOptions(
+            url=url,
+            model=model,
+            time_scale=time_scale,
+            block_tokens=block_tokens,
+            max_output_tokens=max_output_tokens,
+            vocab_size=vocab,
+            reserved_ids=reserved,
+            seed=seed,
+            request_timeout_s=request_timeout,
+            progress=progress,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    try:
+        report = run_replay(requests, opts, json_path, trace_name=str(trace_path))
+    except ReplayError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(format_report(report))
+    if report["failed"]:
+        raise typer.Exit(1)
+
+
+@bench_app.command("kv-capacity")
+def bench_kv_capacity(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+) -> None:
+    """KV capacity of the hybrid vs full layout for a memory budget."""
+    from bench.kv_capacity import main
+
+    main(str(json_path) if json_path is not None else None)
+
+
+@bench_app.command("engine")
+def bench_engine(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+) -> None:
+    """Engine throughput and latency on the default model."""
+    from bench.engine_bench import main
+
+    main(str(json_path) if json_path is not None else None)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,285 @@
+"""``make run``: start a server on the default model, replay a slice of the Mooncake trace, report.
+
+Steps: make sure the checkpoint exists (the default preset is built on first use), start
+``swaserve serve`` as a child process on 127.0.0.1 and a free port, wait for ``/health``, replay the
+first ``--limit`` trace requests, print the report, then keep serving until Ctrl-C / SIGTERM.
+With ``--once`` it exits after the report: status 0 only if no request failed.
+
+The server runs in its own process group (so it does not see the terminal's Ctrl-C before we do)
+and is told to exit when this process dies (Linux ``PR_SET_PDEATHSIG``), so it is never orphaned.
+
+Usage::
+
+    python -m swaserve.run_demo [--once] [--model DIR] [--limit N] [--time-scale S]
+                                [--block-tokens B] [--max-output-tokens M] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+DEFAULT_LIMIT = 200
+DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_MAX_OUTPUT_TOKENS = 32
+DEFAULT_TIME_SCALE = 1.0
+# Measured on the 2-core CPU machine with the default preset: 200 requests (72 s of trace arrivals),
+# 16-token blocks (one trace block = one KV page) and outputs capped at 32 tokens replay in about
+# 3 minutes, including server start-up.
+_ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerError(RuntimeError):
+    """The server process exited or did not become healthy in time."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # Without prctl (not Linux) the finally-block in main() is the only guard.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerProcess:
+    """A ``swaserve serve`` child process with prefixed, filtered output.
+
+    Args:
+        args: Arguments after ``swaserve serve`` (model, port, engine flags).
+        url: The base URL it will listen on.
+        show_access_log: Pass uvicorn's per-request access lines through too (normally hidden).
+    """
+
+    def __init__(self, args: list[str], url: str, show_access_log: bool = False):
+        self.cmd = [sys.executable, "-m", "swaserve.cli", "serve", *args]
+        self.url = url
+        self.show_access_log = show_access_log
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self._reader = threading.Thread(target=self._pump, name="server-output", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            if self.show_access_log or not _ACCESS_LOG.search(line):
+                print(f"[server] {line}", file=sys.stderr, flush=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll ``GET /health`` until it answers 200.
+
+        Raises:
+            ServerError: The process exited, or ``timeout_s`` passed.
+        """
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    self._join_reader()
+                    raise ServerError(
+                        f"server exited with status {code} before it was ready:\n{self._tail()}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"server not healthy after {timeout_s:.0f} s:\n{self._tail()}")
+                time.sleep(0.25)
+
+    def _tail(self) -> str:
+        return "\n".join(f"  | {line}" for line in self.tail) or "  (no output)"
+
+    def _join_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+
+    def wait(self) -> int:
+        """Block until the server exits; its exit status."""
+        assert self.proc is not None
+        return self.proc.wait()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._join_reader()
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._join_reader()
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m swaserve.run_demo",
+        description="Serve the default model, replay a Mooncake trace slice against it, report.",
+    )
+    p.add_argument(
+        "--once", action="store_true", help="exit after the report (status 0 iff no request failed)"
+    )
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the default preset)")
+    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="trace requests to replay (%(default)s)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=DEFAULT_TIME_SCALE,
+        help="divide arrival times by this (%(default)s)",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per 512-token trace block (%(default)s)",
+    )
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=DEFAULT_MAX_OUTPUT_TOKENS,
+        help="cap on each request's output length, 0 = trace lengths (%(default)s)",
+    )
+    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `swaserve serve` (repeatable), e.g. --server-arg=--max-num-seqs=16",
+    )
+    p.add_argument("--access-log", action="store_true", help="show the server's per-request access log")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.limit < 1 or args.block_tokens < 1 or args.max_output_tokens < 0 or args.time_scale <= 0:
+        p.error("--limit and --block-tokens must be >= 1, --max-output-tokens >= 0, --time-scale > 0")
+    return args
+
+
+def _model_dir(model: Path | None) -> Path:
+    if model is not None:
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"error: {model} has no config.json")
+        return model
+    from swaserve.model.checkpoint import default_model_dir
+
+    print("preparing the default model (built once, then cached)...", file=sys.stderr, flush=True)
+    return Path(default_model_dir())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the process exit status."""
+    args = parse_args(argv)
+    from swaserve.replay import (
+        ReplayError,
+        ReplayOptions,
+        format_report,
+        run_replay,
+        token_space_from_model_dir,
+    )
+    from swaserve.traces import DEFAULT_MOONCAKE_TRACE, read_mooncake
+
+    old_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in old_handlers:  # SIGINT too: a shell may start us with it ignored (`cmd &`)
+        signal.signal(sig, _raise_interrupt)
+    model_dir = _model_dir(args.model)
+    port = args.port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(
+        ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *args.server_arg],
+        url,
+        show_access_log=args.access_log,
+    )
+    try:
+        print(f"starting: {' '.join(server.cmd)}", file=sys.stderr, flush=True)
+        server.start()
+        server.wait_ready(args.startup_timeout)
+        print(f"\nserver ready at {url}  (try: curl {url}/v1/models)\n", flush=True)
+        vocab, reserved = token_space_from_model_dir(model_dir)
+        opts = ReplayOptions(
+            url=url,
+            time_scale=args.time_scale,
+            block_tokens=args.block_tokens,
+            max_output_tokens=args.max_output_tokens or None,
+            vocab_size=vocab,
+            reserved_ids=reserved,
+            request_timeout_s=args.request_timeout,
+            progress=not args.no_progress,
+        )
+        trace = read_mooncake(DEFAULT_MOONCAKE_TRACE, args.limit)
+        report = run_replay(trace, opts, args.json, trace_name=DEFAULT_MOONCAKE_TRACE.name)
+        print(format_report(report), flush=True)
+        if args.once:
+            return 0 if report["failed"] == 0 else 1
+        print(f"\nstill serving at {url} - press Ctrl-C to stop", flush=True)
+        code = server.wait()
+        print(f"server exited with status {code}", file=sys.stderr)
+        return code or 1
+    except KeyboardInterrupt:
+        print("\nstopping the server...", file=sys.stderr, flush=True)
+        return 0 if not args.once else 130
+    except (ServerError, ReplayError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for sig in old_handlers:  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
+        server.stop()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

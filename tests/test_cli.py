@@ -1,0 +1,226 @@
+"""The ``swaserve`` CLI wiring and the ``make run`` driver (swaserve.run_demo)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from swaserve.cli import app, parse_size
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        ([], ["serve", "make-checkpoint", "replay", "bench"]),
+        (
+            ["serve"],
+            [
+                "--kv-cache-memory",
+                "--kv-layout",
+                "--max-num-seqs",
+                "--max-num-batched-tokens",
+                "--max-model-len",
+                "--served-model-name",
+                "--page-size",
+                "--dtype",
+                "--device",
+            ],
+        ),
+        (["make-checkpoint"], ["--preset", "--out", "--seed"]),
+        (
+            ["replay"],
+            [
+                "--trace",
+                "--url",
+                "--limit",
+                "--time-scale",
+                "--block-tokens",
+                "--max-output-tokens",
+                "--json",
+                "--model",
+                "--vocab-size",
+                "--reserved-ids",
+            ],
+        ),
+        (["bench"], ["kv-capacity", "engine"]),
+        (["bench", "kv-capacity"], ["--json"]),
+        (["bench", "engine"], ["--json"]),
+    ],
+)
+def test_help(args: list[str], expect: list[str]) -> None:
+    res = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.exit_code == 0, res.output
+    for word in expect:
+        assert word in res.output, word
+
+
+def test_help_is_fast_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys; from swaserve.cli import app; print(sorted(m for m in ('torch', 'httpx', "
+        "'swaserve.api.server', 'swaserve.engine.async_engine') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_parse_size() -> None:
+    assert parse_size("1073741824") == 1 << 30
+    assert parse_size("256MiB") == 256 << 20
+    assert parse_size("256mib") == 256 << 20
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("1GB") == 10**9
+    assert parse_size("64 KB") == 64_000
+    for bad in ("", "abc", "12XB", "0", "-5MiB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_serve_kv_cache_memory_option_parses_sizes() -> None:
+    serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    param = next(p for p in serve.params if p.name == "kv_cache_memory")
+    ctx = serve.make_context("serve", ["--kv-cache-memory", "1GB"])
+    assert ctx.params["kv_cache_memory"] == 10**9
+    assert serve.make_context("serve", []).params["kv_cache_memory"] == 256 << 20
+    assert param.metavar == "BYTES"
+    res = runner.invoke(app, ["serve", "--kv-cache-memory", "lots"])
+    assert res.exit_code == 2 and "bad size" in res.output
+
+
+def test_make_checkpoint_refuses_non_empty_out(tmp_path: Path) -> None:
+    (tmp_path / "x").write_text("keep me")
+    res = runner.invoke(
+        app,
+        ["make-checkpoint", "--preset", "tiny", "--out", str(tmp_path)],
+        env={"COLUMNS": "200", "NO_COLOR": "1"},
+    )
+    assert res.exit_code == 2 and "--overwrite" in res.output
+    assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_make_checkpoint_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt"
+    res = runner.invoke(app, ["make-checkpoint", "--preset", "tiny", "--out", str(out), "--seed", "3"])
+    assert res.exit_code == 0, res.output
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    from swaserve.config import ModelConfig
+
+    assert ModelConfig.from_pretrained(out).vocab_size == 512
+
+
+def test_replay_unreachable_server_exits_2() -> None:
+    res = runner.invoke(app, ["replay", "--url", "http://127.0.0.1:9", "--limit", "1", "--no-progress"])
+    assert res.exit_code == 2
+    assert "cannot list models" in res.output
+
+
+def test_replay_rejects_bad_options(tmp_path: Path) -> None:
+    for args in (
+        ["--reserved-ids", "5-1"],
+        ["--time-scale", "0"],
+        ["--trace", str(tmp_path / "none.jsonl")],
+        ["--model-dir", str(tmp_path)],
+    ):
+        res = runner.invoke(app, ["replay", *args], env={"COLUMNS": "200", "NO_COLOR": "1"})
+        assert res.exit_code == 2, args
+        assert "Invalid value" in res.output, res.output
+
+
+# ---------------------------------------------------------------------------------------------
+# run_demo end to end on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    from swaserve.model.checkpoint import tiny_model_dir
+
+    return Path(tiny_model_dir())
+
+
+def _demo(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swaserve.run_demo", "--no-progress", *args]
+
+
+def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    proc = subprocess.run(
+        _demo(
+            "--once",
+            "--model",
+            str(tiny_dir),
+            "--limit",
+            "3",
+            "--block-tokens",
+            "4",
+            "--max-output-tokens",
+            "4",
+            "--time-scale",
+            "100",
+            "--json",
+            str(report),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3 ok, 0 failed" in proc.stdout
+    assert re.search(r"server ready at http://127\.0\.0\.1:\d+", proc.stdout)
+    assert report.is_file()
+
+
+def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "not_mimo"}')
+    proc = subprocess.run(
+        _demo("--once", "--model", str(tmp_path), "--limit", "1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1
+    assert "server exited with status" in proc.stderr and "not_mimo" in proc.stderr
+
+
+def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
+    proc = subprocess.Popen(
+        _demo("--model", str(tiny_dir), "--limit", "1", "--block-tokens", "4", "--max-output-tokens", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
+    url = None
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            m = re.search(r"server ready at (http://\S+)", line)
+            url = m.group(1) if m else url
+            if "still serving" in line:
+                break
+            assert time.monotonic() < deadline
+        assert url is not None
+        assert httpx.get(f"{url}/health").status_code == 200
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
