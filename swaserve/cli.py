@@ -84,7 +84,7 @@ def serve(
         Literal["hybrid", "full"],
         typer.Option(help="hybrid: SWA layers keep only their window; full: baseline."),
     ] = "hybrid",
-    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 32,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per engine step.")] = 512,
     max_model_len: Annotated[
         int | None, typer.Option(min=1, help="Longest prompt+output (default: model's).")

@@ -286,7 +286,7 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_memory: int = 256 * 1024 * 1024
     kv_layout: KVLayout = "hybrid"
-    max_num_seqs: int = 32
+    max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     dtype: str = "float32"
