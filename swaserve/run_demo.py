@@ -42,6 +42,8 @@ DEFAULT_TIME_SCALE = 1.0
 #   300 requests, cap 128: 210 s, TTFT p50 27 s (overloaded); trace output lengths (mean 343):
 #   200 requests take 7 min. 250 requests with a 64-token cap keep the demo near 2-3 minutes.
 # 16-token blocks: one trace block fills one KV page at the default page size.
+_ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
+_PR_SET_PDEATHSIG = 1
 
 
 class ServerError(RuntimeError):
