@@ -8,15 +8,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from swaserve.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from swaserve.api.protocol import (
     MIN_LOGPROB,
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
-    TokenTexts,
-    chat_logprobs,
     check_token_ids,
-    completion_logprobs,
 )
 from swaserve.engine.stats import EngineStats, PoolStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob

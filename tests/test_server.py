@@ -19,7 +19,7 @@ import httpx
 import pytest
 import uvicorn
 
-from swaserve.api.protocol import TokenTexts
+from swaserve.api.logprobs import TokenTexts
 from swaserve.api.server import build_app
 from swaserve.config import EngineConfig
 from swaserve.engine.async_engine import AsyncLLMEngine

@@ -13,12 +13,12 @@ Extensions beyond OpenAI's schema (vLLM's spelling where one exists): ``top_k``,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from swaserve.engine.types import SamplingParams, TokenLogprob
+from swaserve.engine.types import SamplingParams
 
 MAX_STOP_STRINGS = 4
 # JSON has no -inf; vLLM and OpenAI clients accept a large negative number instead.
@@ -413,124 +413,3 @@ class ModelList(BaseModel):
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-# --------------------------------------------------------------------------------------------
-# Logprobs
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Char -> byte of byte-level BPE vocabularies (GPT-2 style), which draw each byte as one char.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 byte values are drawn, in increasing
-    order, as the code points from 256 upwards.
-    """
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in table.values()]
-    table.update({chr(256 + i): b for i, b in enumerate(others)})
-    return table
-
-
-class TokenTexts:
-    """Text and raw bytes of single tokens, for logprobs.
-
-    A token that ends or starts mid-character (byte-level BPE splits multi-byte characters) has no
-    text of its own; like OpenAI, its text is then shown as ``bytes:\\xe2\\x80``, which keeps
-    different partial tokens apart in ``top_logprobs`` maps.
-
-    Args:
-        tokenizer: A transformers tokenizer.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tok = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self._alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
-        added: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
-        self._added = set(added.values()) | set(getattr(tokenizer, "all_special_ids", ()))
-        self._bytes: dict[int, bytes] = {}
-        self._text: dict[int, str] = {}
-
-    def raw(self, token_id: int) -> bytes:
-        """The bytes the token stands for."""
-        if token_id not in self._bytes:
-            piece = None
-            if self._alphabet is not None and token_id not in self._added:
-                token = self._tok.convert_ids_to_tokens(token_id)
-                if isinstance(token, str) and all(c in self._alphabet for c in token):
-                    piece = bytes(self._alphabet[c] for c in token)
-            self._bytes[token_id] = piece if piece is not None else self._tok.decode([token_id]).encode()
-        return self._bytes[token_id]
-
-    def text(self, token_id: int) -> str:
-        """The token's text, or ``bytes:\\x..`` when its bytes are not valid UTF-8 on their own."""
-        if token_id not in self._text:
-            text = self._tok.decode([token_id])
-            if "\ufffd" in text:
-                raw = self.raw(token_id)
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            self._text[token_id] = text
-        return self._text[token_id]
-
-
-def completion_logprobs(
-    items: Sequence[TokenLogprob], text: Callable[[int], str], text_offset: int
-) -> tuple[CompletionLogprobs, int]:
-    """Legacy-completions logprobs for some output tokens.
-
-    Args:
-        items: One entry per output token, in order.
-        text: Token id -> its text (``TokenTexts.text``).
-        text_offset: Character offset of the first of these tokens in the completion text.
-
-    Returns:
-        The logprobs object (``top_logprobs`` maps token text to logprob and includes the sampled
-        token) and the offset just after the last token, to continue from in the next chunk.
-    """
-    lp = CompletionLogprobs()
-    for item in items:
-        tok = text(item.token_id)
-        lp.tokens.append(tok)
-        lp.token_logprobs.append(_finite(item.logprob))
-        top = {text(tid): _finite(v) for tid, v in item.top}
-        top.setdefault(tok, _finite(item.logprob))
-        lp.top_logprobs.append(top)
-        lp.text_offset.append(text_offset)
-        text_offset += len(tok)
-    return lp, text_offset
-
-
-def chat_logprobs(
-    items: Sequence[TokenLogprob], text: Callable[[int], str], raw: Callable[[int], bytes], num_top: int
-) -> ChatLogprobs:
-    """Chat logprobs (``content`` list) for some output tokens, ``num_top`` alternatives each.
-
-    Args:
-        items: One entry per output token, in order.
-        text: Token id -> its text (``TokenTexts.text``).
-        raw: Token id -> its bytes (``TokenTexts.raw``).
-        num_top: Alternatives to list per token (0..20).
-    """
-    content = []
-    for item in items:
-        tops = [
-            TopLogprob(token=text(tid), logprob=_finite(v), bytes=list(raw(tid)))
-            for tid, v in item.top[:num_top]
-        ]
-        content.append(
-            ChatLogprobToken(
-                token=text(item.token_id),
-                logprob=_finite(item.logprob),
-                bytes=list(raw(item.token_id)),
-                top_logprobs=tops,
-            )
-        )
-    return ChatLogprobs(content=content)

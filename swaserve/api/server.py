@@ -26,48 +26,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from swaserve.api.logprobs import TokenTexts
 from swaserve.api.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
     ProtocolError,
-    TokenTexts,
-    Usage,
-    chat_logprobs,
     check_token_ids,
-    completion_logprobs,
     error_body,
 )
+from swaserve.api.render import ChatRenderer, CompletionRenderer, Job, Renderer, sse_data
 from swaserve.config import EngineConfig
-from swaserve.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.metrics import RequestTimer, ServerMetrics
 
 if TYPE_CHECKING:
@@ -111,154 +97,6 @@ async def _aclose(it: AsyncIterator[Any]) -> None:
         await close()
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-
-
-@dataclass
-class _Job:
-    """One accepted request: what it asks and what it produced so far (for the JSON answer)."""
-
-    request_id: str
-    created: int
-    model: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    return_token_ids: bool
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    last: RequestOutput | None = None
-
-    @property
-    def head(self) -> dict[str, Any]:
-        """The fields every response object and chunk starts with."""
-        return {"id": self.request_id, "created": self.created, "model": self.model}
-
-    def add(self, out: RequestOutput) -> None:
-        self.text.append(out.new_text)
-        self.token_ids.extend(out.new_token_ids)
-        self.logprobs.extend(out.new_logprobs)
-        self.last = out
-
-    def usage(self, out: RequestOutput) -> Usage:
-        return Usage.of(out.prompt_tokens or len(self.prompt_ids), out.completion_tokens, out.cached_tokens)
-
-    def ids(self, ids: list[int]) -> list[int] | None:
-        return list(ids) if self.return_token_ids else None
-
-
-def _reason(out: RequestOutput) -> str | None:
-    return out.finish_reason.value if out.finish_reason else None
-
-
-class _Renderer(ABC):
-    """Turns a job's outputs into one endpoint's response objects.
-
-    Args:
-        texts: Token texts for logprobs.
-        include_usage: Streams end with a usage chunk, and other chunks carry ``"usage": null``.
-    """
-
-    def __init__(self, texts: TokenTexts, include_usage: bool) -> None:
-        self.texts = texts
-        self.include_usage = include_usage
-
-    def _dump(self, chunk: BaseModel) -> dict[str, Any]:
-        return chunk.model_dump(exclude=None if self.include_usage else {"usage"})
-
-    @abstractmethod
-    def chunks(self, job: _Job, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
-        """Stream chunks for one output (possibly none)."""
-
-    @abstractmethod
-    def usage_chunk(self, job: _Job, usage: Usage) -> dict[str, Any]:
-        """The final ``stream_options.include_usage`` chunk."""
-
-    @abstractmethod
-    def response(self, job: _Job) -> dict[str, Any]:
-        """The non-streaming answer, after the last output."""
-
-
-class _CompletionRenderer(_Renderer):
-    def __init__(self, texts: TokenTexts, include_usage: bool) -> None:
-        super().__init__(texts, include_usage)
-        self.offset = 0  # text_offset of the next token's logprob
-
-    def _logprobs(self, job: _Job, items: list[TokenLogprob]) -> CompletionLogprobs | None:
-        if job.params.logprobs is None:
-            return None
-        lp, self.offset = completion_logprobs(items, self.texts.text, self.offset)
-        return lp
-
-    def chunks(self, job: _Job, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
-        if not (first or out.finished or out.new_text or out.new_token_ids):
-            return []
-        choice = CompletionChoice(
-            text=out.new_text,
-            logprobs=self._logprobs(job, out.new_logprobs),
-            finish_reason=_reason(out),
-            prompt_token_ids=job.ids(job.prompt_ids) if first else None,
-            token_ids=job.ids(out.new_token_ids),
-        )
-        return [self._dump(CompletionResponse(**job.head, choices=[choice]))]
-
-    def usage_chunk(self, job: _Job, usage: Usage) -> dict[str, Any]:
-        return CompletionResponse(**job.head, choices=[], usage=usage).model_dump()
-
-    def response(self, job: _Job) -> dict[str, Any]:
-        assert job.last is not None
-        choice = CompletionChoice(
-            text="".join(job.text),
-            logprobs=self._logprobs(job, job.logprobs),
-            finish_reason=_reason(job.last),
-            prompt_token_ids=job.ids(job.prompt_ids),
-            token_ids=job.ids(job.token_ids),
-        )
-        return CompletionResponse(**job.head, choices=[choice], usage=job.usage(job.last)).model_dump()
-
-
-class _ChatRenderer(_Renderer):
-    def __init__(self, texts: TokenTexts, include_usage: bool, num_top: int) -> None:
-        super().__init__(texts, include_usage)
-        self.num_top = num_top
-
-    def _logprobs(self, job: _Job, items: list[TokenLogprob]) -> ChatLogprobs | None:
-        if job.params.logprobs is None:
-            return None
-        return chat_logprobs(items, self.texts.text, self.texts.raw, self.num_top)
-
-    def chunks(self, job: _Job, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
-        choices = []
-        if first:  # OpenAI opens every chat stream with the role
-            delta = ChatDelta(role="assistant", content="")
-            choices.append(ChatStreamChoice(delta=delta, prompt_token_ids=job.ids(job.prompt_ids)))
-        if out.finished or out.new_text or out.new_token_ids:
-            choices.append(
-                ChatStreamChoice(
-                    delta=ChatDelta(content=out.new_text or None),
-                    logprobs=self._logprobs(job, out.new_logprobs),
-                    finish_reason=_reason(out),
-                    token_ids=job.ids(out.new_token_ids),
-                )
-            )
-        return [self._dump(ChatCompletionChunk(**job.head, choices=[c])) for c in choices]
-
-    def usage_chunk(self, job: _Job, usage: Usage) -> dict[str, Any]:
-        return ChatCompletionChunk(**job.head, choices=[], usage=usage).model_dump()
-
-    def response(self, job: _Job) -> dict[str, Any]:
-        assert job.last is not None
-        choice = ChatChoice(
-            message=ChatResponseMessage(content="".join(job.text)),
-            logprobs=self._logprobs(job, job.logprobs),
-            finish_reason=_reason(job.last),
-            prompt_token_ids=job.ids(job.prompt_ids),
-            token_ids=job.ids(job.token_ids),
-        )
-        return ChatCompletionResponse(**job.head, choices=[choice], usage=job.usage(job.last)).model_dump()
-
-
 class OpenAIServer:
     """Request handling shared by the endpoints: checks, engine calls, streaming, disconnects.
 
@@ -290,8 +128,8 @@ class OpenAIServer:
                 status=404,
             )
 
-    def _new_job(self, prefix: str, prompt_ids: list[int], params: SamplingParams, return_ids: bool) -> _Job:
-        return _Job(
+    def _new_job(self, prefix: str, prompt_ids: list[int], params: SamplingParams, return_ids: bool) -> Job:
+        return Job(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.model_name,
@@ -315,7 +153,7 @@ class OpenAIServer:
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
         self._check_ids(prompt_ids, params, "prompt")
         job = self._new_job("cmpl", prompt_ids, params, req.return_token_ids)
-        return await self._run(job, _CompletionRenderer(self.texts, req.include_usage), req, raw)
+        return await self._run(job, CompletionRenderer(self.texts, req.include_usage), req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
@@ -333,7 +171,7 @@ class OpenAIServer:
         self._check_ids(prompt_ids, params, "messages")
         job = self._new_job("chatcmpl", prompt_ids, params, req.return_token_ids)
         num_top = req.top_logprobs or 0
-        return await self._run(job, _ChatRenderer(self.texts, req.include_usage, num_top), req, raw)
+        return await self._run(job, ChatRenderer(self.texts, req.include_usage, num_top), req, raw)
 
     async def _first(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
         try:
@@ -342,7 +180,7 @@ class OpenAIServer:
             raise ProtocolError(str(e)) from e
 
     async def _run(
-        self, job: _Job, renderer: _Renderer, req: CompletionRequest | ChatCompletionRequest, raw: Request
+        self, job: Job, renderer: Renderer, req: CompletionRequest | ChatCompletionRequest, raw: Request
     ) -> Response:
         if not self.engine.running:
             raise ProtocolError(
@@ -371,7 +209,7 @@ class OpenAIServer:
                 await _aclose(gen)
 
     async def _collect(
-        self, gen: AsyncIterator[RequestOutput], job: _Job, renderer: _Renderer, timer: RequestTimer
+        self, gen: AsyncIterator[RequestOutput], job: Job, renderer: Renderer, timer: RequestTimer
     ) -> dict[str, Any]:
         out = await self._first(gen)
         while True:
@@ -385,8 +223,8 @@ class OpenAIServer:
         self,
         gen: AsyncIterator[RequestOutput],
         first: RequestOutput,
-        job: _Job,
-        renderer: _Renderer,
+        job: Job,
+        renderer: Renderer,
         timer: RequestTimer,
         include_usage: bool,
     ) -> AsyncIterator[str]:
@@ -395,17 +233,17 @@ class OpenAIServer:
             while True:
                 timer.observe(out)
                 for chunk in renderer.chunks(job, out, is_first):
-                    yield _sse(chunk)
+                    yield sse_data(chunk)
                 is_first = False
                 if out.finished:
                     break
                 out = await anext(gen)
             if include_usage:
-                yield _sse(renderer.usage_chunk(job, job.usage(out)))
+                yield sse_data(renderer.usage_chunk(job, job.usage(out)))
             yield "[DONE]"
         except Exception as e:  # an engine failure after the stream started: tell the client, end it
             logger.exception("stream %s failed", job.request_id)
-            yield _sse(error_body(f"internal error: {e}", "server_error"))
+            yield sse_data(error_body(f"internal error: {e}", "server_error"))
             yield "[DONE]"
         finally:
             timer.abort()  # no-op when the request finished
