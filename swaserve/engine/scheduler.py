@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
-Each step: running requests first, in arrival order (a decoding request needs one token; a request
-still prefilling gets the next chunk that fits the budget and the pools), then waiting requests
+Each step: decoding requests first (one token each, so a long prefill never stalls them), then
+requests still prefilling, in arrival order (each gets the next chunk that fits the remaining
+budget and the pools), then waiting requests
 are admitted first come, first served while both pools can reserve their guaranteed pages and
 fewer than ``max_num_seqs`` run. Prefill and decode share a step (Sarathi-Serve, Agrawal et al.
 OSDI'24, "stall-free batching"); requests join and leave between steps.
@@ -46,7 +47,10 @@ class Scheduler:
     def schedule(self, now: float) -> list[ScheduledChunk]:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
-        for req in self.running:
+        # decodes first (one token each, so a long prefill never stalls them), then prefill chunks
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        for req in decoding + prefilling:
             if budget == 0:
                 break
             c = self._chunk(req, budget)
