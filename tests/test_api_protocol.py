@@ -278,17 +278,16 @@ RAW = {i: t.encode() for i, t in TEXT.items()}
 
 def test_completion_logprobs_offsets_and_top() -> None:
     items = [TokenLogprob(2, -0.5, ((2, -0.5), (1, -1.5))), TokenLogprob(3, -2.0, ((1, -0.1), (4, -1.0)))]
-    lp, end = completion_logprobs(items, TEXT.__getitem__, text_offset=10)
+    lp = completion_logprobs(items, TEXT.__getitem__, text_offsets=[10, 12])
     assert lp.tokens == ["bc", "d"]
     assert lp.token_logprobs == [-0.5, -2.0]
     assert lp.text_offset == [10, 12]
-    assert end == 13
     assert lp.top_logprobs == [{"bc": -0.5, "a": -1.5}, {"a": -0.1, "\u00e9": -1.0, "d": -2.0}]
 
 
 def test_logprobs_clamp_non_finite_values() -> None:
     items = [TokenLogprob(1, -math.inf, ((3, -math.inf),))]
-    lp, _ = completion_logprobs(items, TEXT.__getitem__, 0)
+    lp = completion_logprobs(items, TEXT.__getitem__, [0])
     assert lp.token_logprobs == [MIN_LOGPROB] and lp.top_logprobs == [{"d": MIN_LOGPROB, "a": MIN_LOGPROB}]
     out = chat_logprobs(items, TEXT.__getitem__, RAW.__getitem__, 1)
     assert out.content is not None and out.content[0].logprob == MIN_LOGPROB

@@ -275,10 +275,8 @@ async def test_completion_logprobs_shape(served: Served) -> None:
     )
     texts = TokenTexts(served.tokenizer)
     assert lp["tokens"] == [texts.text(t) for t in choice["token_ids"]]
-    offsets = [0]
-    for tok in lp["tokens"][:-1]:
-        offsets.append(offsets[-1] + len(tok))
-    assert lp["text_offset"] == offsets
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(choice["text"])
     for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
         assert value <= 0 and tok in top and 3 <= len(top) <= 4
         assert value == pytest.approx(max(top.values()))  # greedy picks the most likely token
@@ -298,6 +296,17 @@ async def test_completion_logprobs_shape(served: Served) -> None:
     streamed = {k: [x for c in chunks for x in c["choices"][0]["logprobs"][k]] for k in lp}
     assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
     assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+
+async def test_text_offsets_stay_inside_the_text_with_partial_utf8_tokens(served: Served) -> None:
+    # tokens that are single bytes of a multi-byte character are shown as "bytes:\\x.." but add no
+    # characters of their own: offsets must index the returned text, not those placeholders
+    texts = TokenTexts(served.tokenizer)
+    partial = [t for t in range(served.engine.model_config.vocab_size) if texts.text(t).startswith("bytes:")]
+    assert partial, "the tiny tokenizer has byte tokens that are not UTF-8 on their own"
+    body = await complete(served, prompt=[*partial[:6], 5, 6], max_tokens=12, logprobs=0, ignore_eos=True)
+    text, offsets = body["choices"][0]["text"], body["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
 
 
 async def test_chat_logprobs_shape(served: Served) -> None:

@@ -79,30 +79,33 @@ class TokenTexts:
 
 
 def completion_logprobs(
-    items: Sequence[TokenLogprob], text: Callable[[int], str], text_offset: int
-) -> tuple[CompletionLogprobs, int]:
+    items: Sequence[TokenLogprob], text: Callable[[int], str], text_offsets: Sequence[int]
+) -> CompletionLogprobs:
     """Legacy-completions logprobs for some output tokens.
 
     Args:
         items: One entry per output token, in order.
         text: Token id -> its text (``TokenTexts.text``).
-        text_offset: Character offset of the first of these tokens in the completion text.
+        text_offsets: Per token, the character offset in the completion text where the text it
+            produced starts (text held back for an incomplete UTF-8 character counts for the
+            token that completes it).
 
     Returns:
-        The logprobs object (``top_logprobs`` maps token text to logprob and includes the sampled
-        token) and the offset just after the last token, to continue from in the next chunk.
+        The logprobs object; ``top_logprobs`` maps token text to logprob and includes the sampled
+        token.
     """
+    if len(text_offsets) != len(items):
+        raise ValueError(f"{len(items)} logprob items but {len(text_offsets)} offsets")
     lp = CompletionLogprobs()
-    for item in items:
+    for item, offset in zip(items, text_offsets, strict=True):
         tok = text(item.token_id)
         lp.tokens.append(tok)
         lp.token_logprobs.append(_finite(item.logprob))
         top = {text(tid): _finite(v) for tid, v in item.top}
         top.setdefault(tok, _finite(item.logprob))
         lp.top_logprobs.append(top)
-        lp.text_offset.append(text_offset)
-        text_offset += len(tok)
-    return lp, text_offset
+        lp.text_offset.append(offset)
+    return lp
 
 
 def chat_logprobs(

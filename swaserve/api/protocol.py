@@ -117,8 +117,8 @@ class _GenerationRequest(_Strict):
                 param=prompt_param,
                 code="context_length_exceeded",
             )
-        if max_tokens is None:
-            max_tokens = default_max_tokens
+        if max_tokens is None:  # a default never overflows the context (vLLM trims it too)
+            max_tokens = min(default_max_tokens, max_model_len - prompt_len)
         elif prompt_len + max_tokens > max_model_len:
             raise ProtocolError(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "

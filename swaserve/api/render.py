@@ -48,6 +48,8 @@ class Job:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # per output token, where its text starts
+    text_len: int = 0
     last: RequestOutput | None = None
 
     @property
@@ -56,6 +58,8 @@ class Job:
         return {"id": self.request_id, "created": self.created, "model": self.model}
 
     def add(self, out: RequestOutput) -> None:
+        self.text_offsets.extend([self.text_len] * len(out.new_logprobs))
+        self.text_len += len(out.new_text)
         self.text.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
@@ -99,20 +103,22 @@ class Renderer(ABC):
 class CompletionRenderer(Renderer):
     def __init__(self, texts: TokenTexts, include_usage: bool) -> None:
         super().__init__(texts, include_usage)
-        self.offset = 0  # text_offset of the next token's logprob
+        self.offset = 0  # characters streamed so far: where the next token's text starts
 
-    def _logprobs(self, job: Job, items: list[TokenLogprob]) -> CompletionLogprobs | None:
+    def _logprobs(self, job: Job, items: list[TokenLogprob], offsets: list[int]) -> CompletionLogprobs | None:
         if job.params.logprobs is None:
             return None
-        lp, self.offset = completion_logprobs(items, self.texts.text, self.offset)
-        return lp
+        return completion_logprobs(items, self.texts.text, offsets)
 
     def chunks(self, job: Job, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
-        if not (first or out.finished or out.new_text or out.new_token_ids):
-            return []
+        keep_ids = bool(out.new_token_ids) and (job.return_token_ids or job.params.logprobs is not None)
+        if not (first or out.finished or out.new_text or keep_ids):
+            return []  # a token whose text is held back (incomplete UTF-8, possible stop string)
+        offsets = [self.offset] * len(out.new_logprobs)
+        self.offset += len(out.new_text)
         choice = CompletionChoice(
             text=out.new_text,
-            logprobs=self._logprobs(job, out.new_logprobs),
+            logprobs=self._logprobs(job, out.new_logprobs, offsets),
             finish_reason=finish_reason(out),
             prompt_token_ids=job.ids(job.prompt_ids) if first else None,
             token_ids=job.ids(out.new_token_ids),
@@ -126,7 +132,7 @@ class CompletionRenderer(Renderer):
         assert job.last is not None
         choice = CompletionChoice(
             text="".join(job.text),
-            logprobs=self._logprobs(job, job.logprobs),
+            logprobs=self._logprobs(job, job.logprobs, job.text_offsets),
             finish_reason=finish_reason(job.last),
             prompt_token_ids=job.ids(job.prompt_ids),
             token_ids=job.ids(job.token_ids),
@@ -149,7 +155,8 @@ class ChatRenderer(Renderer):
         if first:  # OpenAI opens every chat stream with the role
             delta = ChatDelta(role="assistant", content="")
             choices.append(ChatStreamChoice(delta=delta, prompt_token_ids=job.ids(job.prompt_ids)))
-        if out.finished or out.new_text or out.new_token_ids:
+        keep_ids = bool(out.new_token_ids) and (job.return_token_ids or job.params.logprobs is not None)
+        if out.finished or out.new_text or keep_ids:
             choices.append(
                 ChatStreamChoice(
                     delta=ChatDelta(content=out.new_text or None),

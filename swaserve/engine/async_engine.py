@@ -127,22 +127,17 @@ class AsyncLLMEngine:
     async def _loop(self) -> None:
         assert self._wake is not None
         while not self._stopping:
-            self._apply_pending()
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                if not self._pending and not self._stopping:
-                    await self._wake.wait()
-                continue
             try:
+                self._apply_pending()
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    if not self._pending and not self._stopping:
+                        await self._wake.wait()
+                    continue
                 outputs = self.engine.step()
-                await asyncio.sleep(_YIELD_S)  # let handlers run: a timer, so chains of callbacks finish
             except Exception as e:  # an engine bug: fail the requests in flight, keep serving
-                log.exception("engine step failed")
-                for rid in list(self.engine.requests):
-                    self.engine.abort_request(rid)
-                    q = self._queues.get(rid)
-                    if q is not None:
-                        q.put_nowait(RuntimeError(f"engine step failed: {e}"))
+                log.exception("engine loop failed")
+                self._fail_all(f"engine failed: {e}")
                 continue
             for o in outputs:
                 q = self._queues.get(o.request_id)
@@ -150,7 +145,16 @@ class AsyncLLMEngine:
                     q.put_nowait(o)
                 elif not o.finished:
                     self._pending.append(("abort", o.request_id))
+            await asyncio.sleep(_YIELD_S)  # let handlers run: a timer, so chains of callbacks finish
+        self._fail_all("engine stopped")
+
+    def _fail_all(self, message: str) -> None:
+        """Abort every engine request and end every open stream with an error (never a hang)."""
         for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # keep going: every stream must be ended
+                log.exception("abort of %s failed", rid)
+                self.engine.requests.pop(rid, None)
         for q in self._queues.values():
-            q.put_nowait(RuntimeError("engine stopped"))
+            q.put_nowait(RuntimeError(message))

@@ -41,6 +41,7 @@ class Request:
     sampling: SamplingState | None = None
     detok: IncrementalDetokenizer | None = None
     cached_tokens: int = 0
+    bypassed: int = 0  # waiting requests admitted ahead of this one while it was at the queue head
 
     @property
     def num_prompt(self) -> int:

@@ -2,10 +2,12 @@
 
 Each step: decoding requests first (one token each, so a long prefill never stalls them), then
 requests still prefilling, in arrival order (each gets the next chunk that fits the remaining
-budget and the pools), then waiting requests
-are admitted first come, first served while both pools can reserve their guaranteed pages and
-fewer than ``max_num_seqs`` run. Prefill and decode share a step (Sarathi-Serve, Agrawal et al.
-OSDI'24, "stall-free batching"); requests join and leave between steps.
+budget and the pools), then waiting requests are admitted in arrival order while both pools can reserve their guaranteed pages and fewer than
+``max_num_seqs`` run. A request that does not fit yet (e.g. a chat whose default max_tokens fills
+the context) does not block smaller ones behind it, but only ``max_bypass`` requests may overtake
+the head of the queue; then admission waits for the head, so it cannot starve. Prefill and decode
+share a step (Sarathi-Serve, Agrawal et al. OSDI'24, "stall-free batching"); requests join and
+leave between steps.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_bypass: int = 32
+    ) -> None:
         self.kv = kv
+        self.max_bypass = max_bypass
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -57,11 +62,17 @@ class Scheduler:
             if c is not None:
                 chunks.append(c)
                 budget -= c.n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            if i > 0 and self.waiting[0].bypassed >= self.max_bypass:
+                break  # the head has waited long enough: nobody else overtakes it now
+            req = self.waiting[i]
             if not self.kv.admit(req.request_id, req.max_total_tokens):
-                break  # FCFS: the head waits for room, nobody overtakes it
-            self.waiting.popleft()
+                i += 1  # a request that fits may go ahead of one that does not (yet)
+                continue
+            del self.waiting[i]
+            if i > 0:
+                self.waiting[0].bypassed += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             c = self._chunk(req, budget)
