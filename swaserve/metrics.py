@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -181,34 +182,25 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         labels = ["model_name"]
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from arrival to the first output token.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive output tokens.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from arrival to the last output.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.queue = Histogram(
-            PREFIX + "request_queue_time_seconds",
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            h = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            return h.labels(model_name)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first output token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last output.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds",
             "Time from arrival to the first scheduled step.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+            REQUEST_LATENCY_BUCKETS,
+        )
         self._success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
