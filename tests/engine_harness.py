@@ -24,6 +24,7 @@ class Harness:
     def __init__(
         self, model_dir: str | Path, page_size: int, layout: str = "hybrid", budget: int = 8 << 20
     ) -> None:
+        self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.model = load_model(model_dir, self.cfg)
         ecfg = EngineConfig(page_size=page_size, kv_cache_memory=budget, kv_layout=layout)  # type: ignore[arg-type]

@@ -46,8 +46,13 @@ def test_token_by_token_decode_crosses_window_many_times(harness: Harness, hf_ti
     ours = harness.run_alone("c", toks, [6] + [1] * 35)
     ref = reference_logits(hf_tiny, toks)
     assert (ours - ref).abs().max().item() <= TOL
-    # the window really binds: logits differ from what full attention everywhere would give
     assert harness.kv.stats()["swa"].used_pages == 0
+    # the window really binds: the same weights without a window give different logits, so an
+    # engine that attended past the window would fail the comparison above
+    from transformers import MiMoV2FlashForCausalLM
+
+    no_window = MiMoV2FlashForCausalLM.from_pretrained(str(harness.model_dir), sliding_window=4096).eval()
+    assert (reference_logits(no_window, toks) - ref)[20:].abs().max().item() > 1e-2
 
 
 def test_mixed_batch_equals_each_request_alone(harness: Harness, hf_tiny) -> None:  # type: ignore[no-untyped-def]
