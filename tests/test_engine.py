@@ -187,3 +187,28 @@ def test_long_prefill_does_not_stall_running_decodes(tiny_dir: Path) -> None:
         got = {o.request_id for o in eng.step()}
         assert {"d0", "d1", "d2"} <= got  # every decode advanced this step
     assert eng.requests["long"].num_computed > 0
+
+
+def test_small_requests_pass_a_blocked_head_but_only_max_bypass_times(tiny_dir: Path) -> None:
+    eng = LLMEngine(
+        tiny_dir,
+        EngineConfig(page_size=4, max_num_batched_tokens=64, kv_cache_memory=200_000, max_num_seqs=8),
+    )
+    eng.scheduler.max_bypass = 2
+    room = eng.kv.full.pool.num_pages * 4
+    greedy = SamplingParams(max_tokens=room // 2, temperature=0.0, ignore_eos=True)
+    eng.add_request("big0", [5] * 10, greedy)  # holds half the pool
+    eng.add_request("big1", [6] * 10, SamplingParams(max_tokens=room - 20, temperature=0.0, ignore_eos=True))
+    for i in range(4):
+        eng.add_request(
+            f"small{i}", [7 + i] * 4, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )
+    eng.step()
+    running = {r.request_id for r in eng.scheduler.running}
+    waiting = [r.request_id for r in eng.scheduler.waiting]
+    assert running == {"big0", "small0", "small1"}  # two small ones overtook the blocked big1 ...
+    assert waiting == ["big1", "small2", "small3"]  # ... then the bound stopped further overtaking
+    done = []
+    while eng.has_unfinished():
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert set(done) == {"big0", "big1", "small0", "small1", "small2", "small3"}
