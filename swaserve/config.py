@@ -281,6 +281,11 @@ class EngineConfig:
         max_model_len: Longest prompt + output, tokens (default: the model's max positions).
         dtype: "float32" | "bfloat16" | "float16" for activations and KV.
         device: "cpu", "cuda", ... (default: CUDA when present).
+        enable_prefix_caching: reuse the KV of cached prefixes (SWA-aware radix tree).
+        host_cache_memory: bytes of the host-memory tier behind the device pools (0 = none), split
+            between full and SWA pages in the device pools' proportion.
+        host_write_policy: "on_evict" (copy pages to host when the device evicts them) or
+            "second_hit" (copy a node when it is hit the second time).
     """
 
     page_size: int = 16
@@ -292,3 +297,6 @@ class EngineConfig:
     dtype: str = "float32"
     device: str | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
+    host_cache_memory: int = 0
+    host_write_policy: str = "on_evict"

@@ -29,6 +29,7 @@ import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -103,13 +104,19 @@ def _iter_mooncake(path: Path, limit: int | None) -> Iterator[MooncakeRequest]:
                 return
 
 
-def _parse_mooncake_line(line: str, where: str) -> MooncakeRequest:
+def json_object(line: str, where: str) -> dict[str, Any]:
+    """Parse one JSON-lines record. Raises TraceError naming ``where`` (file:line)."""
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise TraceError(f"{where}: expected a JSON object")
+    return raw
+
+
+def _parse_mooncake_line(line: str, where: str) -> MooncakeRequest:
+    raw = json_object(line, where)
     try:
         ts, inp, out, ids = raw["timestamp"], raw["input_length"], raw["output_length"], raw["hash_ids"]
     except KeyError as e:

@@ -555,7 +555,7 @@ async def test_bad_requests_get_openai_errors_and_server_keeps_serving(served: S
     assert_openai_error(r, 405)
     final = served.engine.stats()
     assert final.num_running == 0 and final.num_waiting == 0
-    assert final.pools["full"].used_pages == 0
+    assert final.pools["full"].request_pages == 0
 
 
 async def test_engine_refusal_is_a_400_and_health_follows_the_engine(model_dir: Path) -> None:
@@ -582,7 +582,7 @@ async def test_engine_refusal_is_a_400_and_health_follows_the_engine(model_dir: 
                 assert str(kv_tokens) in err["message"]
                 r = await client.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": 4})
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-            assert engine.stats().pools["full"].used_pages == 0
+            assert engine.stats().pools["full"].request_pages == 0
     assert not engine.running
 
 
@@ -693,10 +693,12 @@ async def test_streaming_disconnect_aborts_and_frees_pages(served: Served, live_
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break
         assert engine.stats().num_running == 1
-        assert engine.stats().pools["full"].used_pages > 0
+        assert engine.stats().pools["full"].request_pages > 0
     # leaving the block closed the connection mid-stream
-    await wait_until(lambda: engine.stats().pools["full"].used_pages == 0 and engine.stats().num_running == 0)
-    assert engine.stats().pools["swa"].used_pages == 0
+    await wait_until(
+        lambda: engine.stats().pools["full"].request_pages == 0 and engine.stats().num_running == 0
+    )
+    assert engine.stats().pools["swa"].request_pages == 0
     await wait_until(
         lambda: served.metric("swaserve:request_success_total", finished_reason="abort") == aborts + 1
     )
@@ -712,11 +714,13 @@ async def test_non_streaming_disconnect_aborts_and_frees_pages(served: Served, l
     async with httpx.AsyncClient(base_url=live_url, timeout=60) as client:
         task = asyncio.create_task(client.post("/v1/completions", json=long_request(served)))
         await wait_until(lambda: engine.stats().generation_tokens_total > generated + 5)
-        assert engine.stats().num_running == 1 and engine.stats().pools["full"].used_pages > 0
+        assert engine.stats().num_running == 1 and engine.stats().pools["full"].request_pages > 0
         task.cancel()  # httpx drops the connection
         with pytest.raises(asyncio.CancelledError):
             await task
-    await wait_until(lambda: engine.stats().pools["full"].used_pages == 0 and engine.stats().num_running == 0)
+    await wait_until(
+        lambda: engine.stats().pools["full"].request_pages == 0 and engine.stats().num_running == 0
+    )
     await wait_until(
         lambda: served.metric("swaserve:request_success_total", finished_reason="abort") == aborts + 1
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from swaserve.config import EngineConfig, ModelConfig
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
 from swaserve.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
@@ -23,8 +23,9 @@ from swaserve.engine.sampler import Sampler, SamplingState
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
-from swaserve.kvcache.sizing import plan_pools
+from swaserve.kvcache.sizing import host_plan, plan_pools
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.loader import load_model
 
@@ -70,8 +71,29 @@ class LLMEngine:
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
         plan = plan_pools(cfg, config, elem)
+        self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
+        self.host: HostKVStorage | None = None
+        host_pages = None
+        if config.enable_prefix_caching and config.host_cache_memory > 0:
+            host_pages = host_plan(plan, config.host_cache_memory)
+            self.host = HostKVStorage(
+                self.storage, {FULL: host_pages[0], SWA: host_pages[1]}, config.page_size
+            )
+        if config.host_write_policy not in ("on_evict", "second_hit"):
+            raise ValueError(
+                f"host write policy must be on_evict or second_hit, got {config.host_write_policy!r}"
+            )
         self.kv = KVCacheManager(
-            plan, config.page_size, cfg.window, config.kv_layout, len(cfg.full_layers), len(cfg.swa_layers)
+            plan,
+            config.page_size,
+            cfg.window,
+            config.kv_layout,
+            len(cfg.full_layers),
+            len(cfg.swa_layers),
+            prefix_caching=config.enable_prefix_caching,
+            host_pages=host_pages,
+            mover=self.host,
+            write_policy=config.host_write_policy,  # type: ignore[arg-type]
         )
         if not self.kv.fits_ever(min(self.max_model_len, config.max_num_batched_tokens)):
             raise ValueError("kv cache budget too small for even one request; raise --kv-cache-memory")
@@ -83,8 +105,7 @@ class LLMEngine:
                 kv_tokens,
             )
             self.max_model_len = kv_tokens
-        self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device)
+        self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device, self.host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -165,6 +186,8 @@ class LLMEngine:
         sampled = self.sampler.sample(logits, states) if sampling else []  # type: ignore[arg-type]
         for c in chunks:
             c.req.num_computed = c.start + c.n
+            if not c.samples and self.kv.cache is not None:  # chunked prefill: share what is done
+                self.kv.cache_partial(c.req.request_id, c.req.token_slice(0, c.req.num_computed))
         outputs: list[RequestOutput] = []
         now = self.clock()
         for c, s in zip(sampling, sampled, strict=True):
@@ -221,6 +244,8 @@ class LLMEngine:
             pools=self.kv.stats(),
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            prefix_cache=self.kv.cache.stats if self.kv.cache is not None else None,
+            cache_pages=self.kv.cache.cached_pages() if self.kv.cache is not None else {},
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.engine.scheduler import ScheduledChunk
+from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KindManager, KVCacheManager
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.attention import KindMeta, SeqAttn
@@ -30,8 +31,10 @@ class ModelRunner:
         kv: KVCacheManager,
         storage: KVStorage,
         device: torch.device,
+        host: HostKVStorage | None = None,
     ) -> None:
         self.model, self.cfg, self.kv, self.storage, self.device = model, cfg, kv, storage, device
+        self.host = host
 
     def build(self, chunks: Sequence[ScheduledChunk]) -> tuple[ForwardBatch, list[int]]:
         """Returns the batch and the flat row of each sampling chunk's last token."""
@@ -53,6 +56,7 @@ class ModelRunner:
             positions=torch.cat(pos).to(self.device),
             meta=meta,
             kv=self.storage.kv,
+            before_layer=self.host.wait_layer if self.host is not None and self.host.pending() else None,
         )
         return batch, sample_rows
 

@@ -67,9 +67,10 @@ class Scheduler:
             if i > 0 and self.waiting[0].bypassed >= self.max_bypass:
                 break  # the head has waited long enough: nobody else overtakes it now
             req = self.waiting[i]
-            if not self.kv.admit(req.request_id, req.max_total_tokens):
+            if not self.kv.admit(req.request_id, req.max_total_tokens, req.prompt_token_ids):
                 i += 1  # a request that fits may go ahead of one that does not (yet)
                 continue
+            req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
             del self.waiting[i]
             if i > 0:
                 self.waiting[0].bypassed += 1
@@ -100,5 +101,6 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        was_running = req.status == RequestStatus.RUNNING
         req.status = RequestStatus.FINISHED
-        self.kv.free(req.request_id)
+        self.kv.free(req.request_id, req.token_slice(0, req.num_computed) if was_running else None)

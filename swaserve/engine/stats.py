@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swaserve.kvcache.prefix_cache import CacheStats
 
 
 @dataclass(frozen=True)
@@ -11,10 +15,11 @@ class PoolStats:
 
     Attributes:
         total_pages: Pages in the pool.
-        used_pages: Pages held by requests now.
-        peak_used_pages: Most pages held at once since start.
+        used_pages: Pages not free now: held by requests or by the prefix cache.
+        peak_used_pages: Most pages not free at once since start.
         page_bytes: Bytes of one page across all layers of the pool (K and V).
         num_layers: Layers whose KV lives in this pool.
+        cached_pages: Pages owned by the prefix cache (evictable unless a request locks them).
     """
 
     total_pages: int
@@ -22,6 +27,12 @@ class PoolStats:
     peak_used_pages: int
     page_bytes: int
     num_layers: int
+    cached_pages: int = 0
+
+    @property
+    def request_pages(self) -> int:
+        """Pages requests own (not counting cache pages they share)."""
+        return self.used_pages - self.cached_pages
 
     @property
     def free_pages(self) -> int:
@@ -48,3 +59,5 @@ class EngineStats:
     pools: dict[str, PoolStats] = field(default_factory=dict)
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    prefix_cache: CacheStats | None = None
+    cache_pages: dict[str, int] = field(default_factory=dict)  # pages the prefix cache holds per tier

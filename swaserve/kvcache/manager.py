@@ -18,12 +18,17 @@ unreserved free pages; the scheduler sizes chunks with ``max_chunk``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from swaserve.config import FULL, SWA
 from swaserve.engine.stats import PoolStats
+from swaserve.kvcache.host import PageMover
 from swaserve.kvcache.pool import PagePool
+from swaserve.kvcache.prefix_cache import Acquired, PrefixCache, WritePolicy
+from swaserve.kvcache.radix import CacheLock
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,10 +44,15 @@ class PageTable:
     guarantee: int = 0  # pages this request is promised it can hold at once
     reserved: int = 0  # part of the guarantee not allocated yet (held in the pool's reservation)
     slot_cache: torch.Tensor | None = None  # slots of every held position, rebuilt when pages change
+    shared_end: int = 0  # logical pages below this belong to the prefix cache (locked, never freed here)
 
     @property
     def end_page(self) -> int:
         return self.base + len(self.pages)
+
+    def private(self) -> list[int]:
+        """Pages this request owns (logical >= shared_end)."""
+        return self.pages[max(0, self.shared_end - self.base) :]
 
 
 class KindManager:
@@ -59,22 +69,29 @@ class KindManager:
         self.window = window
         self.tables: dict[str, PageTable] = {}
 
-    def guarantee_for(self, max_total_tokens: int) -> int:
+    def guarantee_for(self, max_total_tokens: int, cached_pages: int = 0) -> int:
+        """Own pages a request must be sure to get (``cached_pages`` come from the prefix cache)."""
         total = cdiv(max_total_tokens, self.page_size)
         if self.window is None:
-            return total
+            return total - cached_pages
         return min(total, cdiv(self.window, self.page_size) + 2)
 
     def can_admit(self, max_total_tokens: int) -> bool:
         return self.pool.can_reserve(self.guarantee_for(max_total_tokens))
 
-    def admit(self, rid: str, max_total_tokens: int) -> bool:
+    def admit(
+        self, rid: str, max_total_tokens: int, base: int = 0, shared: list[int] | None = None, cached: int = 0
+    ) -> bool:
+        """Reserve the request's guarantee; its table starts with the cache's ``shared`` pages
+        (logical ``base ..``, ending at logical page ``cached``)."""
         if rid in self.tables:
             raise ValueError(f"request {rid} already admitted")
-        g = self.guarantee_for(max_total_tokens)
+        g = self.guarantee_for(max_total_tokens, cached)
         if not self.pool.reserve(g):
             return False
-        self.tables[rid] = PageTable(guarantee=g, reserved=g)
+        self.tables[rid] = PageTable(
+            base=base, pages=list(shared or []), guarantee=g, reserved=g, shared_end=cached
+        )
         return True
 
     def first_needed_page(self, start: int) -> int:
@@ -101,8 +118,9 @@ class KindManager:
         if first > t.base:
             k = min(first, t.end_page) - t.base
             dropped, t.pages = t.pages[:k], t.pages[k:]
+            own = max(0, t.shared_end - t.base)  # dropped[:own] belong to the prefix cache
             t.base = t.base + k if t.pages else first
-            self.pool.free(dropped)
+            self.pool.free(dropped[own:])
             t.slot_cache = None
             self._rebalance(t)
         new = cdiv(end, self.page_size) - t.end_page
@@ -119,7 +137,7 @@ class KindManager:
 
     def _rebalance(self, t: PageTable) -> None:
         """After freeing, top the reservation back up to the guarantee."""
-        want = max(0, t.guarantee - len(t.pages))
+        want = max(0, t.guarantee - len(t.private()))
         if want > t.reserved:
             if not self.pool.reserve(want - t.reserved):  # cannot fail: the freed pages are free
                 raise RuntimeError("reservation invariant broken")
@@ -129,7 +147,7 @@ class KindManager:
         t = self.tables.pop(rid, None)
         if t is None:
             return
-        self.pool.free(t.pages)
+        self.pool.free(t.private())
         self.pool.unreserve(t.reserved)
 
     def slots(self, rid: str, lo: int, end: int) -> torch.Tensor:
@@ -158,7 +176,7 @@ class PoolPlan:
 
 
 class KVCacheManager:
-    """The two pools (full, SWA) and their page tables, managed together.
+    """The two pools (full, SWA), their page tables and the prefix cache, managed together.
 
     Args:
         plan: pool sizes and per-page bytes.
@@ -166,6 +184,10 @@ class KVCacheManager:
         window: previous tokens a SWA query sees.
         layout: "hybrid" frees SWA pages outside the window; "full" keeps them (SWA-unaware baseline).
         num_full_layers, num_swa_layers: for accounting only.
+        prefix_caching: keep finished requests' KV in a ``PrefixCache`` and reuse it.
+        host_pages: (full, swa) pages of the host tier; None = no host tier.
+        mover: copies pages between device and host (``HostKVStorage``; default: accounting only).
+        write_policy: when pages get a host copy ("on_evict" | "second_hit").
     """
 
     def __init__(
@@ -176,6 +198,10 @@ class KVCacheManager:
         layout: str,
         num_full_layers: int,
         num_swa_layers: int,
+        prefix_caching: bool = False,
+        host_pages: tuple[int, int] | None = None,
+        mover: PageMover | None = None,
+        write_policy: WritePolicy = "on_evict",
     ) -> None:
         if layout not in ("hybrid", "full"):
             raise ValueError(f"kv layout must be 'hybrid' or 'full', got {layout!r}")
@@ -189,6 +215,24 @@ class KVCacheManager:
             window if layout == "hybrid" else None,
         )
         self.has_swa = num_swa_layers > 0
+        self.cache: PrefixCache | None = None
+        if prefix_caching:
+            host_full = host_swa = None
+            if host_pages is not None:
+                host_full = PagePool(host_pages[0], plan.full_page_bytes, num_full_layers)
+                host_swa = PagePool(max(1, host_pages[1]), plan.swa_page_bytes, num_swa_layers)
+            self.cache = PrefixCache(
+                page_size,
+                self.swa.window,
+                self.full.pool,
+                self.swa.pool if self.has_swa else None,
+                host_full,
+                host_swa if self.has_swa else None,
+                mover,
+                write_policy,
+            )
+        self.locks: dict[str, CacheLock | None] = {}
+        self.hits: dict[str, tuple[int, int]] = {}  # rid -> (cached tokens, of which from host)
 
     def _kinds(self) -> list[KindManager]:
         return [self.full, self.swa] if self.has_swa else [self.full]
@@ -200,17 +244,60 @@ class KVCacheManager:
     def can_admit(self, max_total_tokens: int) -> bool:
         return all(k.can_admit(max_total_tokens) for k in self._kinds())
 
-    def admit(self, rid: str, max_total_tokens: int) -> bool:
-        """Reserve the request's guaranteed pages in both pools, or nothing."""
-        if not self.can_admit(max_total_tokens):
+    def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None = None) -> bool:
+        """Reserve the request's guaranteed pages in both pools, or nothing.
+
+        With a prefix cache and ``prompt``, the longest window-safe cached prefix (page-aligned, at
+        most ``len(prompt) - 1`` tokens) is locked and becomes the start of the request's page
+        tables; ``hit_tokens(rid)`` says how long it is. Cache pages are evicted to make room.
+        """
+        P = self.page_size
+        acq: Acquired | None = None
+        if self.cache is not None and prompt:
+            limit = (len(prompt) - 1) // P * P
+            acq = self.cache.acquire(prompt, limit) or self.cache.acquire(prompt, limit, use_host=False)
+            assert acq is not None  # without host loads nothing can fail
+        n = acq.length // P if acq is not None else 0
+        gs = [k.guarantee_for(max_total_tokens, n) for k in self._kinds()]
+        if self.cache is not None:
+            for k, g in zip(self._kinds(), gs, strict=True):
+                self.cache.make_room(FULL if k is self.full else SWA, g)
+        if not all(k.pool.can_reserve(g) for k, g in zip(self._kinds(), gs, strict=True)):
+            if acq is not None and self.cache is not None:
+                self.cache.release(acq.lock)
             return False
-        for k in self._kinds():
-            if not k.admit(rid, max_total_tokens):  # cannot happen after can_admit
-                raise RuntimeError("admission raced")
+        if acq is None or n == 0:
+            for k in self._kinds():
+                k.admit(rid, max_total_tokens)
+        else:
+            assert self.cache is not None
+            self.full.admit(rid, max_total_tokens, 0, acq.full, n)
+            if self.has_swa:
+                base = self.swa.first_needed_page(acq.length)
+                shared = acq.swa[base:]
+                if any(p is None for p in shared):
+                    raise RuntimeError("prefix hit without live SWA in its window (internal error)")
+                self.swa.admit(rid, max_total_tokens, base, shared, n)  # type: ignore[arg-type]
+            self.cache.record(len(prompt or []), acq)
+        if acq is not None and acq.length == 0 and self.cache is not None:
+            self.cache.record(len(prompt or []), acq)
+        self.locks[rid] = acq.lock if acq is not None else None
+        self.hits[rid] = (acq.length, acq.host_tokens) if acq is not None else (0, 0)
         return True
 
+    def hit_tokens(self, rid: str) -> int:
+        """Prompt tokens the request reuses from the prefix cache (0 if none or not admitted)."""
+        return self.hits.get(rid, (0, 0))[0]
+
     def max_chunk(self, rid: str, start: int, end: int) -> int:
-        """Largest n <= end - start such that chunk [start, start + n) can be allocated now."""
+        """Largest n <= end - start such that chunk [start, start + n) can be allocated now
+        (evicting unlocked cache pages if that makes the whole chunk fit)."""
+        if self.cache is not None:
+            for k in self._kinds():
+                t = k.tables[rid]
+                _, new = k.pages_to_add(rid, start, end)
+                if new > t.reserved:
+                    self.cache.make_room(FULL if k is self.full else SWA, new - t.reserved)
         lo, hi = 0, end - start
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -224,23 +311,124 @@ class KVCacheManager:
     def _fits(k: KindManager, rid: str, start: int, end: int) -> bool:
         t = k.tables[rid]
         freed, new = k.pages_to_add(rid, start, end)
-        held = len(t.pages) - freed
+        freed = max(0, freed - max(0, t.shared_end - t.base))  # cache pages leave without freeing
+        held = len(t.private()) - freed
         reserved_after = max(t.reserved, t.guarantee - held)  # reservation after rebalance
         extra_available = k.pool.num_available + freed - (reserved_after - t.reserved)
         return new <= reserved_after + max(0, extra_available)
 
     def allocate(self, rid: str, start: int, end: int) -> bool:
-        return all(k.allocate(rid, start, end) for k in self._kinds())
+        ok = all(k.allocate(rid, start, end) for k in self._kinds())
+        lock = self.locks.get(rid)
+        if ok and lock is not None and lock.swa_nodes and self.cache is not None:
+            t = self.swa.tables[rid]
+            if self.swa.window is not None and t.base >= t.shared_end:
+                self.cache.tree.unlock_swa(lock)  # the window has moved past the cached prefix
+        return ok
 
-    def free(self, rid: str) -> None:
+    def cache_partial(self, rid: str, tokens: list[int]) -> bool:
+        """Chunked prefill: insert the request's computed prefix ``tokens`` (its whole pages) into
+        the prefix cache while it keeps running, with the SWA KV it already freed marked as such.
+
+        Skipped (False) when there is no new whole page, the SWA of the new prefix end is no
+        longer held, or the SWA pool cannot top the request's reservation back up.
+        """
+        if self.cache is None:
+            return False
+        P = self.page_size
+        K = len(tokens) // P
+        ft = self.full.tables[rid]
+        if ft.shared_end >= K:
+            return False
+        swa_list: list[int | None] = [None] * K
+        moved_swa = 0
+        if self.has_swa:
+            st = self.swa.tables[rid]
+            win_first = self.swa.first_needed_page(K * P)
+            if st.base > win_first or st.end_page < K:
+                return False
+            for i in range(st.base, K):
+                swa_list[i] = st.pages[i - st.base]
+            moved_swa = K - max(st.base, st.shared_end)
+            if self.swa.window is not None and not self.cache.make_room(SWA, moved_swa):
+                return False
+        self._insert(rid, tokens[: K * P], ft.pages[:K], swa_list, keep=True)
+        return True
+
+    def _insert(
+        self, rid: str, tokens: list[int], full: list[int], swa: list[int | None], keep: bool
+    ) -> None:
+        """Give the request's pages for ``tokens`` to the tree; with ``keep`` the request goes on
+        with the tree's pages and a lock on the new path."""
+        assert self.cache is not None
+        K = len(full)
+        node, tree_full, tree_swa = self.cache.tree.insert(tokens, full, swa)
+        if not keep:
+            return
+        new_lock = self.cache.tree.lock(node)
+        self.cache.release(self.locks.get(rid))
+        self.locks[rid] = new_lock
+        ft = self.full.tables[rid]
+        ft.guarantee -= K - ft.shared_end
+        ft.pages[:K] = tree_full
+        ft.shared_end = K
+        ft.slot_cache = None
+        if self.has_swa:
+            st = self.swa.tables[rid]
+            for i in range(st.base, K):
+                page = tree_swa[i]
+                assert page is not None, "window page of a cached prefix is a tombstone"
+                st.pages[i - st.base] = page
+            if self.swa.window is None:
+                st.guarantee -= K - st.shared_end
+            st.shared_end = K
+            st.slot_cache = None
+            self.swa._rebalance(st)
+
+    def free(self, rid: str, tokens: list[int] | None = None) -> None:
+        """Release a request (finished or aborted). With a prefix cache and ``tokens`` (the tokens
+        whose KV it computed), its whole pages go into the tree; the rest go back to the pools."""
+        P = self.page_size
+        if self.cache is not None and tokens and rid in self.full.tables:
+            K = len(tokens) // P
+            ft = self.full.tables[rid]
+            if ft.shared_end < K:
+                swa_list: list[int | None] = [None] * K
+                if self.has_swa:
+                    st = self.swa.tables[rid]
+                    for i in range(st.base, min(K, st.end_page)):
+                        swa_list[i] = st.pages[i - st.base]
+                self._insert(rid, tokens[: K * P], ft.pages[:K], swa_list, keep=False)
+                # pages [shared_end, K) now belong to the tree (adopted, or freed as duplicates)
+                ft.pages = ft.pages[:0] + ft.pages[K:]
+                ft.base, ft.shared_end = K, K
+                if self.has_swa:
+                    st = self.swa.tables[rid]
+                    cut = max(0, min(K, st.end_page) - st.base)
+                    st.pages = st.pages[cut:]
+                    st.base = st.base + cut
+                    st.shared_end = st.base
         for k in (self.full, self.swa):
             k.free(rid)
+        if self.cache is not None:
+            self.cache.release(self.locks.pop(rid, None))
+        self.hits.pop(rid, None)
+
+    def flush_cache(self) -> None:
+        """Drop every unlocked page the prefix cache holds (device and host)."""
+        if self.cache is not None:
+            self.cache.flush()
 
     def stats(self) -> dict[str, PoolStats]:
-        return {"full": self.full.pool.stats(), "swa": self.swa.pool.stats()}
+        out = {"full": self.full.pool.stats(), "swa": self.swa.pool.stats()}
+        if self.cache is not None:
+            cached = self.cache.cached_pages()
+            for name in out:
+                out[name] = dataclasses.replace(out[name], cached_pages=cached[name])
+        return out
 
     def held_bytes(self, rid: str) -> int:
-        """Bytes of KV a request holds right now, both pools."""
+        """Bytes of KV a request holds right now, both pools (cache pages it shares included)."""
         total = self.full.held(rid) * self.plan.full_page_bytes
         if self.has_swa:
             total += self.swa.held(rid) * self.plan.swa_page_bytes

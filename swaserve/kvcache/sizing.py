@@ -53,3 +53,21 @@ def plan_pools(cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: i
     if swa_pages < 1 or full_pages < 1:
         raise ValueError(f"kv cache budget {budget} B is too small for one page per pool")
     return PoolPlan(full_pages, swa_pages, pbf, pbs)
+
+
+def host_plan(plan: PoolPlan, budget: int) -> tuple[int, int]:
+    """(full, swa) host-tier pages for ``budget`` bytes, split in the device pools' byte proportion.
+
+    Raises:
+        ValueError: the budget cannot hold one full page.
+    """
+    dev_full = plan.full_pages * plan.full_page_bytes
+    dev_swa = plan.swa_pages * plan.swa_page_bytes
+    swa_share = dev_swa / (dev_full + dev_swa) if plan.swa_page_bytes else 0.0
+    swa_pages = int(budget * swa_share) // plan.swa_page_bytes if plan.swa_page_bytes else 0
+    full_pages = (budget - swa_pages * plan.swa_page_bytes) // plan.full_page_bytes
+    if full_pages < 1:
+        raise ValueError(
+            f"host cache budget {budget} B is smaller than one full page ({plan.full_page_bytes} B)"
+        )
+    return full_pages, swa_pages

@@ -10,6 +10,7 @@ elsewhere. ``model.mtp.*`` weights (multi-token prediction) are loaded and kept 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -36,6 +37,9 @@ class ForwardBatch:
     positions: torch.Tensor
     meta: dict[str, KindMeta]
     kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]
+    before_layer: Callable[[str, int], None] | None = None
+    """Called with (kind, index within kind) before a layer reads its KV cache: waits for that
+    layer's pages loaded back from the host tier (layer-by-layer overlap on a GPU)."""
 
 
 class Attention(nn.Module):
@@ -134,6 +138,8 @@ class MiMoV2ForCausalLM(nn.Module):
             kind = self.cfg.layer_types[i]
             kc, vc = batch.kv[kind]
             j = self.kind_index[i]
+            if batch.before_layer is not None:
+                batch.before_layer(kind, j)
             a = layer.self_attn(
                 layer.input_layernorm(h), cos_sin[kind], kc[j], vc[j], batch.meta[kind], self.backend
             )

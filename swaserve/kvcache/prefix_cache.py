@@ -1,0 +1,412 @@
+"""The prefix cache: radix tree + independent SWA / full eviction + the host-memory tier.
+
+Eviction (device), two LRUs over the tree's nodes:
+
+* **SWA** (hybrid layout only), when the SWA pool runs short: tombstone unlocked *inner* nodes
+  first (least recently used first) — their SWA KV serves only hits that end exactly there; then
+  unlocked leaves, which are evicted whole (a tombstoned leaf could never be hit again).
+* **full**, when the full pool runs short: unlocked device leaves (nodes with no child on device),
+  least recently used first. A node whose full KV leaves the device moves to the host tier when it
+  has (or, with the ``on_evict`` policy, gets) a host copy; otherwise it is deleted. A parent left
+  as an unlocked tombstone leaf is evicted too, so no tombstone is ever a leaf.
+
+Host tier (L2, optional): ``host_full`` / ``host_swa`` pools with their own LRU. Write policy
+``on_evict`` copies a node out when the device evicts it; ``second_hit`` copies it when it is hit the
+second time (SGLang HiCache's selective write-through), so eviction later costs nothing. Only the
+trailing ``ceil(W / page)`` SWA pages of a node get a host copy. Matches extend into host-resident
+pages; ``acquire`` loads them back (all or nothing) before the request runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from swaserve.config import FULL, SWA
+from swaserve.kvcache.host import NoCopy, PageMover
+from swaserve.kvcache.pool import PagePool
+from swaserve.kvcache.radix import CacheLock, RadixNode, RadixTree
+
+WritePolicy = Literal["on_evict", "second_hit"]
+
+
+@dataclass
+class CacheStats:
+    """Token counters since start: ``queries`` prompt tokens looked up; hits by tier."""
+
+    queries: int = 0
+    hits_device: int = 0
+    hits_host: int = 0
+    loaded_pages: int = 0  # host -> device page copies (both kinds)
+    saved_pages: int = 0  # device -> host page copies (both kinds)
+
+
+@dataclass
+class Acquired:
+    """A locked hit: the request reuses ``length`` tokens; its page tables start from these."""
+
+    lock: CacheLock | None
+    length: int
+    host_tokens: int
+    full: list[int] = field(default_factory=list)  # [length / page] device full pages
+    swa: list[int | None] = field(default_factory=list)  # [length / page]; None = not in window
+
+
+class PrefixCache:
+    """Args:
+    page_size: tokens per page. window: SWA window in tokens, None = SWA-unaware (full layout).
+    full_pool, swa_pool: device pools (swa_pool None if the model has no SWA layers).
+    host_full, host_swa: host-tier pools (None = no host tier).
+    mover: copies pages between tiers. write_policy: see module doc.
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        window: int | None,
+        full_pool: PagePool,
+        swa_pool: PagePool | None,
+        host_full: PagePool | None = None,
+        host_swa: PagePool | None = None,
+        mover: PageMover | None = None,
+        write_policy: WritePolicy = "on_evict",
+    ) -> None:
+        if write_policy not in ("on_evict", "second_hit"):
+            raise ValueError(f"host write policy must be on_evict or second_hit, got {write_policy!r}")
+        self.tree = RadixTree(page_size, window, full_pool, swa_pool)
+        self.page_size, self.window = page_size, window
+        self.full_pool, self.swa_pool = full_pool, swa_pool
+        self.host_full, self.host_swa = host_full, host_swa
+        self.mover: PageMover = mover or NoCopy()
+        self.write_policy = write_policy
+        self.stats = CacheStats()
+        self._pinned: set[RadixNode] = set()
+
+    @property
+    def has_host(self) -> bool:
+        return self.host_full is not None
+
+    # -- match and acquire ------------------------------------------------------------------------
+    def match_length(self, tokens: list[int], max_tokens: int, use_host: bool = True) -> tuple[int, int]:
+        """(window-safe hit tokens, of which on device) for ``tokens[:max_tokens]``; no state change."""
+        P = self.page_size
+        pages = self.tree.walk(tokens, max_tokens // P)
+        n, dev = self.tree.best_length(pages, use_host and self.has_host)
+        return n * P, dev * P
+
+    def acquire(self, tokens: list[int], max_tokens: int, use_host: bool = True) -> Acquired | None:
+        """Match ``tokens[:max_tokens]``, load host-resident pages of the hit back to device, lock.
+
+        Returns None (tree unchanged apart from splits and cache-to-cache eviction) if the device
+        pools cannot take the host pages to load; retry with ``use_host=False``.
+        """
+        P, tree = self.page_size, self.tree
+        use_host = use_host and self.has_host
+        pages = tree.walk(tokens, max_tokens // P)
+        n, dev = tree.best_length(pages, use_host)
+        if n == 0:
+            return Acquired(None, 0, 0)
+        node = tree.node_at(pages, n)
+        wp = tree.window_pages()
+        win_start = 0 if wp is None else max(0, n - wp)
+        if tree.has_swa and use_host:  # a node needing SWA from host must lie inside the window
+            pages = tree.walk(tokens, n)
+            pg = pages[win_start]
+            if pg.swa is None and pg.index > 0:
+                tree.split(pg.node, pg.index)
+        lock = tree.lock(node, swa=False)
+        pages = tree.walk(tokens, n)
+        nodes = _path_nodes(pages)
+        self._pinned = set(nodes)
+        try:
+            ok = self._load(nodes, pages, win_start)
+        finally:
+            self._pinned = set()
+        if not ok:
+            tree.unlock(lock)
+            return None
+        if tree.has_swa:
+            tree.lock_swa(lock)
+        tree.touch(node)
+        for x in nodes:
+            x.hits += 1
+            if self.write_policy == "second_hit" and x.hits >= 2 and self.has_host and x.host_full is None:
+                self._backup(x)
+        pages = tree.walk(tokens, n)
+        return Acquired(
+            lock,
+            n * P,
+            (n - dev) * P,
+            [p.full for p in pages],  # type: ignore[misc]
+            [p.swa if i >= win_start else None for i, p in enumerate(pages)],
+        )
+
+    def _load(self, nodes: list[RadixNode], pages: list, win_start: int) -> bool:
+        """Bring the host-resident full KV of ``nodes`` and the SWA KV of the window back to device."""
+        P_full = [x for x in nodes if x.full is None]
+        first_win = {pg.node for pg in pages[win_start:]} if self.tree.has_swa else set()
+        P_swa = [x for x in nodes if x in first_win and x.swa is None]
+        need_full = sum(len(x.key) for x in P_full) // self.page_size
+        need_swa = sum(len(x.key) for x in P_swa) // self.page_size
+        if not self.make_room(FULL, need_full) or not self.make_room(SWA, need_swa):
+            return False
+        for x in P_full:
+            assert x.host_full is not None
+            dev = self.full_pool.allocate(len(x.host_full))
+            assert dev is not None
+            self.mover.to_device(FULL, x.host_full, dev)
+            x.full = dev
+            self.tree.dev_lru[x] = None
+            self.stats.loaded_pages += len(dev)
+        for x in P_swa:
+            assert x.host_swa is not None and self.swa_pool is not None
+            host = [p for p in x.host_swa if p is not None]
+            if len(host) != len(x.host_swa):
+                raise RuntimeError(f"window node {x} lacks host SWA pages (internal error)")
+            dev = self.swa_pool.allocate(len(host))
+            assert dev is not None
+            self.mover.to_device(SWA, host, dev)
+            x.swa = dev
+            self.tree.swa_lru[x] = None
+            self.stats.loaded_pages += len(dev)
+        return True
+
+    def record(self, prompt_tokens: int, acq: Acquired) -> None:
+        """Count one admitted request's lookup in ``stats`` (tokens)."""
+        self.stats.queries += prompt_tokens
+        self.stats.hits_device += acq.length - acq.host_tokens
+        self.stats.hits_host += acq.host_tokens
+
+    def release(self, lock: CacheLock | None) -> None:
+        """Drop a request's locks; a node left as an unlocked tombstone leaf is evicted."""
+        if lock is None:
+            return
+        self.tree.unlock(lock)
+        if self._dead_leaf(lock.node):
+            self._evict_device(lock.node)
+
+    def _dead_leaf(self, x: RadixNode) -> bool:
+        """An unlocked device leaf that is a SWA tombstone: no hit can ever end in it."""
+        tree = self.tree
+        return (
+            tree.window is not None
+            and tree.has_swa
+            and x.parent is not None
+            and x is not tree.root
+            and x.full is not None
+            and x.swa is None
+            and x.lock == 0
+            and x not in self._pinned
+            and not x.has_device_child()
+        )
+
+    # -- device eviction --------------------------------------------------------------------------
+    def make_room(self, kind: str, n: int) -> bool:
+        """Evict unlocked cache pages until ``n`` pages of ``kind`` are available (free and not
+        reserved) on device. Returns whether that was reached."""
+        pool = self.full_pool if kind == FULL else self.swa_pool
+        if n <= 0:
+            return True
+        if pool is None:
+            return False
+        if pool.num_available < n:
+            self.evict(kind, n - pool.num_available)
+        return pool.num_available >= n
+
+    def evict(self, kind: str, n: int) -> int:
+        """Free at least ``n`` device pages of ``kind`` if possible; returns pages of it freed."""
+        pool = self.full_pool if kind == FULL else self.swa_pool
+        assert pool is not None
+        before = pool.num_free
+        tree = self.tree
+        progress = True
+        while progress and pool.num_free - before < n:
+            progress = False
+            if kind == SWA and tree.window is not None:
+                for x in list(tree.swa_lru):  # inner nodes first: tombstone
+                    if pool.num_free - before >= n:
+                        break
+                    if (
+                        x.swa is not None
+                        and x.swa_lock == 0
+                        and x not in self._pinned
+                        and x.has_device_child()
+                    ):
+                        self._tombstone(x)
+                        progress = True
+            for x in list(tree.dev_lru):
+                if pool.num_free - before >= n:
+                    break
+                if x.full is None or x.lock or x in self._pinned or x.has_device_child():
+                    continue
+                if kind == SWA and x.swa is None:
+                    continue  # frees no SWA page
+                self._evict_device(x)
+                progress = True
+        return pool.num_free - before
+
+    def _tombstone(self, x: RadixNode) -> None:
+        assert x.swa is not None and self.swa_pool is not None
+        if self.write_policy == "on_evict" and self.has_host and x.host_full is not None:
+            self._backup_swa(x)
+        self.swa_pool.free(x.swa)
+        x.swa = None
+        del self.tree.swa_lru[x]
+
+    def _evict_device(self, x: RadixNode) -> None:
+        """Move a device leaf off the device (to host if it has a copy there, else delete it)."""
+        tree = self.tree
+        assert x.full is not None and not x.has_device_child() and x.lock == 0
+        if self.has_host and self.write_policy == "on_evict":
+            if x.host_full is None:
+                self._backup(x)
+            elif x.swa is not None:
+                self._backup_swa(x)
+        self.full_pool.free(x.full)
+        x.full = None
+        del tree.dev_lru[x]
+        if x.swa is not None:
+            assert self.swa_pool is not None
+            self.swa_pool.free(x.swa)
+            x.swa = None
+            del tree.swa_lru[x]
+        parent = x.parent
+        if x.host_full is None:
+            self._delete_subtree(x)
+        assert parent is not None
+        if self._dead_leaf(parent):
+            self._evict_device(parent)  # no tombstone may be left as a device leaf
+
+    def _delete_subtree(self, x: RadixNode) -> None:
+        """Remove ``x`` (off device) and its descendants (all off device) from the tree."""
+        stack, doomed = [x], []
+        while stack:
+            y = stack.pop()
+            doomed.append(y)
+            stack.extend(y.children.values())
+        self.mover.sync()
+        for y in doomed:
+            assert y.full is None and y.swa is None and y.lock == 0
+            self._drop_host(y)
+        assert x.parent is not None
+        del x.parent.children[tuple(x.key[: self.page_size])]
+        x.parent = None
+
+    # -- host tier --------------------------------------------------------------------------------
+    def _host_swa_slice(self, x: RadixNode) -> int:
+        """Index of the first page of ``x`` whose SWA KV gets a host copy."""
+        wp = self.tree.window_pages()
+        n = len(x.key) // self.page_size
+        return 0 if wp is None else max(0, n - wp)
+
+    def _backup(self, x: RadixNode) -> bool:
+        """Copy ``x``'s device full KV (and trailing SWA) to host; False if the host has no room."""
+        assert x.full is not None and self.host_full is not None
+        if x.host_full is None:
+            if not self._host_room(self.host_full, len(x.full), x):
+                return False
+            host = self.host_full.allocate(len(x.full))
+            assert host is not None
+            self.mover.to_host(FULL, x.full, host)
+            x.host_full = host
+            self.tree.host_lru[x] = None
+            self.stats.saved_pages += len(host)
+        if x.swa is not None:
+            self._backup_swa(x)
+        return True
+
+    def _backup_swa(self, x: RadixNode) -> None:
+        if x.swa is None or self.host_swa is None:
+            return
+        k = self._host_swa_slice(x)
+        have = x.host_swa or [None] * len(x.swa)
+        missing = [i for i in range(k, len(x.swa)) if have[i] is None]
+        if not missing or not self._host_room(self.host_swa, len(missing), x):
+            return
+        host = self.host_swa.allocate(len(missing))
+        assert host is not None
+        self.mover.to_host(SWA, [x.swa[i] for i in missing], host)
+        for i, h in zip(missing, host, strict=True):
+            have[i] = h
+        x.host_swa = have
+        self.stats.saved_pages += len(host)
+
+    def _host_room(self, pool: PagePool, n: int, keep: RadixNode) -> bool:
+        """Evict host copies (LRU) until ``n`` pages of ``pool`` are free; never ``keep``'s."""
+        if n > pool.num_pages:
+            return False
+        if pool.num_free >= n:
+            return True
+        self.mover.sync()
+        for y in list(self.tree.host_lru):
+            if pool.num_free >= n:
+                break
+            if y is keep or y in self._pinned:
+                continue
+            if pool is self.host_swa:
+                if y.host_swa is not None:
+                    self._free_host_swa(y)
+            elif y.full is not None:
+                self._drop_host(y)
+            elif not y.children and y.lock == 0:
+                assert y.parent is not None
+                del y.parent.children[tuple(y.key[: self.page_size])]
+                y.parent = None
+                self._drop_host(y)
+        return pool.num_free >= n
+
+    def _free_host_swa(self, y: RadixNode) -> None:
+        assert self.host_swa is not None and y.host_swa is not None
+        self.host_swa.free([p for p in y.host_swa if p is not None])
+        y.host_swa = None
+
+    def _drop_host(self, y: RadixNode) -> None:
+        if y.host_swa is not None:
+            self._free_host_swa(y)
+        if y.host_full is not None:
+            assert self.host_full is not None
+            self.host_full.free(y.host_full)
+            y.host_full = None
+            del self.tree.host_lru[y]
+
+    # -- whole-cache operations -------------------------------------------------------------------
+    def flush(self) -> None:
+        """Drop every unlocked cached page, device and host."""
+        self.evict(FULL, self.full_pool.num_pages)
+        if self.swa_pool is not None:
+            self.evict(SWA, self.swa_pool.num_pages)
+        self.mover.sync()
+        for y in sorted(self.tree.nodes(), key=lambda n: -_depth(n)):
+            if y.parent is None:
+                continue  # already deleted with an ancestor
+            if y.full is None and not y.children and y.lock == 0:
+                del y.parent.children[tuple(y.key[: self.page_size])]
+                y.parent = None
+                self._drop_host(y)
+            elif y.full is not None:
+                self._drop_host(y)
+
+    def cached_pages(self) -> dict[str, int]:
+        """Pages the tree holds per tier pool: full, swa, host_full, host_swa."""
+        out = {"full": 0, "swa": 0, "host_full": 0, "host_swa": 0}
+        for x in self.tree.nodes():
+            out["full"] += len(x.full or [])
+            out["swa"] += len(x.swa or [])
+            out["host_full"] += len(x.host_full or [])
+            out["host_swa"] += sum(p is not None for p in x.host_swa or [])
+        return out
+
+
+def _path_nodes(pages: list) -> list[RadixNode]:
+    out: list[RadixNode] = []
+    for pg in pages:
+        if not out or out[-1] is not pg.node:
+            out.append(pg.node)
+    return out
+
+
+def _depth(x: RadixNode) -> int:
+    d = 0
+    while x.parent is not None:
+        d, x = d + 1, x.parent
+    return d

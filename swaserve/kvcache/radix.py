@@ -1,0 +1,439 @@
+"""SWA-aware radix tree over page-aligned token ids: the prefix cache's structure, match and insert.
+
+Each node owns a run of whole pages of token ids (``key``, ``len(key) % page_size == 0``) and,
+per tier, the pages that hold their KV::
+
+    full      device full-pool pages      authoritative: a node exists while its full KV exists
+    swa       device SWA-pool pages       may be freed alone: the node is then a *SWA tombstone*
+    host_full host copies of ``full``     (the L2 tier, see ``kvcache.host``)
+    host_swa  host copies of SWA pages    per page; only a node's trailing window needs one
+
+Match rule ("window-safe length"): a hit of length ``L`` (page-aligned) is returned only if the full
+KV of ``[0, L)`` is held (device or host) and the SWA KV of ``[max(0, L - W), L)`` is too. The run of
+consecutive SWA-live pages restarts at every tombstone on the path, so a hit that would read
+recycled SWA slots (a "pseudo-hit") cannot be returned. The longest such ``L`` wins. With
+``window=None`` (``--kv-layout full``) SWA KV is needed for the whole prefix: the SWA-unaware
+baseline, same tree.
+
+Locks: a running request holds a full lock on its whole matched path (``lock`` counts on every
+node up to the root) and a SWA lock on the nodes covering its last ``W`` tokens (``swa_lock``).
+Nothing locked is evicted. Splits copy both counts to the new upper node, and a SWA-lock handle
+learns about the new node, so unlocking is exact however the tree was split meanwhile.
+
+The design follows SGLang's SWA radix cache (tombstones, two LRUs; sglang/srt/mem_cache) and vLLM
+v1's hybrid KV cache manager (per-attention-type hit rules); the code is ours. Eviction and the host
+tier live in ``kvcache.evict``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from swaserve.kvcache.pool import PagePool
+
+
+class RadixNode:
+    """One edge of the radix tree (see module doc for the page fields)."""
+
+    __slots__ = (
+        "children",
+        "full",
+        "hits",
+        "host_full",
+        "host_swa",
+        "id",
+        "key",
+        "lock",
+        "parent",
+        "swa",
+        "swa_holders",
+        "swa_lock",
+    )  # fmt: skip
+
+    _ids = itertools.count()
+
+    def __init__(self, key: list[int], parent: RadixNode | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.full: list[int] | None = None
+        self.swa: list[int] | None = None
+        self.host_full: list[int] | None = None
+        self.host_swa: list[int | None] | None = None
+        self.lock = 0
+        self.swa_lock = 0
+        self.swa_holders: set[int] = set()
+        self.hits = 0
+        self.id = next(RadixNode._ids)
+
+    def __repr__(self) -> str:
+        state = "dev" if self.full is not None else "host"
+        swa = "live" if self.swa is not None else "tomb"
+        return f"Node#{self.id}({len(self.key)} tok, {state}, swa {swa}, lock {self.lock}/{self.swa_lock})"
+
+    @property
+    def on_device(self) -> bool:
+        return self.full is not None
+
+    def has_device_child(self) -> bool:
+        return any(c.full is not None for c in self.children.values())
+
+
+@dataclass
+class CacheLock:
+    """A running request's hold on the tree: full lock on ``node``'s path, SWA lock on ``swa_nodes``."""
+
+    id: int
+    node: RadixNode
+    swa_nodes: list[RadixNode] = field(default_factory=list)
+
+
+@dataclass
+class PathPage:
+    """Where the KV of one logical page of a matched path lives (None = not in that tier)."""
+
+    node: RadixNode
+    index: int  # page index inside node
+    full: int | None
+    swa: int | None
+    host_full: int | None
+    host_swa: int | None
+
+
+@dataclass(frozen=True)
+class Match:
+    """A window-safe prefix hit. ``length`` tokens; ``device_tokens`` of them already on device."""
+
+    node: RadixNode
+    length: int
+    device_tokens: int
+    pages: list[PathPage]
+
+    @property
+    def host_tokens(self) -> int:
+        return self.length - self.device_tokens
+
+
+class RadixTree:
+    """The tree, its pools' page ownership, locks and LRU order. Eviction: ``kvcache.evict``.
+
+    Args:
+        page_size: tokens per page.
+        window: SWA window in tokens (``W``: previous tokens a query sees); None = SWA-unaware
+            (SWA KV kept and needed for the whole prefix, as in ``--kv-layout full``).
+        full_pool, swa_pool: the device pools the node pages come from (``swa_pool`` None when the
+            model has no SWA layers).
+    """
+
+    def __init__(self, page_size: int, window: int | None, full_pool: PagePool, swa_pool: PagePool | None):
+        self.page_size = page_size
+        self.window = window
+        self.full_pool = full_pool
+        self.swa_pool = swa_pool
+        self.root = RadixNode([], None)
+        self.root.full, self.root.swa = [], []
+        self.lock_root()
+        # least recently used first; values unused
+        self.dev_lru: OrderedDict[RadixNode, None] = OrderedDict()
+        self.swa_lru: OrderedDict[RadixNode, None] = OrderedDict()
+        self.host_lru: OrderedDict[RadixNode, None] = OrderedDict()
+        self._handles: dict[int, CacheLock] = {}
+        self._handle_ids = itertools.count()
+
+    def lock_root(self) -> None:
+        self.root.lock = 1 << 30  # never evicted
+
+    @property
+    def has_swa(self) -> bool:
+        return self.swa_pool is not None
+
+    def window_pages(self) -> int | None:
+        """Trailing pages whose SWA KV a hit at a page boundary needs (None = all)."""
+        if self.window is None:
+            return None
+        return -(-self.window // self.page_size)
+
+    # -- walking ----------------------------------------------------------------------------------
+    def _child_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
+        return tuple(tokens[pos * self.page_size : (pos + 1) * self.page_size])
+
+    def _common_pages(self, node: RadixNode, tokens: list[int], pos: int) -> int:
+        P = self.page_size
+        key, start = node.key, pos * P
+        n = len(key) // P
+        avail = (len(tokens) - start) // P
+        if avail >= n and tokens[start : start + len(key)] == key:
+            return n
+        m = 0
+        while m < min(n, avail) and tokens[start + m * P : start + (m + 1) * P] == key[m * P : (m + 1) * P]:
+            m += 1
+        return m
+
+    def walk(self, tokens: list[int], max_pages: int) -> list[PathPage]:
+        """Per-page location of the longest cached page-aligned prefix of ``tokens`` (up to
+        ``max_pages`` pages), without changing the tree."""
+        out: list[PathPage] = []
+        node, pos = self.root, 0
+        while pos < max_pages:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            m = min(self._common_pages(child, tokens, pos), max_pages - pos)
+            for i in range(m):
+                out.append(
+                    PathPage(
+                        child,
+                        i,
+                        child.full[i] if child.full is not None else None,
+                        child.swa[i] if child.swa is not None else None,
+                        child.host_full[i] if child.host_full is not None else None,
+                        child.host_swa[i] if child.host_swa is not None else None,
+                    )
+                )
+            if m < len(child.key) // self.page_size:
+                break
+            node, pos = child, pos + m
+        return out
+
+    def best_length(self, pages: list[PathPage], use_host: bool) -> tuple[int, int]:
+        """(window-safe hit length in pages, pages of it on device) over a walked path."""
+        wp = self.window_pages()
+        best = 0
+        run = 0  # consecutive SWA-available pages ending here (restarts at every tombstone)
+        for i, pg in enumerate(pages):
+            full_ok = pg.full is not None or (use_host and pg.host_full is not None)
+            if not full_ok:
+                break
+            if self.has_swa:
+                swa_ok = pg.swa is not None or (use_host and pg.host_swa is not None)
+                run = run + 1 if swa_ok else 0
+                need = i + 1 if wp is None else min(i + 1, wp)
+                if run < need:
+                    continue
+            best = i + 1
+        dev = 0
+        while dev < best and pages[dev].full is not None:
+            dev += 1
+        # on-device part must itself be window-safe to count as device hit: report pages whose
+        # full KV is on device; the loader brings the rest (and any host SWA) back.
+        return best, dev
+
+    # -- structure --------------------------------------------------------------------------------
+    def split(self, node: RadixNode, m: int) -> RadixNode:
+        """Split ``node`` after its first ``m`` pages; returns the new upper node (``node`` keeps the
+        tail, so references to it, e.g. a lock's deepest node, stay valid)."""
+        P = self.page_size
+        n = len(node.key) // P
+        if not 0 < m < n:
+            raise ValueError(f"split at {m} of {n} pages")
+        parent = node.parent
+        assert parent is not None
+        head = RadixNode(node.key[: m * P], parent)
+        parent.children[tuple(node.key[:P])] = head
+        node.key = node.key[m * P :]
+        node.parent = head
+        head.children[tuple(node.key[:P])] = node
+        for attr in ("full", "swa", "host_full", "host_swa"):
+            v = getattr(node, attr)
+            if v is not None:
+                setattr(head, attr, v[:m])
+                setattr(node, attr, v[m:])
+        head.lock, head.swa_lock, head.hits = node.lock, node.swa_lock, node.hits
+        head.swa_holders = set(node.swa_holders)
+        for h in node.swa_holders:
+            self._handles[h].swa_nodes.append(head)
+        if head.host_swa is not None and all(p is None for p in head.host_swa):
+            head.host_swa = None
+        if node.host_swa is not None and all(p is None for p in node.host_swa):
+            node.host_swa = None
+        # LRU: the head goes last, after its descendants (eviction scans oldest first and must
+        # meet a child before its parent)
+        for lru, has in (
+            (self.dev_lru, head.full is not None),
+            (self.swa_lru, head.swa is not None),
+            (self.host_lru, head.host_full is not None),
+        ):
+            if has:
+                lru[head] = None
+        return head
+
+    def touch(self, node: RadixNode) -> None:
+        """Mark ``node`` and its ancestors most recently used (ancestors after descendants)."""
+        while node is not self.root:
+            for lru in (self.dev_lru, self.swa_lru, self.host_lru):
+                if node in lru:
+                    lru.move_to_end(node)
+            assert node.parent is not None
+            node = node.parent
+
+    def node_at(self, pages: list[PathPage], n: int) -> RadixNode:
+        """The node ending exactly at page ``n`` of a walked path, splitting if needed."""
+        if n == 0:
+            return self.root
+        pg = pages[n - 1]
+        node_pages = len(pg.node.key) // self.page_size
+        if pg.index + 1 < node_pages:
+            return self.split(pg.node, pg.index + 1)
+        return pg.node
+
+    # -- locks ------------------------------------------------------------------------------------
+    def lock(self, node: RadixNode, swa: bool = True) -> CacheLock:
+        """Full-lock ``node``'s path and (``swa``) SWA-lock the nodes covering its last ``W`` tokens."""
+        h = CacheLock(next(self._handle_ids), node)
+        self._handles[h.id] = h
+        x: RadixNode | None = node
+        while x is not None and x is not self.root:
+            x.lock += 1
+            x = x.parent
+        if swa:
+            self.lock_swa(h)
+        return h
+
+    def lock_swa(self, h: CacheLock) -> None:
+        """SWA-lock the nodes covering the last ``W`` tokens of ``h``'s path (all live)."""
+        if h.swa_nodes:
+            raise RuntimeError("SWA lock taken twice (internal error)")
+        covered, x = 0, h.node
+        while x is not self.root and (self.window is None or covered < self.window):
+            assert x is not None
+            if self.has_swa:
+                if x.swa is None:
+                    raise RuntimeError(f"SWA lock on a tombstone {x} (internal error)")
+                x.swa_lock += 1
+                x.swa_holders.add(h.id)
+                h.swa_nodes.append(x)
+            covered += len(x.key)
+            x = x.parent  # type: ignore[assignment]
+
+    def unlock_swa(self, h: CacheLock) -> None:
+        """Release only the SWA lock (the request's window has moved past the cached prefix)."""
+        for x in h.swa_nodes:
+            if x.swa_lock <= 0:
+                raise RuntimeError(f"SWA lock count below zero on {x}")
+            x.swa_lock -= 1
+            x.swa_holders.discard(h.id)
+        h.swa_nodes = []
+
+    def unlock(self, h: CacheLock) -> None:
+        self.unlock_swa(h)
+        x: RadixNode | None = h.node
+        while x is not None and x is not self.root:
+            if x.lock <= 0:
+                raise RuntimeError(f"lock count below zero on {x}")
+            x.lock -= 1
+            x = x.parent
+        del self._handles[h.id]
+
+    def handles(self) -> list[CacheLock]:
+        return list(self._handles.values())
+
+    # -- insert -----------------------------------------------------------------------------------
+    def insert(
+        self, tokens: list[int], full: list[int], swa: list[int | None]
+    ) -> tuple[RadixNode, list[int], list[int | None]]:
+        """Add a request's KV for ``tokens`` (page-aligned) to the tree.
+
+        Args:
+            tokens: ``n * page_size`` token ids.
+            full: [n] device full pages holding them (tree pages for a shared prefix, else the
+                request's own).
+            swa: [n] device SWA pages; None for pages whose SWA KV the request already freed (a
+                None prefix, then live pages: ``swa_evicted`` in SGLang's terms).
+
+        Returns:
+            (deepest node, the tree's full pages [n], the tree's SWA pages [n] (None = tombstone)).
+            Request pages the tree adopts become tree-owned; request pages duplicating tree pages
+            are freed here. Callers point the request at the returned pages.
+        """
+        P = self.page_size
+        n = len(tokens) // P
+        if len(tokens) != n * P or len(full) != n or len(swa) != n:
+            raise ValueError("insert needs page-aligned tokens and one page id per page")
+        live_from = next((i for i, p in enumerate(swa) if p is not None), n)
+        if any(p is None for p in swa[live_from:]):
+            raise ValueError("SWA pages must be a None prefix then live pages")
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                node = self._new_leaves(node, tokens, pos, n, full, swa, live_from)
+                pos = n
+                break
+            m = self._common_pages(child, tokens, pos)
+            if m < len(child.key) // P:
+                child = self.split(child, m)
+            if self.has_swa and child.swa is None and pos < live_from < pos + m:
+                child = self.split(child, live_from - pos)
+                m = live_from - pos
+            self._merge(child, full[pos : pos + m], swa[pos : pos + m])
+            node, pos = child, pos + m
+        out_full: list[int] = []
+        out_swa: list[int | None] = []
+        path = []
+        x: RadixNode | None = node
+        while x is not None and x is not self.root:
+            path.append(x)
+            x = x.parent
+        for x in reversed(path):
+            assert x.full is not None
+            out_full.extend(x.full)
+            out_swa.extend(x.swa if x.swa is not None else [None] * len(x.full))
+        self.touch(node)
+        return node, out_full, out_swa
+
+    def _new_leaves(
+        self,
+        parent: RadixNode,
+        tokens: list[int],
+        pos: int,
+        n: int,
+        full: list[int],
+        swa: list[int | None],
+        live_from: int,
+    ) -> RadixNode:
+        P = self.page_size
+        cuts = [pos, n]
+        if self.has_swa and pos < live_from < n:
+            cuts = [pos, live_from, n]
+        node = parent
+        for a, b in itertools.pairwise(cuts):
+            leaf = RadixNode(tokens[a * P : b * P], node)
+            node.children[tuple(leaf.key[:P])] = leaf
+            leaf.full = full[a:b]
+            self.dev_lru[leaf] = None
+            if self.has_swa and a >= live_from:
+                leaf.swa = [p for p in swa[a:b] if p is not None]
+                self.swa_lru[leaf] = None
+            node = leaf
+        return node
+
+    def _merge(self, node: RadixNode, full: list[int], swa: list[int | None]) -> None:
+        """Reconcile a request's pages with an existing node covering the same tokens."""
+        if node.full is None:  # host-only node: the request's device pages become its device copy
+            node.full = list(full)
+            self.dev_lru[node] = None
+        else:
+            dups = [r for r, t in zip(full, node.full, strict=True) if r != t]
+            self.full_pool.free(dups)
+        if not self.has_swa:
+            return
+        assert self.swa_pool is not None
+        if node.swa is None:
+            if swa and all(p is not None for p in swa):  # revive the tombstone with the request's pages
+                node.swa = [p for p in swa if p is not None]
+                self.swa_lru[node] = None
+            # else: the request freed this SWA KV too; the node stays a tombstone
+        else:
+            dups2 = [r for r, t in zip(swa, node.swa, strict=True) if r is not None and r != t]
+            self.swa_pool.free(dups2)
+
+    # -- introspection ----------------------------------------------------------------------------
+    def nodes(self) -> list[RadixNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            stack.extend(x.children.values())
+        return out
