@@ -68,6 +68,7 @@ class KindManager:
         self.page_size = page_size
         self.window = window
         self.tables: dict[str, PageTable] = {}
+        self.keep_boundary_window = False  # set when a prefix cache will take the request's pages
 
     def guarantee_for(self, max_total_tokens: int, cached_pages: int = 0) -> int:
         """Own pages a request must be sure to get (``cached_pages`` come from the prefix cache)."""
@@ -95,9 +96,13 @@ class KindManager:
         return True
 
     def first_needed_page(self, start: int) -> int:
-        """Lowest logical page a chunk starting at ``start`` reads."""
+        """Lowest logical page a chunk starting at ``start`` reads (with ``keep_boundary_window``:
+        or that the last page boundary ``b <= start`` needs, so the request can still be cached
+        window-safely up to ``b``; at most one more page, within the guarantee)."""
         if self.window is None:
             return 0
+        if self.keep_boundary_window:
+            start = start // self.page_size * self.page_size
         return max(0, start - self.window) // self.page_size
 
     def pages_to_add(self, rid: str, start: int, end: int) -> tuple[int, int]:
@@ -231,6 +236,7 @@ class KVCacheManager:
                 mover,
                 write_policy,
             )
+            self.swa.keep_boundary_window = True
         self.locks: dict[str, CacheLock | None] = {}
         self.hits: dict[str, tuple[int, int]] = {}  # rid -> (cached tokens, of which from host)
 
@@ -352,11 +358,17 @@ class KVCacheManager:
             moved_swa = K - max(st.base, st.shared_end)
             if self.swa.window is not None and not self.cache.make_room(SWA, moved_swa):
                 return False
-        self._insert(rid, tokens[: K * P], ft.pages[:K], swa_list, keep=True)
+        self._insert(rid, tokens[: K * P], ft.pages[:K], swa_list, keep=True, tokens_done=len(tokens))
         return True
 
     def _insert(
-        self, rid: str, tokens: list[int], full: list[int], swa: list[int | None], keep: bool
+        self,
+        rid: str,
+        tokens: list[int],
+        full: list[int],
+        swa: list[int | None],
+        keep: bool,
+        tokens_done: int = 0,
     ) -> None:
         """Give the request's pages for ``tokens`` to the tree; with ``keep`` the request goes on
         with the tree's pages and a lock on the new path."""
@@ -382,6 +394,12 @@ class KVCacheManager:
             if self.swa.window is None:
                 st.guarantee -= K - st.shared_end
             st.shared_end = K
+            # cache pages before the next chunk's window leave the table now: the new lock does
+            # not cover them, so the tree may evict them
+            first = min(self.swa.first_needed_page(tokens_done), K)
+            if first > st.base:
+                st.pages = st.pages[first - st.base :]
+                st.base = first
             st.slot_cache = None
             self.swa._rebalance(st)
 
@@ -392,6 +410,10 @@ class KVCacheManager:
         if self.cache is not None and tokens and rid in self.full.tables:
             K = len(tokens) // P
             ft = self.full.tables[rid]
+            if self.has_swa and self.swa.window is not None:
+                st = self.swa.tables[rid]
+                if st.base > self.swa.first_needed_page(K * P) or st.end_page < K:
+                    K = 0  # the window before K is gone: no window-safe point to cache (defensive)
             if ft.shared_end < K:
                 swa_list: list[int | None] = [None] * K
                 if self.has_swa:

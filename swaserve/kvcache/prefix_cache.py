@@ -81,6 +81,7 @@ class PrefixCache:
         self.write_policy = write_policy
         self.stats = CacheStats()
         self._pinned: set[RadixNode] = set()
+        self._suspects: set[RadixNode] = set()  # nodes that may have become dead leaves
 
     @property
     def has_host(self) -> bool:
@@ -88,11 +89,12 @@ class PrefixCache:
 
     # -- match and acquire ------------------------------------------------------------------------
     def match_length(self, tokens: list[int], max_tokens: int, use_host: bool = True) -> tuple[int, int]:
-        """(window-safe hit tokens, of which on device) for ``tokens[:max_tokens]``; no state change."""
+        """(window-safe hit tokens, of which the device alone serves) for ``tokens[:max_tokens]``;
+        no state change."""
         P = self.page_size
         pages = self.tree.walk(tokens, max_tokens // P)
-        n, dev = self.tree.best_length(pages, use_host and self.has_host)
-        return n * P, dev * P
+        n, _ = self.tree.best_length(pages, use_host and self.has_host)
+        return n * P, self.tree.best_length(pages, False)[0] * P
 
     def acquire(self, tokens: list[int], max_tokens: int, use_host: bool = True) -> Acquired | None:
         """Match ``tokens[:max_tokens]``, load host-resident pages of the hit back to device, lock.
@@ -103,9 +105,10 @@ class PrefixCache:
         P, tree = self.page_size, self.tree
         use_host = use_host and self.has_host
         pages = tree.walk(tokens, max_tokens // P)
-        n, dev = tree.best_length(pages, use_host)
+        n, _ = tree.best_length(pages, use_host)
         if n == 0:
             return Acquired(None, 0, 0)
+        dev = tree.best_length(pages, False)[0]  # what the device alone would have served
         node = tree.node_at(pages, n)
         wp = tree.window_pages()
         win_start = 0 if wp is None else max(0, n - wp)
@@ -124,6 +127,8 @@ class PrefixCache:
             self._pinned = set()
         if not ok:
             tree.unlock(lock)
+            self._suspects.update(nodes)
+            self._reap()
             return None
         if tree.has_swa:
             tree.lock_swa(lock)
@@ -132,6 +137,7 @@ class PrefixCache:
             x.hits += 1
             if self.write_policy == "second_hit" and x.hits >= 2 and self.has_host and x.host_full is None:
                 self._backup(x)
+        self._reap()
         pages = tree.walk(tokens, n)
         return Acquired(
             lock,
@@ -182,11 +188,11 @@ class PrefixCache:
         if lock is None:
             return
         self.tree.unlock(lock)
-        if self._dead_leaf(lock.node):
-            self._evict_device(lock.node)
+        self._suspects.add(lock.node)
+        self._reap()
 
     def _dead_leaf(self, x: RadixNode) -> bool:
-        """An unlocked device leaf that is a SWA tombstone: no hit can ever end in it."""
+        """An unlocked SWA-tombstone leaf on device: no hit can ever end in or pass through it."""
         tree = self.tree
         return (
             tree.window is not None
@@ -197,8 +203,15 @@ class PrefixCache:
             and x.swa is None
             and x.lock == 0
             and x not in self._pinned
-            and not x.has_device_child()
+            and not x.children
         )
+
+    def _reap(self) -> None:
+        """Evict every suspect that turned out to be a dead leaf (and, in turn, its parent)."""
+        while self._suspects:
+            x = self._suspects.pop()
+            if self._dead_leaf(x):
+                self._evict_device(x)
 
     # -- device eviction --------------------------------------------------------------------------
     def make_room(self, kind: str, n: int) -> bool:
@@ -243,6 +256,7 @@ class PrefixCache:
                     continue  # frees no SWA page
                 self._evict_device(x)
                 progress = True
+            self._reap()
         return pool.num_free - before
 
     def _tombstone(self, x: RadixNode) -> None:
@@ -274,8 +288,7 @@ class PrefixCache:
         if x.host_full is None:
             self._delete_subtree(x)
         assert parent is not None
-        if self._dead_leaf(parent):
-            self._evict_device(parent)  # no tombstone may be left as a device leaf
+        self._suspects.add(parent)  # no tombstone may be left as a leaf (see _reap)
 
     def _delete_subtree(self, x: RadixNode) -> None:
         """Remove ``x`` (off device) and its descendants (all off device) from the tree."""
@@ -290,6 +303,7 @@ class PrefixCache:
             self._drop_host(y)
         assert x.parent is not None
         del x.parent.children[tuple(x.key[: self.page_size])]
+        self._suspects.add(x.parent)
         x.parent = None
 
     # -- host tier --------------------------------------------------------------------------------
@@ -351,6 +365,7 @@ class PrefixCache:
             elif not y.children and y.lock == 0:
                 assert y.parent is not None
                 del y.parent.children[tuple(y.key[: self.page_size])]
+                self._suspects.add(y.parent)
                 y.parent = None
                 self._drop_host(y)
         return pool.num_free >= n
@@ -381,10 +396,12 @@ class PrefixCache:
                 continue  # already deleted with an ancestor
             if y.full is None and not y.children and y.lock == 0:
                 del y.parent.children[tuple(y.key[: self.page_size])]
+                self._suspects.add(y.parent)
                 y.parent = None
                 self._drop_host(y)
             elif y.full is not None:
                 self._drop_host(y)
+        self._reap()
 
     def cached_pages(self) -> dict[str, int]:
         """Pages the tree holds per tier pool: full, swa, host_full, host_swa."""

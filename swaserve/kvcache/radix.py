@@ -198,7 +198,8 @@ class RadixTree:
         return out
 
     def best_length(self, pages: list[PathPage], use_host: bool) -> tuple[int, int]:
-        """(window-safe hit length in pages, pages of it on device) over a walked path."""
+        """(window-safe hit length in pages, leading pages whose full KV is on device) over a
+        walked path."""
         wp = self.window_pages()
         best = 0
         run = 0  # consecutive SWA-available pages ending here (restarts at every tombstone)
@@ -216,8 +217,6 @@ class RadixTree:
         dev = 0
         while dev < best and pages[dev].full is not None:
             dev += 1
-        # on-device part must itself be window-safe to count as device hit: report pages whose
-        # full KV is on device; the loader brings the rest (and any host SWA) back.
         return best, dev
 
     # -- structure --------------------------------------------------------------------------------

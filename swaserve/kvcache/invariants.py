@@ -1,0 +1,88 @@
+"""Consistency checks of pools, page tables, the radix tree and the host tier (tests, debugging).
+
+``check(kv)`` raises ``AssertionError`` naming the first broken invariant:
+
+* every page of every pool (device full/SWA, host full/SWA) is free, or owned by exactly one
+  owner: a tree node or one request (its private pages); nothing is both free and referenced;
+* a request's shared pages are pages of the tree; reservations add up to the pool's;
+* lock counts are non-negative and equal the number of live lock handles covering the node;
+* every node holds its full KV on device or host; device SWA implies device full KV; nodes off
+  the device have no descendant on it; every SWA-locked node has live SWA KV;
+* (SWA-aware) no unlocked leaf on device is a SWA tombstone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.pool import PagePool
+from swaserve.kvcache.radix import RadixNode
+
+
+def _owned(pool: PagePool, owners: dict[int, str], name: str) -> None:
+    for p in range(pool.num_pages):
+        free = pool.is_free(p)
+        assert not (free and p in owners), f"{name} page {p} is free and owned by {owners[p]}"
+        assert free or p in owners, f"{name} page {p} is neither free nor owned (leak)"
+
+
+def _claim(owners: dict[int, str], pages: list[int], who: str, name: str) -> None:
+    for p in pages:
+        assert p not in owners, f"{name} page {p} owned by both {owners[p]} and {who}"
+        owners[p] = who
+
+
+def check(kv: KVCacheManager) -> None:
+    """Assert every invariant in the module doc over ``kv`` and its prefix cache."""
+    cache = kv.cache
+    owners: dict[str, dict[int, str]] = {"full": {}, "swa": {}, "host_full": {}, "host_swa": {}}
+    nodes: list[RadixNode] = cache.tree.nodes() if cache is not None else []
+    for x in nodes:
+        P = kv.page_size
+        n = len(x.key) // P
+        assert n > 0 and len(x.key) == n * P, f"{x}: key not whole pages"
+        assert x.parent is not None and x.parent.children.get(tuple(x.key[:P])) is x, f"{x}: bad parent link"
+        for attr in ("full", "swa", "host_full", "host_swa"):
+            v = getattr(x, attr)
+            assert v is None or len(v) == n, f"{x}: {attr} has {len(v)} pages for {n}"
+        assert x.full is not None or x.host_full is not None, f"{x}: no full KV in any tier"
+        assert x.swa is None or x.full is not None, f"{x}: device SWA without device full KV"
+        if x.full is None:
+            assert not x.has_device_child(), f"{x}: off device but a child is on device"
+        assert x.lock >= 0 and x.swa_lock >= 0, f"{x}: negative lock"
+        assert x.swa_lock == len(x.swa_holders), f"{x}: SWA lock count != holders"
+        assert x.swa_lock == 0 or x.swa is not None, f"{x}: SWA-locked tombstone"
+        if cache is not None and cache.tree.window is not None and cache.tree.has_swa:
+            dead = x.full is not None and x.swa is None and x.lock == 0 and not x.children
+            assert not dead, f"{x}: unlocked SWA-tombstone leaf on device"
+        _claim(owners["full"], x.full or [], f"node {x.id}", "full")
+        _claim(owners["swa"], x.swa or [], f"node {x.id}", "swa")
+        _claim(owners["host_full"], x.host_full or [], f"node {x.id}", "host_full")
+        _claim(owners["host_swa"], [p for p in x.host_swa or [] if p is not None], f"node {x.id}", "host_swa")
+    if cache is not None:
+        expect_lock: Counter[int] = Counter()
+        expect_swa: Counter[int] = Counter()
+        for h in cache.tree.handles():
+            y: RadixNode | None = h.node
+            while y is not None and y is not cache.tree.root:
+                expect_lock[y.id] += 1
+                y = y.parent
+            for z in h.swa_nodes:
+                expect_swa[z.id] += 1
+        for x in nodes:
+            assert x.lock == expect_lock[x.id], f"{x}: lock {x.lock} != handles {expect_lock[x.id]}"
+            assert x.swa_lock == expect_swa[x.id], f"{x}: SWA lock {x.swa_lock} != {expect_swa[x.id]}"
+    for name, k in (("full", kv.full), ("swa", kv.swa)):
+        tree_pages = set(owners[name])
+        for rid, t in k.tables.items():
+            shared = t.pages[: max(0, t.shared_end - t.base)]
+            assert all(p in tree_pages for p in shared), f"request {rid}: shared {name} page not in tree"
+            _claim(owners[name], t.private(), f"request {rid}", name)
+        assert sum(t.reserved for t in k.tables.values()) == k.pool.reserved, f"{name}: reservations"
+    pools: dict[str, PagePool | None] = {"full": kv.full.pool, "swa": kv.swa.pool}
+    if cache is not None:
+        pools["host_full"], pools["host_swa"] = cache.host_full, cache.host_swa
+    for name, pool in pools.items():
+        if pool is not None and (name != "swa" or kv.has_swa):
+            _owned(pool, owners[name], name)

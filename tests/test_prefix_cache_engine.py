@@ -1,0 +1,125 @@
+"""Exactness of prefix caching in the real engine (tiny checkpoint, W = 8).
+
+Random multi-turn and branching workloads run with the cache off and on (page size below and
+above the window, small chunks so that chunked prefill inserts partial prefixes, and a device
+budget so small that the host tier serves hits). Greedy outputs must be identical token for token,
+and the log-probabilities of every sampled token and its top alternatives equal within 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from swaserve.config import EngineConfig
+from swaserve.engine.llm_engine import LLMEngine
+from swaserve.engine.types import SamplingParams
+from swaserve.kvcache import invariants
+
+NEW = 10
+PARAMS = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=3, ignore_eos=True)
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    cached: int = 0
+
+
+def run_wave(eng: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, Result]:
+    """Submit ``prompts`` together and run them to completion."""
+    out = {rid: Result() for rid in prompts}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, PARAMS)
+    while eng.has_unfinished():
+        for o in eng.step():
+            r = out[o.request_id]
+            r.tokens += o.new_token_ids
+            r.logprobs += [(lp.logprob, lp.top) for lp in o.new_logprobs]
+            r.cached = o.cached_tokens
+        invariants.check(eng.kv)
+    return out
+
+
+def workload(eng: LLMEngine, seed: int) -> dict[str, Result]:
+    """Three waves: branches of a shared system prompt, then two more turns of each conversation
+    (each turn's prompt = previous prompt + reply + new user tokens), plus fresh branches."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 500) for _ in range(37)]
+    convs = {f"c{i}": system + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 30))] for i in range(4)}
+    results: dict[str, Result] = {}
+    for turn in range(3):
+        wave = {f"{cid}-t{turn}": p for cid, p in convs.items()}
+        wave[f"fresh-t{turn}"] = system[: rng.randrange(8, 37)] + [rng.randrange(3, 500) for _ in range(9)]
+        got = run_wave(eng, wave)
+        results.update(got)
+        for cid in convs:
+            reply = got[f"{cid}-t{turn}"].tokens
+            convs[cid] = convs[cid] + reply + [rng.randrange(3, 500) for _ in range(rng.randrange(2, 12))]
+    return results
+
+
+CONFIGS = {
+    "page4": EngineConfig(page_size=4, max_num_batched_tokens=24, kv_cache_memory=4 << 20),
+    "page16": EngineConfig(page_size=16, max_num_batched_tokens=20, kv_cache_memory=4 << 20),
+    "full-layout": EngineConfig(
+        page_size=4, max_num_batched_tokens=24, kv_cache_memory=4 << 20, kv_layout="full"
+    ),
+    "host-tier": EngineConfig(
+        page_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=5,
+        kv_cache_memory=300_000,
+        host_cache_memory=4 << 20,
+    ),
+    "host-second-hit": EngineConfig(
+        page_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=5,
+        kv_cache_memory=300_000,
+        host_cache_memory=4 << 20,
+        host_write_policy="second_hit",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def baselines(tiny_dir: Path) -> dict[str, dict[str, Result]]:
+    """Cache-off results per page size (the unoptimized path)."""
+    out = {}
+    for page in (4, 16):
+        cfg = EngineConfig(page_size=page, max_num_batched_tokens=64, enable_prefix_caching=False)
+        out[str(page)] = workload(LLMEngine(tiny_dir, cfg), seed=7)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_on_equals_cache_off(tiny_dir: Path, baselines, name: str) -> None:  # type: ignore[no-untyped-def]
+    cfg = CONFIGS[name]
+    eng = LLMEngine(tiny_dir, cfg)
+    got = workload(eng, seed=7)
+    base = baselines[str(cfg.page_size)]
+    for rid, r in got.items():
+        b = base[rid]
+        assert r.tokens == b.tokens, f"{name}: {rid} differs with the prefix cache on"
+        for (lp, top), (blp, btop) in zip(r.logprobs, b.logprobs, strict=True):
+            assert abs(lp - blp) <= 1e-4
+            assert [t for t, _ in top] == [t for t, _ in btop]
+            assert all(abs(x - y) <= 1e-4 for (_, x), (_, y) in zip(top, btop, strict=True))
+    stats = eng.kv.cache.stats if eng.kv.cache is not None else None
+    assert stats is not None and stats.hits_device + stats.hits_host > 0
+    assert sum(r.cached for r in got.values()) == stats.hits_device + stats.hits_host
+    assert any(r.cached > 0 for rid, r in got.items() if rid.endswith("t2"))
+    if cfg.host_cache_memory:
+        assert stats.hits_host > 0, "the host tier served no hit: the test would not cover it"
+        assert stats.saved_pages > 0 and stats.loaded_pages > 0
+    for p in eng.stats().pools.values():
+        assert p.request_pages == 0
+    eng.kv.flush_cache()
+    invariants.check(eng.kv)
+    for p in eng.stats().pools.values():
+        assert p.used_pages == 0
