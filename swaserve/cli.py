@@ -96,6 +96,21 @@ def serve(
         str | None, typer.Option(help="cpu, cuda, cuda:1... (default: CUDA if present).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Engine sampling seed.")] = 0,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option(help="Reuse cached prefixes' KV (SWA-aware radix tree).")
+    ] = True,
+    host_cache_memory: Annotated[
+        int | None,
+        typer.Option(
+            parser=_size_option,
+            metavar="BYTES",
+            help="Host-memory KV tier behind the device pools (default: none).",
+        ),
+    ] = None,
+    host_write_policy: Annotated[
+        Literal["on_evict", "second_hit"],
+        typer.Option(help="When pages get a host copy: when evicted from device, or on their second hit."),
+    ] = "on_evict",
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
     from swaserve.api.server import serve as run_server
@@ -111,6 +126,9 @@ def serve(
         dtype=dtype,
         device=device,
         seed=seed,
+        enable_prefix_caching=enable_prefix_caching,
+        host_cache_memory=host_cache_memory or 0,
+        host_write_policy=host_write_policy,
     )
     run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
 

@@ -138,7 +138,9 @@ class EngineStatsCollector(Collector):
             labels=pool_labels,
         )
         used = GaugeMetricFamily(
-            PREFIX + "kv_cache_used_pages", "KV pages held by requests now.", labels=pool_labels
+            PREFIX + "kv_cache_used_pages",
+            "KV pages not free: held by requests or the prefix cache.",
+            labels=pool_labels,
         )
         total = GaugeMetricFamily(
             PREFIX + "kv_cache_total_pages", "KV pages in the pool.", labels=pool_labels
@@ -147,7 +149,9 @@ class EngineStatsCollector(Collector):
             PREFIX + "kv_cache_peak_used_pages", "Most KV pages held at once since start.", labels=pool_labels
         )
         used_bytes = GaugeMetricFamily(
-            PREFIX + "kv_cache_used_bytes", "Bytes of KV pages held by requests now.", labels=pool_labels
+            PREFIX + "kv_cache_used_bytes",
+            "Bytes of KV pages not free (requests and prefix cache).",
+            labels=pool_labels,
         )
         for pool, p in sorted(s.pools.items()):
             labels = [self._model, pool]
@@ -168,6 +172,29 @@ class EngineStatsCollector(Collector):
         generation.add_metric(m, s.generation_tokens_total)
         yield prompt
         yield generation
+
+        pc = s.prefix_cache
+        queries = CounterMetricFamily(
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels=["model_name"],
+        )
+        queries.add_metric(m, pc.queries if pc is not None else 0)
+        hits = CounterMetricFamily(
+            PREFIX + "prefix_cache_hits",
+            "Prompt tokens served from the prefix cache, by tier (device; host: what the host tier added).",
+            labels=["model_name", "tier"],
+        )
+        hits.add_metric([self._model, "device"], pc.hits_device if pc is not None else 0)
+        hits.add_metric([self._model, "host"], pc.hits_host if pc is not None else 0)
+        cached = GaugeMetricFamily(
+            PREFIX + "prefix_cache_pages",
+            "Pages the prefix cache holds, by pool (full, swa, host_full, host_swa).",
+            labels=pool_labels,
+        )
+        for pool, n in sorted(s.cache_pages.items()):
+            cached.add_metric([self._model, pool], n)
+        yield from (queries, hits, cached)
 
 
 class ServerMetrics:

@@ -18,6 +18,7 @@ from swaserve.api.protocol import (
 )
 from swaserve.engine.stats import EngineStats, PoolStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.metrics import ITL_BUCKETS, TTFT_BUCKETS, RequestTimer, ServerMetrics
 
 MAX_LEN = 100
@@ -355,6 +356,8 @@ def _stats() -> EngineStats:
         },
         prompt_tokens_total=123,
         generation_tokens_total=45,
+        prefix_cache=CacheStats(queries=1000, hits_device=600, hits_host=150),
+        cache_pages={"full": 7, "swa": 3, "host_full": 20, "host_swa": 2},
     )
 
 
@@ -372,6 +375,10 @@ def test_engine_gauges_are_read_at_scrape_time() -> None:
     assert get("swaserve:kv_cache_used_bytes", {"model_name": "tiny", "pool": "full"}) == 25 * 1024
     assert get("swaserve:prompt_tokens_total", {"model_name": "tiny"}) == 123
     assert get("swaserve:generation_tokens_total", {"model_name": "tiny"}) == 45
+    assert get("swaserve:prefix_cache_queries_total", {"model_name": "tiny"}) == 1000
+    assert get("swaserve:prefix_cache_hits_total", {"model_name": "tiny", "tier": "device"}) == 600
+    assert get("swaserve:prefix_cache_hits_total", {"model_name": "tiny", "tier": "host"}) == 150
+    assert get("swaserve:prefix_cache_pages", {"model_name": "tiny", "pool": "host_full"}) == 20
     state["stats"] = EngineStats(num_running=0, num_waiting=0)
     assert get("swaserve:num_requests_running", {"model_name": "tiny"}) == 0
     text, content_type = m.render()

@@ -98,6 +98,8 @@ class HostKVStorage:
         h = torch.tensor(host_pages, dtype=torch.int64)
         ks, vs = self.dev.kv[kind]
         hk, hv = self.kv[kind]
+        if self._stream is not None:  # the pages may have been read by kernels still in flight
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         for j in range(len(ks)):
             if self._stream is None:
                 self._paged(ks[j])[d] = hk[j][h]
