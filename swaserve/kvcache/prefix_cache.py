@@ -2,9 +2,10 @@
 
 Eviction (device), two LRUs over the tree's nodes:
 
-* **SWA** (hybrid layout only), when the SWA pool runs short: tombstone unlocked *inner* nodes
-  first (least recently used first) — their SWA KV serves only hits that end exactly there; then
-  unlocked leaves, which are evicted whole (a tombstoned leaf could never be hit again).
+* **SWA** (hybrid layout only), when the SWA pool runs short, least recently used first in each
+  stage: trim unlocked inner nodes, then leaves, to their trailing window (split, tombstone the
+  head: a hit ending at the node's end needs only that window); then tombstone inner nodes whole;
+  then evict unlocked leaves whole (a tombstoned leaf could never be hit again).
 * **full**, when the full pool runs short: unlocked device leaves (nodes with no child on device),
   least recently used first. A node whose full KV leaves the device moves to the host tier when it
   has (or, with the ``on_evict`` policy, gets) a host copy; otherwise it is deleted. A parent left
@@ -236,17 +237,7 @@ class PrefixCache:
         while progress and pool.num_free - before < n:
             progress = False
             if kind == SWA and tree.window is not None:
-                for x in list(tree.swa_lru):  # inner nodes first: tombstone
-                    if pool.num_free - before >= n:
-                        break
-                    if (
-                        x.swa is not None
-                        and x.swa_lock == 0
-                        and x not in self._pinned
-                        and x.has_device_child()
-                    ):
-                        self._tombstone(x)
-                        progress = True
+                progress = self._evict_swa(pool, before + n)
             for x in list(tree.dev_lru):
                 if pool.num_free - before >= n:
                     break
@@ -259,10 +250,42 @@ class PrefixCache:
             self._reap()
         return pool.num_free - before
 
+    def _evict_swa(self, pool: PagePool, target_free: int) -> bool:
+        """SWA-only eviction, least recently used first within each stage, until ``target_free``:
+        1. trim inner nodes: tombstone all but their trailing window (a hit can end at a branch
+           point, which needs only that window); 2. trim leaves likewise; 3. tombstone inner nodes,
+        keeping the trailing pages that live children shorter than the window need for a hit at
+        their own end. Leaves are evicted whole afterwards by the caller. Returns whether anything
+        was freed."""
+        tree = self.tree
+        wp = tree.window_pages()
+        assert wp is not None
+        freed = False
+        for stage in ("trim_inner", "trim_leaf", "tombstone_inner"):
+            for x in list(tree.swa_lru):
+                if pool.num_free >= target_free:
+                    return freed
+                if x.swa is None or x.swa_lock or x in self._pinned or x.parent is None:
+                    continue
+                inner = x.has_device_child()
+                if stage == "tombstone_inner":
+                    if not inner:
+                        continue
+                    # keep what live children shorter than the window need for a hit at their end
+                    keep = max([wp - len(c.swa) for c in x.children.values() if c.swa is not None] + [0])
+                    if keep >= len(x.swa):
+                        continue
+                    self._tombstone(tree.split(x, len(x.swa) - keep) if keep else x)
+                    freed = True
+                elif inner == (stage == "trim_inner") and len(x.swa) > wp:
+                    self._tombstone(tree.split(x, len(x.swa) - wp))
+                    freed = True
+        return freed
+
     def _tombstone(self, x: RadixNode) -> None:
         assert x.swa is not None and self.swa_pool is not None
-        if self.write_policy == "on_evict" and self.has_host and x.host_full is not None:
-            self._backup_swa(x)
+        if self.write_policy == "on_evict" and self.has_host:
+            self._backup(x)  # its trailing SWA (and full KV) stay reachable from the host tier
         self.swa_pool.free(x.swa)
         x.swa = None
         del self.tree.swa_lru[x]
