@@ -245,7 +245,7 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             prefix_cache=self.kv.cache.stats if self.kv.cache is not None else None,
-            cache_pages=self.kv.cache.cached_pages() if self.kv.cache is not None else {},
+            cache_pages=self.kv.cached_pages() if self.kv.cache is not None else {},
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -86,3 +86,5 @@ def check(kv: KVCacheManager) -> None:
     for name, pool in pools.items():
         if pool is not None and (name != "swa" or kv.has_swa):
             _owned(pool, owners[name], name)
+    if cache is not None:
+        assert kv.cached_pages() == cache.cached_pages(), "pool-derived cache page counts disagree with the tree"
