@@ -25,7 +25,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/swaserve bench kv-capacity --json bench/results/kv_capacity.json
+	$(BIN)/swaserve bench prefix-cache --json bench/results/prefix_cache.json
 	$(BIN)/swaserve bench engine --json bench/results/engine.json
+	$(BIN)/swaserve bench prefix-replay --json bench/results/prefix_replay.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

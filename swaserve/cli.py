@@ -246,6 +246,55 @@ def bench_kv_capacity(
     main(str(json_path) if json_path is not None else None)
 
 
+@bench_app.command("prefix-cache")
+def bench_prefix_cache(
+    trace: Annotated[
+        list[Path] | None,
+        typer.Option(help="Mooncake .jsonl or agent-session trace; repeatable (default: both bundled ones)."),
+    ] = None,
+    budget: Annotated[
+        int | None,
+        typer.Option(
+            parser=_size_option,
+            metavar="BYTES",
+            help="Device KV bytes (default: 25% of the trace's footprint).",
+        ),
+    ] = None,
+    host_budget: Annotated[
+        int | None,
+        typer.Option(
+            parser=_size_option,
+            metavar="BYTES",
+            help="Host-tier bytes (default: none for Mooncake, the whole footprint for agent sessions).",
+        ),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Replay the first N requests only.")] = None,
+    chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk, tokens.")] = 512,
+    cache_partial: Annotated[
+        bool, typer.Option(help="Insert each non-final prefill chunk into the cache, as the engine does.")
+    ] = False,
+    curve: Annotated[bool, typer.Option(help="Also replay the hit-rate curve over budgets.")] = True,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+) -> None:
+    """Prefix-cache token hit rates of a trace at a memory budget (real cache, no model)."""
+    from bench.prefix_cache import BenchInputError, main
+    from swaserve.traces import TraceError
+
+    try:
+        main(
+            str(json_path) if json_path is not None else None,
+            [str(t) for t in trace] if trace else None,
+            limit,
+            budget,
+            host_budget,
+            curve,
+            chunk,
+            cache_partial,
+        )
+    except (OSError, TraceError, BenchInputError) as e:  # unreadable or malformed trace, tiny budget
+        raise typer.BadParameter(str(e)) from e
+
+
 @bench_app.command("engine")
 def bench_engine(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
@@ -254,6 +303,19 @@ def bench_engine(
     from bench.engine_bench import main
 
     main(str(json_path) if json_path is not None else None)
+
+
+@bench_app.command("prefix-replay")
+def bench_prefix_replay(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests to replay per mode.")] = 250,
+    max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 64,
+    time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
+) -> None:
+    """The make-run replay through `swaserve serve`, prefix cache off then on: TTFT ratio."""
+    from bench.prefix_replay import main
+
+    main(json_path, limit, max_output=max_output_tokens, time_scale=time_scale)
 
 
 if __name__ == "__main__":

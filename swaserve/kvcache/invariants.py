@@ -87,4 +87,6 @@ def check(kv: KVCacheManager) -> None:
         if pool is not None and (name != "swa" or kv.has_swa):
             _owned(pool, owners[name], name)
     if cache is not None:
-        assert kv.cached_pages() == cache.cached_pages(), "pool-derived cache page counts disagree with the tree"
+        assert kv.cached_pages() == cache.cached_pages(), (
+            "pool-derived cache page counts disagree with the tree"
+        )

@@ -1,0 +1,526 @@
+"""Prefix-cache hit rates of a trace, replayed through the real cache at a memory budget, no model.
+
+Each request goes through ``KVCacheManager`` (page accounting only, no tensors) as the engine runs a
+request that is alone: ``admit`` (matches the longest window-safe cached prefix, loads host pages
+back), chunked prefill of the rest (``max_chunk`` / ``allocate``, chunks of ``--chunk`` tokens,
+default 512 = the engine's default ``max_num_batched_tokens``), then ``free`` with the prompt tokens,
+which inserts the prompt's whole pages into the radix tree. Requests run one at a time in arrival
+order. Nothing is decoded (a request reserves its prompt plus one output token), and only prompt
+tokens are cached: the traces have no output token ids.
+
+``--cache-partial`` also calls ``cache_partial`` after each non-final chunk, as ``LLMEngine.step``
+does so that concurrent requests can share a prefix still being prefilled. With one request at a
+time nobody can share it earlier, but it changes what the hybrid cache keeps: the SWA KV of every
+chunk stays in the tree (instead of only the last chunk's window) and every chunk boundary becomes a
+node. It is off by default; docs/BENCHMARKS.md has both.
+
+Workloads (``--trace``; the format is detected from the first record):
+
+* Mooncake (``hash_ids``): ``TokenBlocks`` at the trace's own 512 tokens per hash id (unscaled)
+  over 256 token ids (CPython's small-int singletons, so a cached token costs one 8-byte pointer).
+* Agent sessions (``session_id``/``messages``): real prompt ids from the default model's tokenizer
+  (``read_agent_sessions`` + ``tokenize_calls``).
+
+Shape: MiMo-V2.5-Pro (10 full + 60 SWA layers, 8 KV heads each, W = 128, bf16 KV), page 16. A page
+costs 0.82 MB in the full-attention pool and 4.92 MB in the SWA pool, so a full-layout page (both)
+is 7x what the hybrid layout needs for a cached token outside the window.
+
+Ideal: an infinite cache (any layout): for each request, the tokens of its longest page-aligned
+prefix (at most ``len - 1`` tokens) whose pages all appeared in an earlier prompt, over all prompt
+tokens. *Footprint*: the trace's distinct page chains x full-layout bytes per page (full + SWA);
+budgets are given as shares of it (default device budget 0.25; default host tier: none for
+Mooncake traces, the whole footprint for agent sessions).
+
+Hybrid split (``hybrid_plan``): the full layout splits a budget into equal page counts
+(``plan_pools(kv_layout="full")``). The hybrid layout's default split (``plan_pools``) sizes the SWA
+pool for running requests only, but a cached prompt is only reusable at its end if the SWA KV of
+the tokens before that end is still live: ``free`` leaves the last chunk and the window before it,
+``t = ceil(C/P) + ceil(W/P) + 1`` pages. So the SWA pool gets one running request's pages
+``R = ceil(W/P) + 2 + ceil(C/P) + 1`` plus ``t`` pages for each cached prompt the full pool holds,
+counting ``m`` full pages (the trace's mean prompt pages) per prompt: ``S = R + t * F / m`` with
+``F * full_page_bytes + S * swa_page_bytes = budget``. For the bundled traces this gives the SWA
+pool 25% (Mooncake) and 39% (agent sessions) of the bytes. Measured at a device budget of 0.25
+(cache of commit b1d8f25): the Mooncake hit rate moves by < 0.0002 for SWA shares from 0.15 to
+0.35; the agent sessions' is 0.82 at 0.05 and flat (0.9321) from 0.1 to 0.6. With
+``--cache-partial`` the rule under-provisions SWA: every chunk then leaves a node whose trailing
+window the cache keeps (a quarter of the SWA pages at chunk 512).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO
+
+from bench.kv_capacity import SHAPES, model_config
+from swaserve.config import EngineConfig, ModelConfig
+from swaserve.kvcache.manager import KVCacheManager, PoolPlan, cdiv
+from swaserve.kvcache.sizing import host_plan, page_bytes, plan_pools
+from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, read_mooncake
+
+ROOT = Path(__file__).resolve().parent.parent
+CONVERSATION_TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
+AGENT_TRACE = ROOT / "data" / "agentic" / "agent_sessions.jsonl.gz"
+SHAPE = SHAPES[1]  # MiMo-V2.5-Pro
+PAGE = 16
+CHUNK = 512  # prefill chunk, tokens (EngineConfig.max_num_batched_tokens default)
+DTYPE_BYTES = 2
+MOONCAKE_VOCAB = 256
+DEVICE_FRACTION = 0.25  # default device budget, share of the footprint
+CURVE = (  # (device share, host share) of the footprint
+    (0.05, 0.0),
+    (0.1, 0.0),
+    (0.25, 0.0),
+    (0.5, 0.0),
+    (1.0, 0.0),
+    (0.05, 1.0),
+    (0.1, 1.0),
+    (0.25, 1.0),
+)
+
+
+class BenchInputError(ValueError):
+    """The trace format is unknown or a budget cannot hold the pools."""
+
+
+@dataclass
+class Workload:
+    """Prompts of a trace (``prompts()`` yields them afresh each call) and the infinite-cache ideal."""
+
+    name: str
+    kind: str  # "mooncake" | "agent"
+    requests: int
+    prompt_tokens: int
+    unique_pages: int  # distinct page chains over all prompts (whole pages only)
+    ideal_hits: int  # tokens an infinite cache serves
+    prompts: Callable[[], Iterator[list[int]]] = field(repr=False)
+
+    @property
+    def ideal_hit_rate(self) -> float:
+        return self.ideal_hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_prompt_pages(self) -> float:
+        return self.prompt_tokens / PAGE / max(1, self.requests)
+
+
+def _open_text(path: Path) -> IO[str]:
+    with path.open("rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")
+
+
+def detect_kind(path: Path) -> str:
+    """ "mooncake" or "agent", from the first record's fields.
+
+    Raises:
+        BenchInputError: neither format.
+    """
+    with _open_text(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if isinstance(rec, dict) and "hash_ids" in rec:
+                    return "mooncake"
+                if isinstance(rec, dict) and "messages" in rec:
+                    return "agent"
+                break
+    raise BenchInputError(f"{path}: neither a Mooncake trace (hash_ids) nor agent sessions (messages)")
+
+
+def mooncake_workload(path: Path, limit: int | None, seed: int = 0) -> Workload:
+    """Token prompts at 512 tokens per hash id. The ideal is computed from the ids: page ``j`` of a
+    prompt is page ``j % 32`` of block ``hash_ids[j // 32]``, and a hash id names its block and all
+    blocks before it, so a page chain is (hash id, page in block); ``tests`` check this against
+    ``ideal_of`` on the tokens."""
+    reqs = read_mooncake(path, limit)
+    B = TRACE_BLOCK_TOKENS
+    per_block = B // PAGE
+    seen: dict[int, int] = {}  # hash id -> most whole pages of its block any prompt had
+    total = ideal = 0
+    for r in reqs:
+        n = r.input_length
+        total += n
+        hit = 0
+        while hit < (n - 1) // PAGE and seen.get(r.hash_ids[hit // per_block], 0) > hit % per_block:
+            hit += 1
+        ideal += hit * PAGE
+        whole = n // PAGE
+        for k, h in enumerate(r.hash_ids):
+            pages = min(per_block, whole - k * per_block)
+            if pages > seen.get(h, 0):
+                seen[h] = pages
+
+    def prompts() -> Iterator[list[int]]:
+        for r in reqs:  # a TokenBlocks per request: its block cache must not grow with the trace
+            yield TokenBlocks(B, MOONCAKE_VOCAB, seed=seed).prompt(r)
+
+    return Workload(path.name, "mooncake", len(reqs), total, sum(seen.values()), ideal, prompts)
+
+
+def ideal_of(prompts: Iterator[list[int]] | list[list[int]]) -> tuple[int, int]:
+    """(ideal hit tokens, distinct page chains) of token prompts in order, by hashing page chains."""
+    seen: set[int] = set()
+    ideal = 0
+    for p in prompts:
+        h, hit, counting = 0, 0, True
+        for i in range(len(p) // PAGE):
+            h = hash((h, tuple(p[i * PAGE : (i + 1) * PAGE])))
+            if counting and i < (len(p) - 1) // PAGE and h in seen:
+                hit += 1
+            else:
+                counting = False
+            seen.add(h)
+        ideal += hit * PAGE
+    return ideal, len(seen)
+
+
+def agent_workload(path: Path, limit: int | None) -> Workload:
+    """Real prompt token ids of the agent sessions (default model's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from swaserve.agentic import read_agent_sessions, tokenize_calls
+    from swaserve.model.checkpoint import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    ids = tokenize_calls(read_agent_sessions(path, limit), tok)
+    ideal, unique = ideal_of(ids)
+    total = sum(len(p) for p in ids)
+    return Workload(path.name, "agent", len(ids), total, unique, ideal, lambda: iter(ids))
+
+
+def load_workload(path: Path, limit: int | None = None) -> Workload:
+    return mooncake_workload(path, limit) if detect_kind(path) == "mooncake" else agent_workload(path, limit)
+
+
+# -- pool plans --------------------------------------------------------------------------------------
+def footprint_bytes(cfg: ModelConfig, unique_pages: int) -> int:
+    """Bytes the trace's distinct pages take in the full layout (both pools)."""
+    pbf, pbs = page_bytes(cfg, PAGE, DTYPE_BYTES)
+    return unique_pages * (pbf + pbs)
+
+
+def hybrid_plan(cfg: ModelConfig, budget: int, mean_prompt_pages: float, chunk: int = CHUNK) -> PoolPlan:
+    """Hybrid split of ``budget`` bytes (module doc): ``S = R + t * F / m``.
+
+    Raises:
+        BenchInputError: the budget cannot hold one running request's SWA pages and one full page.
+    """
+    pbf, pbs = page_bytes(cfg, PAGE, DTYPE_BYTES)
+    wp, cp = cdiv(cfg.window, PAGE), cdiv(chunk, PAGE)
+    running = wp + 2 + cp + 1
+    tail = cp + wp + 1
+    m = max(1.0, mean_prompt_pages)
+    full = int((budget - running * pbs) / (pbf + tail * pbs / m))
+    if full < 1:
+        raise BenchInputError(f"budget {budget} B too small for the hybrid pools")
+    return PoolPlan(full, (budget - full * pbf) // pbs, pbf, pbs)
+
+
+def full_plan(cfg: ModelConfig, budget: int) -> PoolPlan:
+    """The SWA-unaware layout: equal page counts (``plan_pools`` with ``kv_layout="full"``).
+
+    Raises:
+        BenchInputError: the budget cannot hold one page of each pool.
+    """
+    ecfg = EngineConfig(page_size=PAGE, kv_cache_memory=budget, kv_layout="full")
+    try:
+        return plan_pools(cfg, ecfg, DTYPE_BYTES)
+    except ValueError as e:
+        raise BenchInputError(str(e)) from e
+
+
+# -- replay ------------------------------------------------------------------------------------------
+@dataclass
+class Replay:
+    """Token counts of one replay (one layout, one device and host budget)."""
+
+    layout: str
+    device_bytes: int  # of the plan (<= the budget: whole pages)
+    host_bytes: int
+    full_pages: int
+    swa_pages: int
+    host_full_pages: int
+    host_swa_pages: int
+    prompt_tokens: int = 0
+    hits_device: int = 0
+    hits_host: int = 0
+    rejected: int = 0  # requests that never fit the pools (admission failed): 0 hits, tokens counted
+    stalled: int = 0  # admitted requests whose prefill could not go on (not expected alone)
+    seconds: float = 0.0
+
+    @property
+    def hits(self) -> int:
+        return self.hits_device + self.hits_host
+
+    def rates(self) -> dict[str, float]:
+        t = max(1, self.prompt_tokens)
+        return {
+            "hit_rate": self.hits / t,
+            "device_hit_rate": self.hits_device / t,
+            "host_hit_rate": self.hits_host / t,
+        }
+
+
+def replay(
+    cfg: ModelConfig,
+    work: Workload,
+    layout: str,
+    plan: PoolPlan,
+    host_bytes: int = 0,
+    chunk: int = CHUNK,
+    cache_partial: bool = False,
+    write_policy: str = "on_evict",
+) -> Replay:
+    """Run every prompt of ``work`` through a ``KVCacheManager`` with ``plan`` (module doc)."""
+    try:
+        host = host_plan(plan, host_bytes) if host_bytes > 0 else None
+    except ValueError as e:
+        raise BenchInputError(str(e)) from e
+    kv = KVCacheManager(
+        plan,
+        PAGE,
+        cfg.window,
+        layout,
+        len(cfg.full_layers),
+        len(cfg.swa_layers),
+        prefix_caching=True,
+        host_pages=host,
+        write_policy=write_policy,  # type: ignore[arg-type]
+    )
+    out = Replay(
+        layout, plan.full_pages * plan.full_page_bytes + plan.swa_pages * plan.swa_page_bytes, host_bytes,
+        plan.full_pages, plan.swa_pages, host[0] if host else 0, host[1] if host else 0,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(work.prompts()):
+        rid, n = str(i), len(prompt)
+        out.prompt_tokens += n
+        if not kv.admit(rid, n + 1, prompt):
+            out.rejected += 1
+            continue
+        hit, from_host = kv.hits[rid]
+        out.hits_device += hit - from_host
+        out.hits_host += from_host
+        start = hit
+        while start < n:
+            step = kv.max_chunk(rid, start, min(n, start + chunk))
+            if step == 0 or not kv.allocate(rid, start, start + step):
+                out.stalled += 1
+                break
+            start += step
+            if cache_partial and start < n:
+                kv.cache_partial(rid, prompt[:start])
+        kv.free(rid, prompt[:start])
+    out.seconds = time.perf_counter() - t0
+    assert kv.cache is not None
+    s = kv.cache.stats
+    if (s.hits_device, s.hits_host) != (out.hits_device, out.hits_host):
+        raise RuntimeError(f"cache stats {s} disagree with the per-request hits {out}")
+    return out
+
+
+def _r(x: float) -> float:
+    return round(x, 4)
+
+
+def _replay_record(r: Replay) -> dict[str, object]:
+    d = asdict(r)
+    d.update({k: _r(v) for k, v in r.rates().items()})
+    d["seconds"] = round(r.seconds, 2)
+    return d
+
+
+def bench_trace(
+    path: Path,
+    limit: int | None = None,
+    budget: int | None = None,
+    host_budget: int | None = None,
+    curve: bool = True,
+    chunk: int = CHUNK,
+    cache_partial: bool = False,
+    write_policy: str = "on_evict",
+) -> dict[str, object]:
+    """Replay one trace in both layouts at the budgets (and the curve); returns its JSON record."""
+    t0 = time.perf_counter()
+    cfg = model_config(SHAPE)
+    work = load_workload(path, limit)
+    foot = footprint_bytes(cfg, work.unique_pages)
+    dev = budget if budget is not None else int(foot * DEVICE_FRACTION)
+    host_b = host_budget if host_budget is not None else (0 if work.kind == "mooncake" else foot)
+    done: dict[tuple[str, int, int], Replay] = {}
+
+    def run(layout: str, d: int, h: int) -> Replay:
+        if (layout, d, h) not in done:
+            plan = (
+                hybrid_plan(cfg, d, work.mean_prompt_pages, chunk)
+                if layout == "hybrid"
+                else full_plan(cfg, d)
+            )
+            done[layout, d, h] = replay(cfg, work, layout, plan, h, chunk, cache_partial, write_policy)
+        return done[layout, d, h]
+
+    hyb, full = run("hybrid", dev, host_b), run("full", dev, host_b)
+    ideal = work.ideal_hit_rate
+    hr, fr = hyb.rates(), full.rates()
+    rec: dict[str, object] = {
+        "trace": str(path),
+        "kind": work.kind,
+        "shape": SHAPE.name,
+        "page_size": PAGE,
+        "chunk_tokens": chunk,
+        "cache_partial": cache_partial,
+        "write_policy": write_policy,
+        "requests": work.requests,
+        "prompt_tokens": work.prompt_tokens,
+        "unique_pages": work.unique_pages,
+        "ideal_hit_tokens": work.ideal_hits,
+        "footprint_bytes": foot,
+        "device_budget_bytes": dev,
+        "device_budget_share": _r(dev / foot) if foot else None,
+        "host_budget_bytes": host_b,
+        "host_budget_share": _r(host_b / foot) if foot else None,
+        "hit_rate": _r(hr["hit_rate"]),
+        "device_hit_rate": _r(hr["device_hit_rate"]),
+        "host_hit_rate": _r(hr["host_hit_rate"]),
+        "ideal_hit_rate": _r(ideal),
+        "full_layout_hit_rate": _r(fr["hit_rate"]),
+        "hit_vs_ideal": _r(hr["hit_rate"] / ideal) if ideal else None,
+        "full_layout_vs_ideal": _r(fr["hit_rate"] / ideal) if ideal else None,
+        "hybrid_swa_byte_share": _r(hyb.swa_pages * page_bytes(cfg, PAGE, DTYPE_BYTES)[1] / max(1, dev)),
+        "hybrid": _replay_record(hyb),
+        "full": _replay_record(full),
+    }
+    if curve:
+        rows = []
+        for dfrac, hfrac in CURVE:
+            try:
+                h = run("hybrid", int(foot * dfrac), int(foot * hfrac))
+                f = run("full", int(foot * dfrac), int(foot * hfrac))
+            except BenchInputError as e:  # a tiny trace (--limit): the share holds no page
+                rows.append({"device_share": dfrac, "host_share": hfrac, "error": str(e)})
+                continue
+            rows.append(
+                {
+                    "device_share": dfrac,
+                    "host_share": hfrac,
+                    "hybrid": {
+                        **{k: _r(v) for k, v in h.rates().items()},
+                        "rejected": h.rejected,
+                        "seconds": round(h.seconds, 1),
+                    },
+                    "full": {
+                        **{k: _r(v) for k, v in f.rates().items()},
+                        "rejected": f.rejected,
+                        "seconds": round(f.seconds, 1),
+                    },
+                }
+            )
+        rec["curve"] = rows
+    rec["targets"] = targets(rec)
+    rec["wall_s"] = round(time.perf_counter() - t0, 1)
+    rec["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return rec
+
+
+def targets(rec: dict[str, object]) -> dict[str, bool]:
+    """The issue's targets for the trace kind (at the record's budgets)."""
+    hit, ideal, full = (float(rec[k]) for k in ("hit_rate", "ideal_hit_rate", "full_layout_hit_rate"))  # type: ignore[arg-type]
+    if rec["kind"] == "mooncake":
+        return {"hybrid >= 0.97 x ideal": hit >= 0.97 * ideal, "hybrid > full layout": hit > full}
+    return {"hybrid >= 0.93": hit >= 0.93, "hybrid >= 0.98 x ideal": hit >= 0.98 * ideal}
+
+
+# -- output ------------------------------------------------------------------------------------------
+def _gb(b: object) -> str:
+    return f"{float(b) / 1e9:.1f}"  # type: ignore[arg-type]
+
+
+def print_record(rec: dict[str, object]) -> None:
+    hyb, full = rec["hybrid"], rec["full"]
+    assert isinstance(hyb, dict) and isinstance(full, dict)
+    ideal = float(rec["ideal_hit_rate"])  # type: ignore[arg-type]
+    print(
+        f"Prefix cache: {rec['trace']} ({rec['kind']}: {rec['requests']} requests, "
+        f"{rec['prompt_tokens']} prompt tokens, {rec['unique_pages']} distinct pages)"
+    )
+    print(
+        f"{SHAPE.name}, bf16 KV, page {PAGE}, prefill chunk {rec['chunk_tokens']}"
+        f"{', cache_partial' if rec['cache_partial'] else ''}; footprint {_gb(rec['footprint_bytes'])} GB; "
+        f"device {_gb(rec['device_budget_bytes'])} GB ({rec['device_budget_share']}), "
+        f"host {_gb(rec['host_budget_bytes'])} GB ({rec['host_budget_share']})"
+    )
+    print(
+        f"{'layout':<8}{'full pg':>10}{'swa pg':>10}{'host full':>11}{'host swa':>10}"
+        f"{'device':>8}{'host':>8}{'total':>8}{'ideal':>8}{'/ideal':>8}{'reject':>8}{'s':>7}"
+    )
+    for r in (hyb, full):
+        print(
+            f"{r['layout']:<8}{r['full_pages']:>10}{r['swa_pages']:>10}{r['host_full_pages']:>11}"
+            f"{r['host_swa_pages']:>10}{r['device_hit_rate']:>8.4f}{r['host_hit_rate']:>8.4f}"
+            f"{r['hit_rate']:>8.4f}{ideal:>8.4f}{r['hit_rate'] / max(ideal, 1e-12):>8.3f}"
+            f"{r['rejected'] + r['stalled']:>8}{r['seconds']:>7.1f}"
+        )
+    tg = rec.get("targets")
+    if isinstance(tg, dict):
+        print("targets: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in tg.items()))
+    curve = rec.get("curve")
+    if isinstance(curve, list):
+        print("Hit-rate curve (budgets as shares of the footprint; total = device + host)")
+        print(f"{'device':>7}{'host':>6}{'hybrid total':>14}{'device':>8}{'full total':>12}{'device':>8}")
+        for c in curve:
+            if "error" in c:
+                print(f"{c['device_share']:>7}{c['host_share']:>6}  {c['error']}")
+                continue
+            h, f = c["hybrid"], c["full"]
+            print(
+                f"{c['device_share']:>7}{c['host_share']:>6}{h['hit_rate']:>14.4f}{h['device_hit_rate']:>8.4f}"
+                f"{f['hit_rate']:>12.4f}{f['device_hit_rate']:>8.4f}"
+                + (
+                    f"  (rejected {h['rejected']} / {f['rejected']})"
+                    if h["rejected"] or f["rejected"]
+                    else ""
+                )
+            )
+    print(f"wall {rec['wall_s']} s, peak RSS {rec['peak_rss_mb']} MB")
+
+
+def main(
+    json_path: str | None = None,
+    traces: list[str] | None = None,
+    limit: int | None = None,
+    budget: int | None = None,
+    host_budget: int | None = None,
+    curve: bool = True,
+    chunk: int = CHUNK,
+    cache_partial: bool = False,
+    write_policy: str = "on_evict",
+) -> dict[str, object]:
+    """Bench each trace (default: both bundled ones), print its tables, write JSON.
+
+    JSON: one trace -> its record; several -> ``{"traces": [record, ...]}``. A record has
+    ``hit_rate`` (hybrid, device + host), ``device_hit_rate``, ``host_hit_rate``, ``ideal_hit_rate``,
+    ``full_layout_hit_rate``, the ratios to the ideal, budgets, ``hybrid``/``full`` details (pages,
+    per-tier rates, rejected requests), ``curve`` and ``targets``.
+    """
+    paths = [Path(t) for t in traces] if traces else [CONVERSATION_TRACE, AGENT_TRACE]
+    recs = []
+    for p in paths:
+        rec = bench_trace(p, limit, budget, host_budget, curve, chunk, cache_partial, write_policy)
+        print_record(rec)
+        print()
+        recs.append(rec)
+    out: dict[str, object] = recs[0] if len(recs) == 1 else {"traces": recs}
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

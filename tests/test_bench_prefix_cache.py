@@ -1,0 +1,126 @@
+"""``swaserve bench prefix-cache``: the trace replay through the real prefix cache (short slices)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from bench.kv_capacity import model_config
+from bench.prefix_cache import (
+    AGENT_TRACE,
+    CONVERSATION_TRACE,
+    SHAPE,
+    BenchInputError,
+    bench_trace,
+    footprint_bytes,
+    full_plan,
+    hybrid_plan,
+    ideal_of,
+    load_workload,
+    replay,
+)
+from swaserve.cli import app
+
+CFG = model_config(SHAPE)
+
+
+def _sane(rec: dict[str, Any]) -> None:
+    for key in ("hit_rate", "ideal_hit_rate", "full_layout_hit_rate", "device_hit_rate", "host_hit_rate"):
+        assert key in rec
+    ideal = rec["ideal_hit_rate"]
+    assert 0 < ideal <= 1
+    for layout in ("hybrid", "full"):
+        r = rec[layout]
+        assert r["hits_device"] + r["hits_host"] <= rec["ideal_hit_tokens"]
+        assert r["prompt_tokens"] == rec["prompt_tokens"]
+        assert 0 <= r["device_hit_rate"] <= r["hit_rate"] <= ideal + 1e-4
+        assert r["device_hit_rate"] + r["host_hit_rate"] == pytest.approx(r["hit_rate"], abs=2e-4)
+        assert r["rejected"] == r["stalled"] == 0
+    assert rec["hit_rate"] == rec["hybrid"]["hit_rate"]
+    assert rec["full_layout_hit_rate"] == rec["full"]["hit_rate"]
+    assert rec["device_hit_rate"] + rec["host_hit_rate"] == pytest.approx(rec["hit_rate"], abs=2e-4)
+
+
+def test_conversation_slice_hybrid_beats_full_at_equal_bytes() -> None:
+    rec = bench_trace(CONVERSATION_TRACE, limit=200, curve=False)
+    _sane(rec)
+    assert rec["kind"] == "mooncake" and rec["requests"] == 200
+    assert rec["device_budget_share"] == 0.25 and rec["host_budget_bytes"] == 0
+    assert rec["hybrid"]["device_bytes"] <= rec["device_budget_bytes"]
+    assert rec["full"]["device_bytes"] <= rec["device_budget_bytes"]
+    assert rec["full"]["full_pages"] == rec["full"]["swa_pages"]
+    # a tight budget (on fewer requests the full layout still holds their whole working set):
+    # the full layout keeps a quarter of the distinct pages, the hybrid most of them
+    assert rec["hit_rate"] > rec["full_layout_hit_rate"]
+    assert set(rec["targets"]) == {"hybrid >= 0.97 x ideal", "hybrid > full layout"}
+
+
+def test_mooncake_ideal_from_ids_matches_token_pages() -> None:
+    work = load_workload(CONVERSATION_TRACE, 40)
+    assert ideal_of(work.prompts()) == (work.ideal_hits, work.unique_pages)
+    assert work.prompt_tokens == sum(len(p) for p in work.prompts())
+
+
+@pytest.mark.parametrize("cache_partial", [False, True])
+def test_infinite_budget(cache_partial: bool) -> None:
+    """With room for everything, the full layout reaches the ideal; so does the hybrid when every
+    chunk's SWA KV is cached (without ``cache_partial`` only each prompt's last chunk keeps it, so a
+    request that branches off deep inside an earlier prompt misses)."""
+    work = load_workload(CONVERSATION_TRACE, 40)
+    big = 2 * footprint_bytes(CFG, work.unique_pages)
+    full = replay(CFG, work, "full", full_plan(CFG, big), cache_partial=cache_partial)
+    assert full.hits == work.ideal_hits and full.hits_host == 0
+    hyb = replay(
+        CFG, work, "hybrid", hybrid_plan(CFG, big, work.mean_prompt_pages), cache_partial=cache_partial
+    )
+    assert hyb.hits <= work.ideal_hits
+    if cache_partial:
+        assert hyb.hits == work.ideal_hits
+
+
+def test_agent_slice_with_host_tier() -> None:
+    rec = bench_trace(AGENT_TRACE, limit=60, curve=False)
+    _sane(rec)
+    assert rec["kind"] == "agent" and rec["requests"] == 60
+    assert rec["host_budget_share"] == 1.0  # default: a host tier that holds the working set
+    assert rec["hybrid"]["host_full_pages"] > 0 and rec["full"]["host_full_pages"] > 0
+    # with the whole working set on host, the full layout misses nothing the ideal hits
+    assert rec["full_layout_hit_rate"] == rec["ideal_hit_rate"]
+    assert rec["ideal_hit_rate"] > 0.5  # consecutive calls of a session share their history
+
+
+def test_request_larger_than_pools_is_counted_not_fatal() -> None:
+    work = load_workload(CONVERSATION_TRACE, 10)
+    longest = max(len(p) for p in work.prompts())
+    pbf_pbs = footprint_bytes(CFG, 1)
+    r = replay(CFG, work, "full", full_plan(CFG, pbf_pbs * (longest // 16 // 2)))
+    assert r.rejected >= 1
+    assert r.prompt_tokens == work.prompt_tokens
+    with pytest.raises(BenchInputError):
+        full_plan(CFG, 1000)
+
+
+def test_cli_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "pc.json"
+    res = CliRunner().invoke(
+        app,
+        ["bench", "prefix-cache", "--trace", str(CONVERSATION_TRACE), "--limit", "30", "--json", str(out)],
+    )
+    assert res.exit_code == 0, res.output
+    assert "hit-rate curve" in res.output.lower() and "hybrid" in res.output
+    rec = json.loads(out.read_text())
+    _sane(rec)
+    assert {(c["device_share"], c["host_share"]) for c in rec["curve"]} >= {(0.25, 0.0), (0.25, 1.0)}
+    for c in rec["curve"]:
+        for layout in ("hybrid", "full"):
+            assert 0 <= c[layout]["device_hit_rate"] <= c[layout]["hit_rate"] <= rec["ideal_hit_rate"] + 1e-4
+    at = next(c for c in rec["curve"] if (c["device_share"], c["host_share"]) == (0.25, 0.0))
+    assert at["hybrid"]["hit_rate"] == rec["hit_rate"]  # the same replay as the headline numbers
+    bad = CliRunner().invoke(
+        app, ["bench", "prefix-cache", "--trace", str(CONVERSATION_TRACE), "--limit", "5", "--budget", "1MB"]
+    )
+    assert bad.exit_code == 2 and "too small" in bad.output
