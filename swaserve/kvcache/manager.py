@@ -305,6 +305,8 @@ class KVCacheManager:
                 if new > t.reserved:
                     self.cache.make_room(FULL if k is self.full else SWA, new - t.reserved)
         lo, hi = 0, end - start
+        if all(self._fits(k, rid, start, end) for k in self._kinds()):
+            return hi  # the common case: the whole chunk fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if all(self._fits(k, rid, start, start + mid) for k in self._kinds()):
