@@ -8,6 +8,7 @@ and the log-probabilities of every sampled token and its top alternatives equal 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,15 +77,8 @@ CONFIGS = {
         kv_cache_memory=300_000,
         host_cache_memory=4 << 20,
     ),
-    "host-second-hit": EngineConfig(
-        page_size=4,
-        max_num_batched_tokens=16,
-        max_num_seqs=5,
-        kv_cache_memory=300_000,
-        host_cache_memory=4 << 20,
-        host_write_policy="second_hit",
-    ),
 }
+CONFIGS["host-second-hit"] = dataclasses.replace(CONFIGS["host-tier"], host_write_policy="second_hit")
 
 
 @pytest.fixture(scope="module")

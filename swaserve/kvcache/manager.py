@@ -284,8 +284,7 @@ class KVCacheManager:
                 if any(p is None for p in shared):
                     raise RuntimeError("prefix hit without live SWA in its window (internal error)")
                 self.swa.admit(rid, max_total_tokens, base, shared, n)  # type: ignore[arg-type]
-            self.cache.record(len(prompt or []), acq)
-        if acq is not None and acq.length == 0 and self.cache is not None:
+        if acq is not None and self.cache is not None:
             self.cache.record(len(prompt or []), acq)
         self.locks[rid] = acq.lock if acq is not None else None
         self.hits[rid] = (acq.length, acq.host_tokens) if acq is not None else (0, 0)

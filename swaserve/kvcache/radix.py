@@ -22,7 +22,7 @@ learns about the new node, so unlocking is exact however the tree was split mean
 
 The design follows SGLang's SWA radix cache (tombstones, two LRUs; sglang/srt/mem_cache) and vLLM
 v1's hybrid KV cache manager (per-attention-type hit rules); the code is ours. Eviction and the host
-tier live in ``kvcache.evict``.
+tier live in ``kvcache.prefix_cache``.
 """
 
 from __future__ import annotations
@@ -102,22 +102,8 @@ class PathPage:
     host_swa: int | None
 
 
-@dataclass(frozen=True)
-class Match:
-    """A window-safe prefix hit. ``length`` tokens; ``device_tokens`` of them already on device."""
-
-    node: RadixNode
-    length: int
-    device_tokens: int
-    pages: list[PathPage]
-
-    @property
-    def host_tokens(self) -> int:
-        return self.length - self.device_tokens
-
-
 class RadixTree:
-    """The tree, its pools' page ownership, locks and LRU order. Eviction: ``kvcache.evict``.
+    """The tree, its pools' page ownership, locks and LRU order. Eviction: ``kvcache.prefix_cache``.
 
     Args:
         page_size: tokens per page.
