@@ -8,11 +8,12 @@ which inserts the prompt's whole pages into the radix tree. Requests run one at 
 order. Nothing is decoded (a request reserves its prompt plus one output token), and only prompt
 tokens are cached: the traces have no output token ids.
 
-``--cache-partial`` also calls ``cache_partial`` after each non-final chunk, as ``LLMEngine.step``
-does so that concurrent requests can share a prefix still being prefilled. With one request at a
-time nobody can share it earlier, but it changes what the hybrid cache keeps: the SWA KV of every
-chunk stays in the tree (instead of only the last chunk's window) and every chunk boundary becomes a
-node. It is off by default; docs/BENCHMARKS.md has both.
+As ``LLMEngine.step`` does, ``cache_partial`` inserts the computed prefix after each non-final
+chunk (default; ``--no-cache-partial`` turns it off): every chunk end then keeps its SWA window in
+the tree as a checkpoint (evictable, least recently used first), so a later prompt that branches
+off at a chunk boundary deep inside an earlier one still gets a window-safe hit. Without it only
+each prompt's last chunk keeps SWA KV, plus the point where a prompt left the cached tree
+(``max_chunk`` ends a chunk there and it is inserted: a branch point found by traffic).
 
 Workloads (``--trace``; the format is detected from the first record):
 
@@ -31,19 +32,10 @@ tokens. *Footprint*: the trace's distinct page chains x full-layout bytes per pa
 budgets are given as shares of it (default device budget 0.25; default host tier: none for
 Mooncake traces, the whole footprint for agent sessions).
 
-Hybrid split (``hybrid_plan``): the full layout splits a budget into equal page counts
-(``plan_pools(kv_layout="full")``). The hybrid layout's default split (``plan_pools``) sizes the SWA
-pool for running requests only, but a cached prompt is only reusable at its end if the SWA KV of
-the tokens before that end is still live: ``free`` leaves the last chunk and the window before it,
-``t = ceil(C/P) + ceil(W/P) + 1`` pages. So the SWA pool gets one running request's pages
-``R = ceil(W/P) + 2 + ceil(C/P) + 1`` plus ``t`` pages for each cached prompt the full pool holds,
-counting ``m`` full pages (the trace's mean prompt pages) per prompt: ``S = R + t * F / m`` with
-``F * full_page_bytes + S * swa_page_bytes = budget``. For the bundled traces this gives the SWA
-pool 25% (Mooncake) and 39% (agent sessions) of the bytes. Measured at a device budget of 0.25
-(cache of commit b1d8f25): the Mooncake hit rate moves by < 0.0002 for SWA shares from 0.15 to
-0.35; the agent sessions' is 0.82 at 0.05 and flat (0.9321) from 0.1 to 0.6. With
-``--cache-partial`` the rule under-provisions SWA: every chunk then leaves a node whose trailing
-window the cache keeps (a quarter of the SWA pages at chunk 512).
+Hybrid split (``hybrid_plan``): the engine's (``plan_pools`` with prefix caching): ``r`` SWA pages
+per full page (``--swa-ratio``, default 1/9, see ``kvcache.sizing``), at least one running
+request's need. The full layout splits a budget into equal page counts
+(``plan_pools(kv_layout="full")``).
 """
 
 from __future__ import annotations
@@ -59,8 +51,8 @@ from typing import IO
 
 from bench.kv_capacity import SHAPES, model_config
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.kvcache.manager import KVCacheManager, PoolPlan, cdiv
-from swaserve.kvcache.sizing import host_plan, page_bytes, plan_pools
+from swaserve.kvcache.manager import KVCacheManager, PoolPlan
+from swaserve.kvcache.sizing import DEFAULT_SWA_FULL_TOKENS_RATIO, host_plan, page_bytes, plan_pools
 from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, read_mooncake
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,10 +95,6 @@ class Workload:
     @property
     def ideal_hit_rate(self) -> float:
         return self.ideal_hits / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def mean_prompt_pages(self) -> float:
-        return self.prompt_tokens / PAGE / max(1, self.requests)
 
 
 def _open_text(path: Path) -> IO[str]:
@@ -205,21 +193,27 @@ def footprint_bytes(cfg: ModelConfig, unique_pages: int) -> int:
     return unique_pages * (pbf + pbs)
 
 
-def hybrid_plan(cfg: ModelConfig, budget: int, mean_prompt_pages: float, chunk: int = CHUNK) -> PoolPlan:
-    """Hybrid split of ``budget`` bytes (module doc): ``S = R + t * F / m``.
+def hybrid_plan(
+    cfg: ModelConfig, budget: int, chunk: int = CHUNK, swa_ratio: float | None = None
+) -> PoolPlan:
+    """The engine's split of ``budget`` bytes with prefix caching (``plan_pools``: ``swa_ratio`` SWA
+    pages per full page, default the engine's), for one running request at a time.
 
     Raises:
-        BenchInputError: the budget cannot hold one running request's SWA pages and one full page.
+        BenchInputError: the budget cannot hold one page of each pool.
     """
-    pbf, pbs = page_bytes(cfg, PAGE, DTYPE_BYTES)
-    wp, cp = cdiv(cfg.window, PAGE), cdiv(chunk, PAGE)
-    running = wp + 2 + cp + 1
-    tail = cp + wp + 1
-    m = max(1.0, mean_prompt_pages)
-    full = int((budget - running * pbs) / (pbf + tail * pbs / m))
-    if full < 1:
-        raise BenchInputError(f"budget {budget} B too small for the hybrid pools")
-    return PoolPlan(full, (budget - full * pbf) // pbs, pbf, pbs)
+    ecfg = EngineConfig(
+        page_size=PAGE,
+        kv_cache_memory=budget,
+        max_num_seqs=1,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=True,
+        swa_full_tokens_ratio=swa_ratio,
+    )
+    try:
+        return plan_pools(cfg, ecfg, DTYPE_BYTES)
+    except ValueError as e:
+        raise BenchInputError(str(e)) from e
 
 
 def full_plan(cfg: ModelConfig, budget: int) -> PoolPlan:
@@ -274,7 +268,7 @@ def replay(
     plan: PoolPlan,
     host_bytes: int = 0,
     chunk: int = CHUNK,
-    cache_partial: bool = False,
+    cache_partial: bool = True,
     write_policy: str = "on_evict",
 ) -> Replay:
     """Run every prompt of ``work`` through a ``KVCacheManager`` with ``plan`` (module doc)."""
@@ -314,7 +308,7 @@ def replay(
                 out.stalled += 1
                 break
             start += step
-            if cache_partial and start < n:
+            if start < n and (cache_partial or start == kv.diverge.get(rid)):
                 kv.cache_partial(rid, prompt[:start])
         kv.free(rid, prompt[:start])
     out.seconds = time.perf_counter() - t0
@@ -343,8 +337,9 @@ def bench_trace(
     host_budget: int | None = None,
     curve: bool = True,
     chunk: int = CHUNK,
-    cache_partial: bool = False,
+    cache_partial: bool = True,
     write_policy: str = "on_evict",
+    swa_ratio: float | None = None,
 ) -> dict[str, object]:
     """Replay one trace in both layouts at the budgets (and the curve); returns its JSON record."""
     t0 = time.perf_counter()
@@ -357,11 +352,7 @@ def bench_trace(
 
     def run(layout: str, d: int, h: int) -> Replay:
         if (layout, d, h) not in done:
-            plan = (
-                hybrid_plan(cfg, d, work.mean_prompt_pages, chunk)
-                if layout == "hybrid"
-                else full_plan(cfg, d)
-            )
+            plan = hybrid_plan(cfg, d, chunk, swa_ratio) if layout == "hybrid" else full_plan(cfg, d)
             done[layout, d, h] = replay(cfg, work, layout, plan, h, chunk, cache_partial, write_policy)
         return done[layout, d, h]
 
@@ -375,6 +366,7 @@ def bench_trace(
         "page_size": PAGE,
         "chunk_tokens": chunk,
         "cache_partial": cache_partial,
+        "swa_full_tokens_ratio": swa_ratio if swa_ratio is not None else DEFAULT_SWA_FULL_TOKENS_RATIO,
         "write_policy": write_policy,
         "requests": work.requests,
         "prompt_tokens": work.prompt_tokens,
@@ -498,8 +490,9 @@ def main(
     host_budget: int | None = None,
     curve: bool = True,
     chunk: int = CHUNK,
-    cache_partial: bool = False,
+    cache_partial: bool = True,
     write_policy: str = "on_evict",
+    swa_ratio: float | None = None,
 ) -> dict[str, object]:
     """Bench each trace (default: both bundled ones), print its tables, write JSON.
 
@@ -511,7 +504,7 @@ def main(
     paths = [Path(t) for t in traces] if traces else [CONVERSATION_TRACE, AGENT_TRACE]
     recs = []
     for p in paths:
-        rec = bench_trace(p, limit, budget, host_budget, curve, chunk, cache_partial, write_policy)
+        rec = bench_trace(p, limit, budget, host_budget, curve, chunk, cache_partial, write_policy, swa_ratio)
         print_record(rec)
         print()
         recs.append(rec)

@@ -1,19 +1,31 @@
 """Trace replay through ``swaserve serve`` with the prefix cache off, then on, in one run.
 
-Each mode starts its own server on the default model (same flags apart from the cache), replays
-the same slice of the Mooncake conversation trace (the ``make run`` workload: 512-token blocks
-scaled to ``--block-tokens``, outputs capped, arrival times divided by ``--time-scale``) and
-reads TTFT/ITL percentiles and cached tokens from the replay report. Ratios are cache-on over
-cache-off, so a TTFT ratio below 1 is the cache's gain. Both servers run on the same machine one
-after the other, so the ratio compares like with like; absolute times depend on the machine.
+Each mode starts its own server on the default model (same flags apart from the cache) and replays
+the same workload; ratios are cache-on over cache-off, so a TTFT ratio below 1 is the cache's gain.
+Both servers run on the same machine one after the other, so the ratio compares like with like;
+absolute times depend on the machine. Workloads (``--workload``):
+
+* ``conversation``: a slice of the Mooncake conversation trace, open loop (the ``make run``
+  workload: 512-token blocks scaled to ``--block-tokens``, outputs capped, arrival times divided by
+  ``--time-scale``); TTFT/ITL percentiles and cached tokens come from the replay report. Little of
+  it is reusable at this scale (a few percent of prompt tokens).
+* ``agent``: real agent sessions (``data/agentic``, ChatML token ids of the default model's
+  tokenizer), closed loop: ``--sessions`` sessions run concurrently, each sending its first
+  ``--calls`` calls one after the other (call k+1 when call k has finished). Call k+1's prompt is
+  call k's prompt + the trace's reply + new messages, so nearly all of it is cached: the reuse the
+  prefix cache exists for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 MODES: dict[str, list[str]] = {
     "cache_off": ["--no-enable-prefix-caching"],
@@ -53,6 +65,92 @@ def run_mode(
     return report
 
 
+def agent_sessions(sessions: int, calls: int) -> list[list[list[int]]]:
+    """Prompt token ids of the first ``calls`` calls of the first ``sessions`` agent sessions."""
+    from transformers import AutoTokenizer
+
+    from swaserve.agentic import DEFAULT_AGENT_TRACE, read_agent_sessions, tokenize_calls
+    from swaserve.model.checkpoint import default_model_dir
+
+    all_calls = read_agent_sessions(DEFAULT_AGENT_TRACE, None)
+    order: list[str] = []
+    for c in all_calls:
+        if c.session_id not in order:
+            order.append(c.session_id)
+    keep = set(order[:sessions])
+    picked = [c for c in all_calls if c.session_id in keep and c.turn < calls]
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    by: dict[str, list[list[int]]] = {sid: [] for sid in order[:sessions]}
+    for c, ids in zip(picked, tokenize_calls(picked, tok), strict=True):
+        by[c.session_id].append(ids)
+    return list(by.values())
+
+
+def _pcts(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"p50": None, "p90": None}
+    p50, p90 = np.percentile(np.asarray(xs), [50, 90])
+    return {"p50": float(p50), "p90": float(p90)}
+
+
+async def _closed_loop(
+    url: str, model: str, sessions: list[list[list[int]]], max_output: int
+) -> dict[str, Any]:
+    import httpx
+
+    from swaserve.replay import PlannedRequest, RequestResult, send_one
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=30.0)) as client:
+        t0 = time.perf_counter()
+
+        async def run(si: int, prompts: list[list[int]]) -> list[RequestResult]:
+            out = []
+            for k, p in enumerate(prompts):
+                req = PlannedRequest(si * 10_000 + k, 0.0, p, max_output)
+                out.append(await send_one(client, url, model, req, 1800.0, t0))
+            return out
+
+        per = await asyncio.gather(*(run(i, s) for i, s in enumerate(sessions)))
+    results = [r for rs in per for r in rs]
+    ok = [r for r in results if r.ok]
+    later = [r for rs in per for r in rs[1:] if r.ok]  # calls that can reuse their session's history
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "ok": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": [r.error for r in results if not r.ok][:5],
+        "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_later_calls_s": _pcts([r.ttft_s for r in later if r.ttft_s is not None]),
+        "itl_s": _pcts([x for r in ok for x in r.itls_s]),
+        "cached_fraction": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / max(1e-9, time.perf_counter() - t0),
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def run_agent_mode(
+    name: str, server_args: list[str], sessions: list[list[list[int]]], max_output: int
+) -> dict[str, Any]:
+    from swaserve.model.checkpoint import default_model_dir
+    from swaserve.run_demo import ServerProcess, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    model = "swaserve-bench"
+    args = [
+        "--model", str(default_model_dir()), "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", model, *server_args,
+    ]  # fmt: skip
+    server = ServerProcess(args, url)
+    try:
+        server.start()
+        server.wait_ready(600)
+        return asyncio.run(_closed_loop(url, model, sessions, max_output))
+    finally:
+        server.stop()
+
+
 def main(
     json_path: Path | None = None,
     limit: int = 250,
@@ -60,45 +158,73 @@ def main(
     max_output: int = 64,
     time_scale: float = 1.0,
     server_args: list[str] | None = None,
+    workload: str = "conversation",
+    sessions: int = 4,
+    calls: int = 8,
 ) -> dict[str, Any]:
     """Replay with the cache off and on; print a table; write JSON (``ttft_p50_ratio``,
-    ``ttft_p90_ratio``: on / off) if ``json_path``."""
-    reports = {}
-    for name, extra in MODES.items():
-        print(f"replaying {limit} requests with {name} ...", file=sys.stderr, flush=True)
-        reports[name] = run_mode(
-            name, [*extra, *(server_args or [])], limit, block_tokens, max_output, time_scale
-        )
-    off, on = reports["cache_off"], reports["cache_on"]
+    ``ttft_p90_ratio``: on / off) if ``json_path``.
 
-    def ratio(key: str, pct: str) -> float | None:
-        a, b = on[key][pct], off[key][pct]
-        return a / b if a is not None and b else None
-
-    result: dict[str, Any] = {
-        "workload": {
+    Raises:
+        ValueError: unknown ``workload``.
+    """
+    if workload not in ("conversation", "agent"):
+        raise ValueError(f"workload must be conversation or agent, got {workload!r}")
+    reports: dict[str, dict[str, Any]] = {}
+    if workload == "agent":
+        plan = agent_sessions(sessions, calls)
+        info: dict[str, Any] = {
+            "trace": "data/agentic/agent_sessions.jsonl.gz",
+            "sessions": len(plan),
+            "calls_per_session": calls,
+            "requests": sum(len(x) for x in plan),
+            "prompt_tokens": sum(len(p) for x in plan for p in x),
+            "max_output_tokens": max_output,
+            "loop": "closed",
+        }
+        for name, extra in MODES.items():
+            print(f"replaying {info['requests']} agent calls with {name} ...", file=sys.stderr, flush=True)
+            reports[name] = run_agent_mode(name, [*extra, *(server_args or [])], plan, max_output)
+    else:
+        info = {
             "trace": "data/traces/conversation_trace.jsonl",
             "requests": limit,
             "block_tokens": block_tokens,
             "max_output_tokens": max_output,
             "time_scale": time_scale,
-        },
-        "modes": {
-            name: {
-                "ok": r["ok"],
-                "failed": r["failed"],
-                "ttft_s": r["ttft_s"],
-                "itl_s": r["itl_s"],
-                "cached_fraction": r["cached_fraction"],
-                "output_tokens_per_s": r["output_tokens_per_s"],
-                "wall_s": r["wall_s"],
-            }
-            for name, r in reports.items()
-        },
+        }
+        for name, extra in MODES.items():
+            print(f"replaying {limit} requests with {name} ...", file=sys.stderr, flush=True)
+            reports[name] = run_mode(
+                name, [*extra, *(server_args or [])], limit, block_tokens, max_output, time_scale
+            )
+    off, on = reports["cache_off"], reports["cache_on"]
+
+    def ratio(key: str, pct: str) -> float | None:
+        if key not in on:
+            return None
+        a, b = on[key][pct], off[key][pct]
+        return a / b if a is not None and b else None
+
+    keys = (
+        "ok",
+        "failed",
+        "ttft_s",
+        "ttft_later_calls_s",
+        "itl_s",
+        "cached_fraction",
+        "output_tokens_per_s",
+        "wall_s",
+    )
+    result: dict[str, Any] = {
+        "workload": {"name": workload, **info},
+        "modes": {name: {k: r[k] for k in keys if k in r} for name, r in reports.items()},
         "ttft_p50_ratio": ratio("ttft_s", "p50"),
         "ttft_p90_ratio": ratio("ttft_s", "p90"),
         "itl_p50_ratio": ratio("itl_s", "p50"),
     }
+    if workload == "agent":
+        result["ttft_later_calls_p50_ratio"] = ratio("ttft_later_calls_s", "p50")
     print(
         f"{'mode':<10} {'ok':>5} {'failed':>6} {'cached':>7} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8}"
     )

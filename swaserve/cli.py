@@ -111,6 +111,13 @@ def serve(
         Literal["on_evict", "second_hit"],
         typer.Option(help="When pages get a host copy: when evicted from device, or on their second hit."),
     ] = "on_evict",
+    swa_full_tokens_ratio: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="With prefix caching: SWA-pool pages per full-pool page (default 1/9; see kvcache.sizing).",
+        ),
+    ] = None,
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
     from swaserve.api.server import serve as run_server
@@ -129,6 +136,7 @@ def serve(
         enable_prefix_caching=enable_prefix_caching,
         host_cache_memory=host_cache_memory or 0,
         host_write_policy=host_write_policy,
+        swa_full_tokens_ratio=swa_full_tokens_ratio,
     )
     run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
 
@@ -271,8 +279,16 @@ def bench_prefix_cache(
     limit: Annotated[int | None, typer.Option(min=1, help="Replay the first N requests only.")] = None,
     chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk, tokens.")] = 512,
     cache_partial: Annotated[
-        bool, typer.Option(help="Insert each non-final prefill chunk into the cache, as the engine does.")
-    ] = False,
+        bool,
+        typer.Option(
+            help="Insert each non-final prefill chunk into the cache, as the engine does (off: only "
+            "prompt ends and divergence points)."
+        ),
+    ] = True,
+    swa_ratio: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Hybrid SWA-pool pages per full page (default: the engine's, 1/9)."),
+    ] = None,
     curve: Annotated[bool, typer.Option(help="Also replay the hit-rate curve over budgets.")] = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
 ) -> None:
@@ -290,6 +306,7 @@ def bench_prefix_cache(
             curve,
             chunk,
             cache_partial,
+            swa_ratio=swa_ratio,
         )
     except (OSError, TraceError, BenchInputError) as e:  # unreadable or malformed trace, tiny budget
         raise typer.BadParameter(str(e)) from e
@@ -311,11 +328,25 @@ def bench_prefix_replay(
     limit: Annotated[int, typer.Option(min=1, help="Trace requests to replay per mode.")] = 250,
     max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 64,
     time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
+    workload: Annotated[
+        Literal["conversation", "agent"],
+        typer.Option(help="conversation: the make-run trace slice; agent: agent sessions, closed loop."),
+    ] = "conversation",
+    sessions: Annotated[int, typer.Option(min=1, help="agent: sessions run concurrently.")] = 4,
+    calls: Annotated[int, typer.Option(min=1, help="agent: first calls of each session.")] = 8,
 ) -> None:
-    """The make-run replay through `swaserve serve`, prefix cache off then on: TTFT ratio."""
+    """A trace replay through `swaserve serve`, prefix cache off then on: TTFT ratio."""
     from bench.prefix_replay import main
 
-    main(json_path, limit, max_output=max_output_tokens, time_scale=time_scale)
+    main(
+        json_path,
+        limit,
+        max_output=max_output_tokens,
+        time_scale=time_scale,
+        workload=workload,
+        sessions=sessions,
+        calls=calls,
+    )
 
 
 if __name__ == "__main__":

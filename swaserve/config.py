@@ -286,6 +286,10 @@ class EngineConfig:
             between full and SWA pages in the device pools' proportion.
         host_write_policy: "on_evict" (copy pages to host when the device evicts them) or
             "second_hit" (copy a node when it is hit the second time).
+        swa_full_tokens_ratio: with prefix caching and the hybrid layout, SWA-pool pages per
+            full-pool page (at least what running requests need); None = ``kvcache.sizing``'s
+            default. The SWA pool then also holds cached windows (prompt ends, branch points,
+            chunk checkpoints).
     """
 
     page_size: int = 16
@@ -300,3 +304,4 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     host_cache_memory: int = 0
     host_write_policy: str = "on_evict"
+    swa_full_tokens_ratio: float | None = None

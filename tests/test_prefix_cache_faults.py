@@ -121,3 +121,25 @@ def test_reviving_a_tombstone_takes_only_the_reviver_pages() -> None:
         h.finish(f"x{cut}")
         h.check()
     h.drain_and_flush()
+
+
+def test_branch_point_found_by_traffic_gets_a_window() -> None:
+    """A prefix cached with its SWA freed up to near its end cannot serve a hit at an inner page
+    boundary. The first request that leaves the tree there (misses past its window-safe hit) ends
+    a prefill chunk exactly at the divergence point, and its partial insert keeps that window, so
+    the next request branching at the same point hits it."""
+    h = PrefixHarness(page=2, window=3, full_pages=64, swa_pages=32)
+    prompt = list(range(1, 31))
+    assert h.admit("a", prompt, 1)
+    while not h.advance("a", 8, 7, partial=False):
+        pass
+    assert h.admit("b", [*prompt[:12], 99, 98, 97, 96, 95], 1)
+    assert h.live["b"].hit == 0 and h.kv.diverge["b"] == 12
+    assert h.kv.max_chunk("b", 8, 16) == 4, "the chunk must end at the divergence point"
+    while not h.advance("b", 8, 7):
+        pass
+    assert h.admit("c", [*prompt[:12], 55, 54, 53], 1) and h.live["c"].hit == 12
+    while not h.advance("c", 8, 7):
+        pass
+    h.check()
+    h.drain_and_flush()

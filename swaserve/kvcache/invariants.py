@@ -8,7 +8,8 @@
 * lock counts are non-negative and equal the number of live lock handles covering the node;
 * every node holds its full KV on device or host; device SWA implies device full KV; nodes off
   the device have no descendant on it; every SWA-locked node has live SWA KV;
-* (SWA-aware) no unlocked leaf on device is a SWA tombstone.
+* (SWA-aware) no unlocked leaf on device is a SWA tombstone;
+* every node is in the SWA eviction category its state implies, with a live LRU entry.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def check(kv: KVCacheManager) -> None:
         if cache is not None and cache.tree.window is not None and cache.tree.has_swa:
             dead = x.full is not None and x.swa is None and x.lock == 0 and not x.children
             assert not dead, f"{x}: unlocked SWA-tombstone leaf on device"
+        if cache is not None:
+            cat = cache.tree.swa_category(x)
+            assert x.swa_q == cat, f"{x}: SWA eviction category {x.swa_q} != {cat}"
+            assert cache.tree.swa_order.has_entry(x), f"{x}: no live LRU entry in {cat}"
         _claim(owners["full"], x.full or [], f"node {x.id}", "full")
         _claim(owners["swa"], x.swa or [], f"node {x.id}", "swa")
         _claim(owners["host_full"], x.host_full or [], f"node {x.id}", "host_full")

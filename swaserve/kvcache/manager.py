@@ -239,6 +239,7 @@ class KVCacheManager:
             self.swa.keep_boundary_window = True
         self.locks: dict[str, CacheLock | None] = {}
         self.hits: dict[str, tuple[int, int]] = {}  # rid -> (cached tokens, of which from host)
+        self.diverge: dict[str, int] = {}  # rid -> where its prompt leaves the tree, past its hit
 
     def _kinds(self) -> list[KindManager]:
         return [self.full, self.swa] if self.has_swa else [self.full]
@@ -288,6 +289,8 @@ class KVCacheManager:
             self.cache.record(len(prompt or []), acq)
         self.locks[rid] = acq.lock if acq is not None else None
         self.hits[rid] = (acq.length, acq.host_tokens) if acq is not None else (0, 0)
+        if acq is not None and acq.diverge > acq.length and self.swa.window is not None and self.has_swa:
+            self.diverge[rid] = acq.diverge
         return True
 
     def hit_tokens(self, rid: str) -> int:
@@ -296,7 +299,15 @@ class KVCacheManager:
 
     def max_chunk(self, rid: str, start: int, end: int) -> int:
         """Largest n <= end - start such that chunk [start, start + n) can be allocated now
-        (evicting unlocked cache pages if that makes the whole chunk fit)."""
+        (evicting unlocked cache pages if that makes the whole chunk fit).
+
+        A chunk also ends where the prompt leaves the cached tree without a SWA window there
+        (``diverge``): ``cache_partial`` after it keeps that window, so the next prompt branching
+        at the same point gets a window-safe hit (a branch point found by traffic, not guessed).
+        """
+        d = self.diverge.get(rid, 0)
+        if start < d < end:
+            end = d
         if self.cache is not None:
             for k in self._kinds():
                 t = k.tables[rid]
@@ -375,21 +386,26 @@ class KVCacheManager:
         with the tree's pages and a lock on the new path."""
         assert self.cache is not None
         K = len(full)
-        node, tree_full, tree_swa = self.cache.tree.insert(tokens, full, swa)
+        ft = self.full.tables[rid]
+        lock = self.locks.get(rid)
+        shared = ft.shared_end
+        after = (lock.node, shared) if lock is not None and shared > 0 else None
+        if after is None:
+            shared = 0
+        node, tree_full, tree_swa = self.cache.tree.insert(tokens, full, swa, after)
         if not keep:
             return
         new_lock = self.cache.tree.lock(node)
-        self.cache.release(self.locks.get(rid))
+        self.cache.release(lock)
         self.locks[rid] = new_lock
-        ft = self.full.tables[rid]
         ft.guarantee -= K - ft.shared_end
-        ft.pages[:K] = tree_full
+        ft.pages[shared:K] = tree_full
         ft.shared_end = K
         ft.slot_cache = None
         if self.has_swa:
             st = self.swa.tables[rid]
-            for i in range(st.base, K):
-                page = tree_swa[i]
+            for i in range(max(st.base, shared), K):
+                page = tree_swa[i - shared]
                 assert page is not None, "window page of a cached prefix is a tombstone"
                 st.pages[i - st.base] = page
             if self.swa.window is None:
@@ -436,6 +452,7 @@ class KVCacheManager:
         if self.cache is not None:
             self.cache.release(self.locks.pop(rid, None))
         self.hits.pop(rid, None)
+        self.diverge.pop(rid, None)
 
     def flush_cache(self) -> None:
         """Drop every unlocked page the prefix cache holds (device and host)."""

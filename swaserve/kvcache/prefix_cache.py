@@ -26,7 +26,7 @@ from typing import Literal
 from swaserve.config import FULL, SWA
 from swaserve.kvcache.host import NoCopy, PageMover
 from swaserve.kvcache.pool import PagePool
-from swaserve.kvcache.radix import CacheLock, RadixNode, RadixTree
+from swaserve.kvcache.radix import INNER, TRIM_INNER, TRIM_LEAF, CacheLock, RadixNode, RadixTree
 
 WritePolicy = Literal["on_evict", "second_hit"]
 
@@ -51,6 +51,7 @@ class Acquired:
     host_tokens: int
     full: list[int] = field(default_factory=list)  # [length / page] device full pages
     swa: list[int | None] = field(default_factory=list)  # [length / page]; None = not in window
+    diverge: int = 0  # tokens the tree holds full KV for (>= length): where the prompt leaves it
 
 
 class PrefixCache:
@@ -107,8 +108,9 @@ class PrefixCache:
         use_host = use_host and self.has_host
         pages = tree.walk(tokens, max_tokens // P)
         n, _ = tree.best_length(pages, use_host)
+        diverge = len(pages) * P
         if n == 0:
-            return Acquired(None, 0, 0)
+            return Acquired(None, 0, 0, diverge=diverge)
         dev = tree.best_length(pages, False)[0]  # what the device alone would have served
         node = tree.node_at(pages, n)
         wp = tree.window_pages()
@@ -146,6 +148,7 @@ class PrefixCache:
             (n - dev) * P,
             [p.full for p in pages],  # type: ignore[misc]
             [p.swa if i >= win_start else None for i, p in enumerate(pages)],
+            diverge,
         )
 
     def _load(self, nodes: list[RadixNode], pages: list, win_start: int) -> bool:
@@ -174,8 +177,9 @@ class PrefixCache:
             assert dev is not None
             self.mover.to_device(SWA, host, dev)
             x.swa = dev
-            self.tree.swa_lru[x] = None
             self.stats.loaded_pages += len(dev)
+        for x in P_full + P_swa:
+            self.tree.requeue(x, x.parent)
         return True
 
     def record(self, prompt_tokens: int, acq: Acquired) -> None:
@@ -232,23 +236,35 @@ class PrefixCache:
         pool = self.full_pool if kind == FULL else self.swa_pool
         assert pool is not None
         before = pool.num_free
-        tree = self.tree
         progress = True
         while progress and pool.num_free - before < n:
             progress = False
-            if kind == SWA and tree.window is not None:
+            if kind == SWA and self.tree.window is not None:
                 progress = self._evict_swa(pool, before + n)
-            for x in list(tree.dev_lru):
-                if pool.num_free - before >= n:
-                    break
-                if x.full is None or x.lock or x in self._pinned or x.has_device_child():
-                    continue
-                if kind == SWA and x.swa is None:
-                    continue  # frees no SWA page
+            victims = self._device_leaves(kind, n - (pool.num_free - before))
+            for x in victims:
                 self._evict_device(x)
-                progress = True
+            progress = progress or bool(victims)
             self._reap()
         return pool.num_free - before
+
+    def _device_leaves(self, kind: str, n: int) -> list[RadixNode]:
+        """Unlocked device leaves holding ``n`` pages of ``kind``, least recently used first (fewer
+        if there are not enough). A parent precedes none of its children in the LRU, so a parent
+        these leaves leave bare is found by the next call."""
+        out: list[RadixNode] = []
+        got = 0
+        for x in self.tree.dev_lru:
+            if got >= n:
+                break
+            if x.full is None or x.lock or x in self._pinned or x.has_device_child():
+                continue
+            pages = x.full if kind == FULL else x.swa
+            if not pages:
+                continue  # frees no page of this kind
+            out.append(x)
+            got += len(pages)
+        return out
 
     def _evict_swa(self, pool: PagePool, target_free: int) -> bool:
         """SWA-only eviction, least recently used first within each stage, until ``target_free``:
@@ -256,31 +272,41 @@ class PrefixCache:
            point, which needs only that window); 2. trim leaves likewise; 3. tombstone inner nodes,
         keeping the trailing pages that live children shorter than the window need for a hit at
         their own end. Leaves are evicted whole afterwards by the caller. Returns whether anything
-        was freed."""
+        was freed. Each stage pops its own LRU heap (``RadixTree.swa_order``)."""
         tree = self.tree
         wp = tree.window_pages()
         assert wp is not None
         freed = False
-        for stage in ("trim_inner", "trim_leaf", "tombstone_inner"):
-            for x in list(tree.swa_lru):
-                if pool.num_free >= target_free:
-                    return freed
-                if x.swa is None or x.swa_lock or x in self._pinned or x.parent is None:
+        for stage in (TRIM_INNER, TRIM_LEAF, INNER):
+            skipped: list[RadixNode] = []
+            while pool.num_free < target_free:
+                x = tree.swa_order.pop(stage)
+                if x is None:
+                    break
+                assert isinstance(x, RadixNode) and x.swa is not None
+                if tree.swa_category(x) != stage:  # defensive: a category hook was missed
+                    tree.requeue(x)
                     continue
-                inner = x.has_device_child()
-                if stage == "tombstone_inner":
-                    if not inner:
-                        continue
+                if x.swa_lock or x in self._pinned:
+                    skipped.append(x)
+                    continue
+                if stage == INNER:
                     # keep what live children shorter than the window need for a hit at their end
-                    keep = max([wp - len(c.swa) for c in x.children.values() if c.swa is not None] + [0])
-                    if keep >= len(x.swa):
-                        continue
+                    keep = tree.window_keep(x)
                     self._tombstone(tree.split(x, len(x.swa) - keep) if keep else x)
-                    freed = True
-                elif inner == (stage == "trim_inner") and len(x.swa) > wp:
-                    self._tombstone(tree.split(x, len(x.swa) - wp))
-                    freed = True
+                else:
+                    self._trim(x)
+                tree.requeue(x)
+                freed = True
+            tree.requeue(*skipped)
         return freed
+
+    def _trim(self, x: RadixNode) -> None:
+        """Tombstone ``x``'s SWA KV but for its trailing window (a hit ending at ``x``'s end, e.g.
+        at a branch point or a prompt's end, needs only that)."""
+        wp = self.tree.window_pages()
+        assert x.swa is not None and wp is not None
+        self._tombstone(self.tree.split(x, len(x.swa) - wp))
 
     def _tombstone(self, x: RadixNode) -> None:
         assert x.swa is not None and self.swa_pool is not None
@@ -288,7 +314,7 @@ class PrefixCache:
             self._backup(x)  # its trailing SWA (and full KV) stay reachable from the host tier
         self.swa_pool.free(x.swa)
         x.swa = None
-        del self.tree.swa_lru[x]
+        self.tree.requeue(x, x.parent)
 
     def _evict_device(self, x: RadixNode) -> None:
         """Move a device leaf off the device (to host if it has a copy there, else delete it)."""
@@ -306,8 +332,8 @@ class PrefixCache:
             assert self.swa_pool is not None
             self.swa_pool.free(x.swa)
             x.swa = None
-            del tree.swa_lru[x]
         parent = x.parent
+        tree.requeue(x, parent)
         if x.host_full is None:
             self._delete_subtree(x)
         assert parent is not None
@@ -375,22 +401,34 @@ class PrefixCache:
         if pool.num_free >= n:
             return True
         self.mover.sync()
-        for y in list(self.tree.host_lru):
-            if pool.num_free >= n:
-                break
-            if y is keep or y in self._pinned:
-                continue
-            if pool is self.host_swa:
-                if y.host_swa is not None:
+        progress = True
+        while progress and pool.num_free < n:
+            victims: list[RadixNode] = []
+            got = pool.num_free
+            for y in self.tree.host_lru:  # collect first: evicting changes the LRU
+                if got >= n:
+                    break
+                if y is keep or y in self._pinned:
+                    continue
+                if pool is self.host_swa:
+                    if y.host_swa is not None:
+                        victims.append(y)
+                        got += sum(p is not None for p in y.host_swa)
+                elif y.full is not None or (not y.children and y.lock == 0):
+                    victims.append(y)  # a host copy of a device node, or an off-device leaf
+                    got += len(y.host_full or [])
+            for y in victims:
+                if pool is self.host_swa:
                     self._free_host_swa(y)
-            elif y.full is not None:
-                self._drop_host(y)
-            elif not y.children and y.lock == 0:
-                assert y.parent is not None
-                del y.parent.children[tuple(y.key[: self.page_size])]
-                self._suspects.add(y.parent)
-                y.parent = None
-                self._drop_host(y)
+                elif y.full is not None:
+                    self._drop_host(y)
+                else:
+                    assert y.parent is not None
+                    del y.parent.children[tuple(y.key[: self.page_size])]
+                    self._suspects.add(y.parent)
+                    y.parent = None
+                    self._drop_host(y)
+            progress = bool(victims)
         return pool.num_free >= n
 
     def _free_host_swa(self, y: RadixNode) -> None:

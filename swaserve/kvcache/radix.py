@@ -31,7 +31,13 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from swaserve.kvcache.lru import CategoryLRU
 from swaserve.kvcache.pool import PagePool
+
+# SWA eviction categories of a node with live device SWA KV (SWA-aware trees only): more than a
+# window of it ("trim"), on an inner node (a device child) or a leaf; an inner node all of whose
+# SWA KV its live children shorter than the window need is "held"
+TRIM_INNER, TRIM_LEAF, INNER, HELD, LEAF = "trim_inner", "trim_leaf", "inner", "held", "leaf"
 
 
 class RadixNode:
@@ -47,9 +53,11 @@ class RadixNode:
         "key",
         "lock",
         "parent",
+        "stamp",
         "swa",
         "swa_holders",
         "swa_lock",
+        "swa_q",
     )  # fmt: skip
 
     _ids = itertools.count()
@@ -67,6 +75,8 @@ class RadixNode:
         self.swa_holders: set[int] = set()
         self.hits = 0
         self.id = next(RadixNode._ids)
+        self.stamp = 0  # last use (tree clock); ancestors are always at least as recent
+        self.swa_q: str | None = None  # SWA eviction category (``RadixTree.swa_category``)
 
     def __repr__(self) -> str:
         state = "dev" if self.full is not None else "host"
@@ -123,8 +133,10 @@ class RadixTree:
         self.lock_root()
         # least recently used first; values unused
         self.dev_lru: OrderedDict[RadixNode, None] = OrderedDict()
-        self.swa_lru: OrderedDict[RadixNode, None] = OrderedDict()
         self.host_lru: OrderedDict[RadixNode, None] = OrderedDict()
+        # device SWA KV by eviction stage, LRU within each (``swa_category``)
+        self.swa_order = CategoryLRU((TRIM_INNER, TRIM_LEAF, INNER), (HELD, LEAF))
+        self._clock = itertools.count(1)
         self._handles: dict[int, CacheLock] = {}
         self._handle_ids = itertools.count()
 
@@ -140,6 +152,31 @@ class RadixTree:
         if self.window is None:
             return None
         return -(-self.window // self.page_size)
+
+    def swa_category(self, x: RadixNode) -> str | None:
+        """Which SWA eviction stage ``x`` belongs to (None: no device SWA KV, or SWA-unaware)."""
+        wp = self.window_pages()
+        if x.swa is None or x.parent is None or wp is None or not self.has_swa:
+            return None
+        inner = x.has_device_child()
+        if len(x.swa) > wp:
+            return TRIM_INNER if inner else TRIM_LEAF
+        if not inner:
+            return LEAF
+        return INNER if self.window_keep(x) < len(x.swa) else HELD
+
+    def window_keep(self, x: RadixNode) -> int:
+        """Trailing SWA pages of ``x`` that its live children shorter than the window need for a
+        window-safe hit at their own end."""
+        wp = self.window_pages()
+        assert wp is not None
+        return max([wp - len(c.swa) for c in x.children.values() if c.swa is not None] + [0])
+
+    def requeue(self, *xs: RadixNode | None) -> None:
+        """Re-place nodes whose SWA KV, size or device children changed in their SWA category."""
+        for x in xs:
+            if x is not None and x is not self.root:
+                self.swa_order.put(x, self.swa_category(x))
 
     # -- walking ----------------------------------------------------------------------------------
     def _child_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
@@ -226,6 +263,7 @@ class RadixTree:
                 setattr(head, attr, v[:m])
                 setattr(node, attr, v[m:])
         head.lock, head.swa_lock, head.hits = node.lock, node.swa_lock, node.hits
+        head.stamp = node.stamp
         head.swa_holders = set(node.swa_holders)
         for h in node.swa_holders:
             self._handles[h].swa_nodes.append(head)
@@ -235,21 +273,19 @@ class RadixTree:
             node.host_swa = None
         # LRU: the head goes last, after its descendants (eviction scans oldest first and must
         # meet a child before its parent)
-        for lru, has in (
-            (self.dev_lru, head.full is not None),
-            (self.swa_lru, head.swa is not None),
-            (self.host_lru, head.host_full is not None),
-        ):
+        for lru, has in ((self.dev_lru, head.full is not None), (self.host_lru, head.host_full is not None)):
             if has:
                 lru[head] = None
+        self.requeue(head, node, parent)
         return head
 
     def touch(self, node: RadixNode) -> None:
         """Mark ``node`` and its ancestors most recently used (ancestors after descendants)."""
         while node is not self.root:
-            for lru in (self.dev_lru, self.swa_lru, self.host_lru):
+            for lru in (self.dev_lru, self.host_lru):
                 if node in lru:
                     lru.move_to_end(node)
+            self.swa_order.restamp(node, next(self._clock))
             assert node.parent is not None
             node = node.parent
 
@@ -316,7 +352,11 @@ class RadixTree:
 
     # -- insert -----------------------------------------------------------------------------------
     def insert(
-        self, tokens: list[int], full: list[int], swa: list[int | None]
+        self,
+        tokens: list[int],
+        full: list[int],
+        swa: list[int | None],
+        after: tuple[RadixNode, int] | None = None,
     ) -> tuple[RadixNode, list[int], list[int | None]]:
         """Add a request's KV for ``tokens`` (page-aligned) to the tree.
 
@@ -326,20 +366,28 @@ class RadixTree:
                 request's own).
             swa: [n] device SWA pages; None for pages whose SWA KV the request already freed (a
                 None prefix, then live pages: ``swa_evicted`` in SGLang's terms).
+            after: (node, k): ``node`` ends exactly at page ``k`` of ``tokens`` and is locked by
+                the caller (it cannot have moved: splits keep a node's end); the walk starts there
+                and ``full[:k]`` / ``swa[:k]`` are not looked at (chunked prefill inserting its
+                next chunk costs O(chunk), not O(prefix)).
 
         Returns:
-            (deepest node, the tree's full pages [n], the tree's SWA pages [n] (None = tombstone)).
-            Request pages the tree adopts become tree-owned; request pages duplicating tree pages
-            are freed here. Callers point the request at the returned pages.
+            (deepest node, the tree's full pages [k:n], the tree's SWA pages [k:n] (None =
+            tombstone)), ``k = 0`` without ``after``. Request pages the tree adopts become
+            tree-owned; request pages duplicating tree pages are freed here. Callers point the
+            request at the returned pages.
         """
         P = self.page_size
         n = len(tokens) // P
         if len(tokens) != n * P or len(full) != n or len(swa) != n:
             raise ValueError("insert needs page-aligned tokens and one page id per page")
-        live_from = next((i for i, p in enumerate(swa) if p is not None), n)
+        node, pos = after if after is not None else (self.root, 0)
+        if not 0 <= pos <= n or (node is self.root) != (pos == 0):
+            raise ValueError(f"insert after page {pos} of {n} at {node}")
+        live_from = next((i for i in range(pos, n) if swa[i] is not None), n)
         if any(p is None for p in swa[live_from:]):
             raise ValueError("SWA pages must be a None prefix then live pages")
-        node, pos = self.root, 0
+        start_pos = pos
         while pos < n:
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
@@ -358,15 +406,18 @@ class RadixTree:
         out_swa: list[int | None] = []
         path = []
         x: RadixNode | None = node
-        while x is not None and x is not self.root:
+        depth = n
+        while x is not None and depth > start_pos:
             path.append(x)
+            depth -= len(x.key) // P
             x = x.parent
         for x in reversed(path):
             assert x.full is not None
             out_full.extend(x.full)
             out_swa.extend(x.swa if x.swa is not None else [None] * len(x.full))
+        skip = start_pos - depth  # pages of the first path node before start_pos
         self.touch(node)
-        return node, out_full, out_swa
+        return node, out_full[skip:], out_swa[skip:]
 
     def _new_leaves(
         self,
@@ -383,15 +434,18 @@ class RadixTree:
         if self.has_swa and pos < live_from < n:
             cuts = [pos, live_from, n]
         node = parent
+        made = []
         for a, b in itertools.pairwise(cuts):
             leaf = RadixNode(tokens[a * P : b * P], node)
+            leaf.stamp = next(self._clock)
             node.children[tuple(leaf.key[:P])] = leaf
             leaf.full = full[a:b]
             self.dev_lru[leaf] = None
             if self.has_swa and a >= live_from:
                 leaf.swa = [p for p in swa[a:b] if p is not None]
-                self.swa_lru[leaf] = None
             node = leaf
+            made.append(leaf)
+        self.requeue(parent, *made)
         return node
 
     def _merge(self, node: RadixNode, full: list[int], swa: list[int | None]) -> None:
@@ -399,6 +453,7 @@ class RadixTree:
         if node.full is None:  # host-only node: the request's device pages become its device copy
             node.full = list(full)
             self.dev_lru[node] = None
+            self.requeue(node.parent)
         else:
             dups = [r for r, t in zip(full, node.full, strict=True) if r != t]
             self.full_pool.free(dups)
@@ -408,7 +463,7 @@ class RadixTree:
         if node.swa is None:
             if swa and all(p is not None for p in swa):  # revive the tombstone with the request's pages
                 node.swa = [p for p in swa if p is not None]
-                self.swa_lru[node] = None
+                self.requeue(node, node.parent)
             # else: the request freed this SWA KV too; the node stays a tombstone
         else:
             dups2 = [r for r, t in zip(swa, node.swa, strict=True) if r is not None and r != t]

@@ -14,6 +14,18 @@ window plus the page being written, unaligned), and the prefill chunks of one st
     swa_pages  = N * (ceil(W/P) + 2) + ceil(C/P) + 1        (capped at half the budget)
     full_pages = (budget - swa_pages * page_bytes_swa) // page_bytes_full
 
+hybrid layout with prefix caching: the SWA pool also holds the windows the cache keeps (prompt
+ends, branch points, chunked-prefill checkpoints), so it gets ``r`` SWA pages per full page
+(``r`` = ``swa_full_tokens_ratio``, default ``DEFAULT_SWA_FULL_TOKENS_RATIO``), and never less than
+the running requests' need above:
+
+    full_pages = budget / (page_bytes_full + r * page_bytes_swa),  swa_pages = r * full_pages
+
+The default r = 1/9 keeps a window (W = 128 tokens at P = 16: 8 pages) for about one in every
+72 cached pages; measured on the Mooncake conversation trace (``swaserve bench prefix-cache``,
+docs/BENCHMARKS.md) it gives the full pool about the trace's working set at a budget of a quarter
+of the full layout's footprint, and a 0.986 x ideal hit rate.
+
 full layout (SWA-unaware baseline): every layer keeps every token, so both pools get the same
 number of pages: ``pages = budget // (page_bytes_full + page_bytes_swa)``.
 """
@@ -22,6 +34,8 @@ from __future__ import annotations
 
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.kvcache.manager import PoolPlan, cdiv
+
+DEFAULT_SWA_FULL_TOKENS_RATIO = 1 / 9
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> tuple[int, int]:
@@ -50,6 +64,15 @@ def plan_pools(cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: i
     swa_pages = ecfg.max_num_seqs * (cdiv(cfg.window, p) + 2) + cdiv(ecfg.max_num_batched_tokens, p) + 1
     swa_pages = min(swa_pages, (budget // 2) // pbs)
     full_pages = (budget - swa_pages * pbs) // pbf
+    if ecfg.enable_prefix_caching:
+        r = ecfg.swa_full_tokens_ratio
+        r = DEFAULT_SWA_FULL_TOKENS_RATIO if r is None else r
+        if r < 0:
+            raise ValueError(f"swa_full_tokens_ratio must be >= 0, got {r}")
+        cached_full = int(budget / (pbf + r * pbs))
+        if int(r * cached_full) > swa_pages:
+            swa_pages = int(r * cached_full)
+            full_pages = (budget - swa_pages * pbs) // pbf
     if swa_pages < 1 or full_pages < 1:
         raise ValueError(f"kv cache budget {budget} B is too small for one page per pool")
     return PoolPlan(full_pages, swa_pages, pbf, pbs)
