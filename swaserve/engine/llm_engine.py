@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.disagg.kv_transfer import KVPayload, gather, scatter
 from swaserve.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
@@ -106,7 +107,9 @@ class LLMEngine:
             )
             self.max_model_len = kv_tokens
         self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device, self.host)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, on_import=self._import_kv
+        )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
@@ -140,8 +143,54 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        export_kv: bool = False,
     ) -> None:
-        """Queue a request. Raises ValueError on invalid input or a duplicate id."""
+        """Queue a request. Raises ValueError on invalid input or a duplicate id.
+
+        ``export_kv`` (prefill role): when the request finishes, its prompt's KV is copied to host
+        memory first and returned in the final ``RequestOutput.kv_payload`` (``disagg.kv_transfer``).
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        req.export_kv = export_kv
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        payload: KVPayload,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request whose prompt another worker prefilled (decode role): ``first_token`` was
+        sampled there (and already streamed to the client), ``payload`` holds the prompt's KV in host
+        memory. No pool page is taken until the scheduler admits the request; then the KV is copied
+        in and decoding goes on from ``first_token``.
+
+        Raises:
+            ValueError: invalid input, a duplicate id, or a payload that does not cover the prompt.
+        """
+        if payload.num_tokens != len(prompt_token_ids) or payload.request_id != request_id:
+            raise ValueError(
+                f"KV payload of {payload.request_id!r} covers {payload.num_tokens} tokens, "
+                f"prompt {request_id!r} has {len(prompt_token_ids)}"
+            )
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token id {first_token} out of range")
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        req.kv_payload = payload
+        req.output_token_ids.append(first_token)
+        assert req.detok is not None
+        req.detok.add([first_token])  # its text went out with the prefill worker's first chunk
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None
+    ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
@@ -157,9 +206,18 @@ class LLMEngine:
         req.detok = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop
         )
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        self.prompt_tokens_total += len(prompt_token_ids)
+        return req
+
+    def _import_kv(self, req: Request) -> None:
+        """Scheduler hook at admission of a prefilled request: pages for its prompt, KV copied in."""
+        payload = req.kv_payload
+        assert payload is not None
+        n = payload.num_tokens
+        if not self.kv.allocate(req.request_id, n, n):
+            raise RuntimeError("pages for imported KV not available after admission (internal error)")
+        scatter(self.kv, self.storage, payload)
+        req.num_computed = n
+        req.kv_payload = None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages; returns its final output (None if unknown)."""
@@ -216,6 +274,8 @@ class LLMEngine:
             text += req.detok.flush()
         lps = [logprob] if logprob is not None else []
         if reason is not None:
+            if req.export_kv:
+                req.kv_payload = gather(self.kv, self.storage, req.request_id, req.num_prompt)
             req.finish_reason = reason
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
@@ -235,6 +295,7 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
+            kv_payload=req.kv_payload if finished and req.export_kv else None,
         )
 
     def stats(self) -> EngineStats:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from swaserve.engine.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
+    from swaserve.disagg.kv_transfer import KVPayload
     from swaserve.engine.detokenizer import IncrementalDetokenizer
     from swaserve.engine.sampler import SamplingState
 
@@ -42,6 +43,8 @@ class Request:
     detok: IncrementalDetokenizer | None = None
     cached_tokens: int = 0
     bypassed: int = 0  # waiting requests admitted ahead of this one while it was at the queue head
+    export_kv: bool = False  # prefill role: capture the prompt's KV (``kv_payload``) when it finishes
+    kv_payload: KVPayload | None = None  # exported KV (prefill role) or KV to import (decode role)
 
     @property
     def num_prompt(self) -> int:

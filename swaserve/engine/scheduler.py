@@ -13,6 +13,7 @@ leave between steps.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from swaserve.engine.request import Request, RequestStatus
@@ -34,9 +35,18 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_bypass: int = 32
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_bypass: int = 32,
+        on_import: Callable[[Request], None] | None = None,
     ) -> None:
+        """``on_import``: called when a request that arrives with its prompt's KV (decode role,
+        ``req.kv_payload``) is admitted; it allocates the pages, copies the KV in and sets
+        ``num_computed``."""
         self.kv = kv
+        self.on_import = on_import
         self.max_bypass = max_bypass
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -67,10 +77,17 @@ class Scheduler:
             if i > 0 and self.waiting[0].bypassed >= self.max_bypass:
                 break  # the head has waited long enough: nobody else overtakes it now
             req = self.waiting[i]
-            if not self.kv.admit(req.request_id, req.max_total_tokens, req.prompt_token_ids):
+            imported = req.kv_payload is not None and not req.export_kv
+            prompt = None if imported else req.prompt_token_ids  # imported KV: no cache lookup
+            if not self.kv.admit(req.request_id, req.max_total_tokens, prompt):
                 i += 1  # a request that fits may go ahead of one that does not (yet)
                 continue
-            req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
+            if imported:
+                if self.on_import is None:
+                    raise RuntimeError("request with KV to import but no importer (internal error)")
+                self.on_import(req)
+            else:
+                req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
             del self.waiting[i]
             if i > 0:
                 self.waiting[0].bypassed += 1
