@@ -141,6 +141,59 @@ def serve(
     run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
 
 
+@app.command()
+def up(
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 1,
+    decode: Annotated[int, typer.Option(min=1, help="Decode workers.")] = 1,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint directory (default: the bundled default model).")
+    ] = None,
+    port: Annotated[int, typer.Option(min=0, help="Router HTTP port (0 = a free one).")] = 8000,
+    worker_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="Extra worker argument (repeatable), e.g. --worker-arg=--max-num-seqs=16."),
+    ] = None,
+    router_arg: Annotated[list[str] | None, typer.Option(help="Extra router argument (repeatable).")] = None,
+    startup_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for readiness.")] = 600.0,
+) -> None:
+    """Start the disaggregated cluster (router + prefill + decode workers) on 127.0.0.1 until Ctrl-C."""
+    import signal
+
+    from swaserve.launcher import Cluster, ClusterError
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+    cluster = Cluster(
+        _model_dir(model),
+        prefill,
+        decode,
+        port,
+        worker_args=list(worker_arg or []),
+        router_args=list(router_arg or []),
+    )
+    try:
+        url = cluster.start(startup_timeout)
+        print(
+            f"\ncluster ready: {url}  ({prefill} prefill, {decode} decode; try: curl {url}/v1/models)",
+            flush=True,
+        )
+        name = cluster.wait_any_exit()
+        print(f"{name} exited; stopping the cluster", flush=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        print("\nstopping the cluster...", flush=True)
+    except ClusterError as e:
+        print(f"error: {e}", flush=True)
+        raise typer.Exit(1) from e
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+
+
 @app.command("make-checkpoint")
 def make_checkpoint(
     out: Annotated[Path, typer.Option(help="Directory to write the checkpoint to.")],

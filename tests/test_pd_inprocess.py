@@ -69,12 +69,11 @@ def run_pd(
     staging = staging_for(dec)
     out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ps}
     sent: dict[str, int] = {}
-    first = dataclasses.replace(PARAMS, max_tokens=1)
     for rid, p in ps.items():
-        pre.add_request(rid, p, first, export_kv=True)
+        pre.add_request(rid, p, PARAMS, export_kv=True)
     while pre.has_unfinished():
         for o in pre.step():
-            assert o.finished and o.kv_payload is not None
+            assert o.finished and o.kv_payload is not None and o.finish_reason == "handoff"
             out[o.request_id][0].extend(o.new_token_ids)
             out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs)
             staging.begin(o.request_id, o.prompt_tokens)
@@ -125,7 +124,7 @@ def test_pd_equals_single_engine(tiny_dir: Path, layout: str) -> None:
 def test_bad_pages_are_refused(tiny_dir: Path) -> None:
     pre = LLMEngine(str(tiny_dir), CFG)
     staging = staging_for(pre)
-    pre.add_request("a", list(range(3, 40)), dataclasses.replace(PARAMS, max_tokens=1), export_kv=True)
+    pre.add_request("a", list(range(3, 40)), PARAMS, export_kv=True)
     done = []
     while pre.has_unfinished():
         done += [o for o in pre.step() if o.finished]

@@ -72,9 +72,18 @@ class AsyncLLMEngine:
         return self.engine.stats()
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        export_kv: bool = False,
+        prefilled: tuple[int, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request. Raises ValueError (before any output) on bad input."""
+        """Stream deltas for one request. Raises ValueError (before any output) on bad input.
+
+        ``export_kv`` (prefill role): the final output carries the prompt's KV (``kv_payload``).
+        ``prefilled`` (decode role): ``(first_token, KVPayload)``; see ``LLMEngine.add_prefilled``.
+        """
         if not self.running:
             raise RuntimeError("engine loop is not running (call start())")
         if request_id in self._queues:
@@ -82,7 +91,8 @@ class AsyncLLMEngine:
         self.engine.validate(prompt_token_ids, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.clock()))
+        extra = {"export_kv": export_kv, "prefilled": prefilled}
+        self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.clock(), extra))
         finished = False
         try:
             while True:
@@ -111,11 +121,17 @@ class AsyncLLMEngine:
         pending, self._pending = self._pending, []
         for op, arg in pending:
             if op == "add":
-                rid, prompt, params, arrival = arg
+                rid, prompt, params, arrival, extra = arg
                 if rid not in self._queues:  # consumer already gone
                     continue
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    if extra["prefilled"] is not None:
+                        first, payload = extra["prefilled"]
+                        self.engine.add_prefilled(rid, prompt, first, params, payload, arrival_time=arrival)
+                    else:
+                        self.engine.add_request(
+                            rid, prompt, params, arrival_time=arrival, export_kv=extra["export_kv"]
+                        )
                 except ValueError as e:
                     self._queues[rid].put_nowait(e)
             else:

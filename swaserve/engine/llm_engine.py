@@ -147,11 +147,14 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError on invalid input or a duplicate id.
 
-        ``export_kv`` (prefill role): when the request finishes, its prompt's KV is copied to host
-        memory first and returned in the final ``RequestOutput.kv_payload`` (``disagg.kv_transfer``).
+        ``export_kv`` (prefill role): the request stops after its first token (finish reason
+        ``HANDOFF`` unless it really ended there), and its prompt's KV is copied to host memory
+        first and returned in the final ``RequestOutput.kv_payload`` (``disagg.kv_transfer``).
         """
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
-        req.export_kv = export_kv
+        if export_kv:  # stops after its first token: pages for the prompt and that token only
+            req.export_kv = True
+            req.max_total_tokens = len(prompt_token_ids) + 1
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.prompt_tokens_total += len(prompt_token_ids)
@@ -270,7 +273,9 @@ class LLMEngine:
             len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
-        if reason is not None and not req.detok.stopped:
+        if reason is None and req.export_kv:
+            reason = FinishReason.HANDOFF  # text held back for a later token stays with the decoder
+        elif reason is not None and not req.detok.stopped:
             text += req.detok.flush()
         lps = [logprob] if logprob is not None else []
         if reason is not None:

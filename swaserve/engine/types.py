@@ -13,6 +13,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # client went away or the request was cancelled
+    HANDOFF = "handoff"  # prefill role: first token sampled, decoding goes on elsewhere (internal)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,8 @@
+"""``python -m services.decode --help``: the decode worker as its own process (as a container runs it)."""
+
+from services.worker_cli import worker_app
+
+app = worker_app("decode")
+
+if __name__ == "__main__":
+    app()

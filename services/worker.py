@@ -1,0 +1,345 @@
+"""The worker service shell: one engine in the prefill or decode role behind gRPC.
+
+* ``Worker`` (protos/swaserve/v1/worker.proto): ``Generate`` streams chunk / complete / error
+  envelopes with cumulative usage; ``Abort``; ``GetLoad`` (running, waiting, outstanding tokens,
+  pool pages: also the debug view tests use to check that no page leaks).
+* prefill role: ``Generate`` runs to the first token with ``export_kv``; unless the request ended
+  there, the prompt's KV is pushed to ``kv_target`` (``KVTransfer.Push``) before ``complete``
+  (finish reason ``handoff``, ``kv_bytes_sent``).
+* decode role: also serves ``KVTransfer.Push`` into host-memory staging (``KVStaging``: checksum
+  and shape verified page by page; transfers not claimed within ``staging_ttl_s`` are dropped);
+  ``Generate`` with ``first_token`` claims the staged KV and decodes.
+* ``grpc.health.v1`` reports NOT_SERVING until the model is loaded and one warm-up request ran;
+  server reflection lists the services.
+
+All engine work runs on the asyncio loop of ``AsyncLLMEngine``; this module holds no policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from swaserve.config import FULL, SWA
+from swaserve.disagg.convert import (
+    chunk_message,
+    page_from_proto,
+    params_from_proto,
+    transfer_messages,
+    usage,
+)
+from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, TransferError, expected_pages
+from swaserve.engine.async_engine import AsyncLLMEngine
+from swaserve.engine.types import FinishReason, SamplingParams
+from swaserve.v1 import kv_transfer_pb2 as kvpb
+from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
+from swaserve.v1 import worker_pb2 as pb
+from swaserve.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger("swaserve.worker")
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class WorkerOptions:
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = None
+    staging_bytes: int = 1 << 30
+    staging_ttl_s: float = 120.0
+
+
+class WorkerMetrics:
+    """Prometheus metrics of a worker (own registry; served on ``--metrics-port``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.kv_sent = Counter(
+            "swaserve:kv_transfer_sent_bytes",
+            "KV payload bytes pushed to decode workers",
+            registry=self.registry,
+        )
+        self.kv_received = Counter(
+            "swaserve:kv_transfer_received_bytes",
+            "KV payload bytes received into staging",
+            registry=self.registry,
+        )
+        self.kv_request = Histogram(
+            "swaserve:kv_transfer_request_bytes",
+            "KV payload bytes per transferred request",
+            buckets=tuple(2**i for i in range(10, 36, 2)),
+            registry=self.registry,
+        )
+        self.kv_failed = Counter(
+            "swaserve:kv_transfer_failed", "KV transfers refused or failed", registry=self.registry
+        )
+
+
+def staging_for(engine: AsyncLLMEngine, max_bytes: int) -> KVStaging:
+    cfg, ecfg = engine.model_config, engine.engine_config
+    return KVStaging(
+        {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
+        {
+            FULL: LayerShape(cfg.full.num_kv_heads, cfg.full.head_dim, cfg.full.v_head_dim),
+            SWA: LayerShape(cfg.swa.num_kv_heads, cfg.swa.head_dim, cfg.swa.v_head_dim),
+        },
+        cfg.window if ecfg.kv_layout == "hybrid" else 1 << 40,
+        ecfg.page_size,
+        engine.engine.dtype,
+        max_bytes,
+    )
+
+
+class WorkerService(wgrpc.WorkerServicer):
+    def __init__(self, engine: AsyncLLMEngine, opts: WorkerOptions, metrics: WorkerMetrics) -> None:
+        self.engine, self.opts, self.metrics = engine, opts, metrics
+        self.staging = staging_for(engine, opts.staging_bytes) if opts.role == "decode" else None
+        self.staged_at: dict[str, float] = {}
+        self.open = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # -- Generate -----------------------------------------------------------------------------
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        rid = request.request_id
+        try:
+            params = params_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt = list(request.prompt_token_ids)
+        if not rid or not prompt:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required"
+            )
+        prefilled: tuple[int, KVPayload] | None = None
+        if request.HasField("first_token"):
+            if self.staging is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "first_token sent to a prefill worker"
+                )
+            try:
+                prefilled = (request.first_token, self.staging.claim(rid))
+            except TransferError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no KV staged: {e}")
+            self.staged_at.pop(rid, None)
+        export = self.opts.role == "prefill" and bool(request.kv_target)
+        self.open += 1
+        try:
+            async for m in self._generate(rid, prompt, params, request.kv_target, export, prefilled):
+                yield m
+        finally:
+            self.open -= 1
+
+    async def _generate(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        kv_target: str,
+        export: bool,
+        prefilled: tuple[int, KVPayload] | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            gen = self.engine.generate(prompt, params, rid, export_kv=export, prefilled=prefilled)
+            async for o in gen:
+                if o.new_token_ids or o.new_text:
+                    yield chunk_message(o)
+                if not o.finished:
+                    continue
+                sent = 0
+                if o.finish_reason == FinishReason.HANDOFF:
+                    assert o.kv_payload is not None
+                    try:
+                        sent = await self._push(kv_target, o.kv_payload)
+                    except (grpc.aio.AioRpcError, TransferError) as e:
+                        self.metrics.kv_failed.inc()
+                        msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                        yield pb.GenerateResponse(
+                            error=pb.Error(
+                                message=f"KV transfer to {kv_target} failed: {msg}", retryable=True
+                            ),
+                            usage=usage(o),
+                        )
+                        return
+                reason = o.finish_reason.value if o.finish_reason is not None else "stop"
+                yield pb.GenerateResponse(
+                    complete=pb.Complete(finish_reason=reason, kv_bytes_sent=sent), usage=usage(o)
+                )
+        except ValueError as e:  # refused by the engine before any output
+            yield pb.GenerateResponse(error=pb.Error(message=str(e), retryable=False))
+        except RuntimeError as e:  # engine stopped or failed: another worker may do it
+            yield pb.GenerateResponse(error=pb.Error(message=str(e), retryable=True))
+
+    async def _push(self, target: str, payload: KVPayload) -> int:
+        """Stream ``payload`` to ``target``'s KVTransfer service; returns the K/V bytes sent."""
+        ch = self._channels.get(target)
+        if ch is None:
+            ch = self._channels[target] = grpc.aio.insecure_channel(
+                target, options=[("grpc.max_send_message_length", 64 << 20)]
+            )
+        ecfg = self.engine.engine_config
+        staging = staging_for(self.engine, 0)  # only for the page count
+        n_pages = expected_pages(payload.num_tokens, payload.window, ecfg.page_size, staging.layers)
+        ack = await kvgrpc.KVTransferStub(ch).Push(transfer_messages(payload, ecfg.page_size, n_pages))
+        expect = payload.nbytes()
+        if ack.bytes_received != expect:
+            raise TransferError(f"decode worker acknowledged {ack.bytes_received} of {expect} bytes")
+        self.metrics.kv_sent.inc(expect)
+        self.metrics.kv_request.observe(expect)
+        return expect
+
+    # -- Abort / GetLoad ------------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        rid = request.request_id
+        found = rid in self.engine.engine.requests
+        await self.engine.abort(rid)
+        if self.staging is not None and rid in self.staging.open_ids():
+            self.staging.discard(rid)
+            self.staged_at.pop(rid, None)
+            found = True
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
+        eng = self.engine.engine
+        st = eng.stats()
+        outstanding = sum(
+            (r.num_prompt - r.num_computed if r.num_computed < r.num_prompt else 0)
+            + r.params.max_tokens
+            - len(r.output_token_ids)
+            for r in eng.requests.values()
+        )
+        pools = {
+            name: pb.PoolLoad(
+                total_pages=p.total_pages,
+                used_pages=p.used_pages,
+                cached_pages=p.cached_pages,
+                request_pages=p.request_pages,
+            )
+            for name, p in st.pools.items()
+        }
+        return pb.Load(
+            role=self.opts.role,
+            running=st.num_running,
+            waiting=st.num_waiting,
+            outstanding_tokens=max(0, outstanding),
+            pools=pools,
+            staged_bytes=self.staging.staged_bytes if self.staging is not None else 0,
+            open_requests=self.open,
+        )
+
+    async def expire_staging(self) -> None:
+        """Drop transfers that nobody claimed in time (a router that died between the two calls)."""
+        while True:
+            await asyncio.sleep(max(1.0, self.opts.staging_ttl_s / 4))
+            if self.staging is None:
+                return
+            now = time.monotonic()
+            for rid, t in list(self.staged_at.items()):
+                if now - t > self.opts.staging_ttl_s:
+                    log.warning(
+                        "dropping KV staged for %s: not claimed in %.0f s", rid, self.opts.staging_ttl_s
+                    )
+                    self.staging.discard(rid)
+                    self.staged_at.pop(rid, None)
+
+
+class KVTransferService(kvgrpc.KVTransferServicer):
+    """Decode side of the KV transfer: pages into ``KVStaging``."""
+
+    def __init__(self, worker: WorkerService) -> None:
+        assert worker.staging is not None
+        self.worker = worker
+        self.staging = worker.staging
+
+    async def Push(
+        self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
+    ) -> kvpb.TransferAck:
+        rid: str | None = None
+        num_pages = received = pages = 0
+        try:
+            async for m in request_iterator:
+                kind = m.WhichOneof("kind")
+                if kind == "header":
+                    if rid is not None:
+                        raise TransferError("second header in one transfer")
+                    rid, num_pages = m.header.request_id, m.header.num_pages
+                    self.staging.begin(rid, m.header.num_tokens)
+                elif kind == "page":
+                    if rid is None or m.page.request_id != rid:
+                        raise TransferError("page before its transfer's header")
+                    self.staging.add(page_from_proto(m.page))
+                    received += len(m.page.k) + len(m.page.v)
+                    pages += 1
+            if rid is None:
+                raise TransferError("empty transfer")
+            if pages != num_pages:
+                raise TransferError(f"header announced {num_pages} pages, got {pages}")
+            self.staging.finish(rid)
+        except TransferError as e:
+            if rid is not None:
+                self.staging.discard(rid)
+            self.worker.metrics.kv_failed.inc()
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        self.worker.staged_at[rid] = time.monotonic()
+        self.worker.metrics.kv_received.inc(received)
+        return kvpb.TransferAck(request_id=rid, bytes_received=received, pages=pages)
+
+
+async def _warm_up(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate([3, 4, 5, 6, 7], params, "warmup"):
+        pass
+    engine.engine.kv.flush_cache()
+
+
+async def serve_worker(
+    engine: AsyncLLMEngine, opts: WorkerOptions, ready: asyncio.Event | None = None
+) -> None:
+    """Run the worker until cancelled. Binds ``opts.host:opts.port`` (0 = a free port, logged as
+    ``listening on HOST:PORT``)."""
+    if opts.role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {opts.role!r}")
+    metrics = WorkerMetrics()
+    if opts.metrics_port is not None:
+        start_http_server(opts.metrics_port, addr=opts.host, registry=metrics.registry)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
+    worker = WorkerService(engine, opts, metrics)
+    wgrpc.add_WorkerServicer_to_server(worker, server)
+    names = [pb.DESCRIPTOR.services_by_name["Worker"].full_name]
+    if opts.role == "decode":
+        kvgrpc.add_KVTransferServicer_to_server(KVTransferService(worker), server)
+        names.append(kvpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
+    health_svc = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
+    for name in ("", *names):
+        await health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    await server.start()
+    print(f"{opts.role} worker listening on {opts.host}:{port}", flush=True)
+    await engine.start()
+    expire = asyncio.create_task(worker.expire_staging())
+    try:
+        await _warm_up(engine)
+        for name in ("", *names):
+            await health_svc.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"{opts.role} worker ready on {opts.host}:{port}", flush=True)
+        if ready is not None:
+            ready.set()
+        await server.wait_for_termination()
+    finally:
+        expire.cancel()
+        await server.stop(grace=2.0)
+        await engine.stop()

@@ -1,0 +1,235 @@
+"""``swaserve up``: the disaggregated cluster (router + prefill and decode workers) as local processes.
+
+Each service is its own process (``python -m services.prefill|decode|router``) on 127.0.0.1 and a
+free port, with its output prefixed by its name (``[prefill-0] ...``). Workers are ready when
+their ``grpc.health.v1`` check says SERVING (model loaded and warmed up), the router when
+``GET /health`` answers 200. Every child runs in its own process group and gets SIGTERM when the
+launcher dies (Linux ``PR_SET_PDEATHSIG``), and ``Cluster.stop`` terminates them all (SIGKILL after
+a grace period), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from swaserve.run_demo import _die_with_parent, free_port
+
+_ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
+
+
+class ClusterError(RuntimeError):
+    """A service exited or did not become ready in time."""
+
+
+class ServiceProcess:
+    """One child service with prefixed, filtered output and a readiness check.
+
+    Args:
+        name: log prefix, e.g. ``prefill-0``. cmd: the command line.
+        ready: returns True once the service is ready (called repeatedly).
+        show_access_log: pass HTTP access lines through (normally hidden).
+    """
+
+    def __init__(self, name: str, cmd: list[str], ready: Callable[[], bool], show_access_log: bool = False):
+        self.name, self.cmd, self.ready = name, cmd, ready
+        self.show_access_log = show_access_log
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self._reader = threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            if self.show_access_log or not _ACCESS_LOG.search(line):
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Raises ClusterError if the process exits or is not ready within ``timeout_s``."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self._join_reader()
+                raise ClusterError(
+                    f"{self.name} exited with status {code} before it was ready:\n{self._tail()}"
+                )
+            if self.ready():
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self._tail()}")
+            time.sleep(0.25)
+
+    def _tail(self) -> str:
+        return "\n".join(f"  | {line}" for line in self.tail) or "  (no output)"
+
+    def _join_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the service's process group (tests: a worker dying)."""
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace_s``; idempotent."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._join_reader()
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._join_reader()
+
+
+def grpc_ready(address: str) -> Callable[[], bool]:
+    """Readiness of a worker: its overall ``grpc.health.v1`` status is SERVING."""
+
+    def check() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(address) as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2.0
+                )
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+
+    return check
+
+
+def http_ready(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+@dataclass
+class Cluster:
+    """Router + ``prefill`` prefill workers + ``decode`` decode workers on 127.0.0.1.
+
+    Args:
+        model: checkpoint dir (all services load it). prefill, decode: worker counts.
+        port: router HTTP port (0 = a free one). worker_args / prefill_args / decode_args /
+        router_args: extra command-line arguments for those services.
+    """
+
+    model: Path
+    prefill: int = 1
+    decode: int = 1
+    port: int = 0
+    worker_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    show_access_log: bool = False
+    services: dict[str, ServiceProcess] = field(default_factory=dict)
+    worker_addresses: dict[str, list[str]] = field(default_factory=dict)
+    url: str = ""
+
+    def _worker(self, role: str, i: int, extra: list[str]) -> tuple[str, ServiceProcess]:
+        port = free_port()
+        addr = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", f"services.{role}", "--model", str(self.model), "--port", str(port),
+               *self.worker_args, *extra]  # fmt: skip
+        return addr, ServiceProcess(f"{role}-{i}", cmd, grpc_ready(addr))
+
+    def start(self, timeout_s: float = 600.0) -> str:
+        """Start every service and wait until all are ready; returns the router's URL."""
+        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+        self.worker_addresses = addrs
+        for role, n, extra in (
+            ("prefill", self.prefill, self.prefill_args),
+            ("decode", self.decode, self.decode_args),
+        ):
+            for i in range(n):
+                addr, svc = self._worker(role, i, extra)
+                addrs[role].append(addr)
+                self.services[svc.name] = svc
+                svc.start()
+        for svc in list(self.services.values()):
+            svc.wait_ready(timeout_s)
+        port = self.port or free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "services.router", "--model", str(self.model), "--port", str(port)]
+        for role in ("prefill", "decode"):
+            for a in addrs[role]:
+                cmd += [f"--{role}", a]
+        router = ServiceProcess(
+            "router", [*cmd, *self.router_args], http_ready(self.url), self.show_access_log
+        )
+        self.services["router"] = router
+        router.start()
+        router.wait_ready(timeout_s)
+        return self.url
+
+    def wait_any_exit(self) -> str:
+        """Block until some service exits; returns its name."""
+        while True:
+            for name, s in self.services.items():
+                if not s.alive():
+                    return name
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Stop the router first (no new requests), then the workers."""
+        order = [s for n, s in self.services.items() if n == "router"] + [
+            s for n, s in self.services.items() if n != "router"
+        ]
+        for s in order:
+            s.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
