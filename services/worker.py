@@ -36,7 +36,7 @@ from swaserve.disagg.convert import (
     transfer_messages,
     usage,
 )
-from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, TransferError, expected_pages
+from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, TransferError
 from swaserve.engine.async_engine import AsyncLLMEngine
 from swaserve.engine.types import FinishReason, SamplingParams
 from swaserve.v1 import kv_transfer_pb2 as kvpb
@@ -127,6 +127,7 @@ class WorkerService(wgrpc.WorkerServicer):
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION, "first_token sent to a prefill worker"
                 )
+            assert self.staging is not None
             try:
                 prefilled = (request.first_token, self.staging.claim(rid))
             except TransferError as e:
@@ -187,10 +188,11 @@ class WorkerService(wgrpc.WorkerServicer):
             ch = self._channels[target] = grpc.aio.insecure_channel(
                 target, options=[("grpc.max_send_message_length", 64 << 20)]
             )
-        ecfg = self.engine.engine_config
-        staging = staging_for(self.engine, 0)  # only for the page count
-        n_pages = expected_pages(payload.num_tokens, payload.window, ecfg.page_size, staging.layers)
-        ack = await kvgrpc.KVTransferStub(ch).Push(transfer_messages(payload, ecfg.page_size, n_pages))
+        cfg = self.engine.model_config
+        layers = {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)}
+        ack = await kvgrpc.KVTransferStub(ch).Push(
+            transfer_messages(payload, self.engine.engine_config.page_size, layers)
+        )
         expect = payload.nbytes()
         if ack.bytes_received != expect:
             raise TransferError(f"decode worker acknowledged {ack.bytes_received} of {expect} bytes")
@@ -254,12 +256,11 @@ class WorkerService(wgrpc.WorkerServicer):
 
 
 class KVTransferService(kvgrpc.KVTransferServicer):
-    """Decode side of the KV transfer: pages into ``KVStaging``."""
+    """Decode side of the KV transfer: pages into ``KVStaging``; ``staged_at`` records when each
+    transfer completed (for expiry)."""
 
-    def __init__(self, worker: WorkerService) -> None:
-        assert worker.staging is not None
-        self.worker = worker
-        self.staging = worker.staging
+    def __init__(self, staging: KVStaging, metrics: WorkerMetrics, staged_at: dict[str, float]) -> None:
+        self.staging, self.metrics, self.staged_at = staging, metrics, staged_at
 
     async def Push(
         self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
@@ -288,10 +289,11 @@ class KVTransferService(kvgrpc.KVTransferServicer):
         except TransferError as e:
             if rid is not None:
                 self.staging.discard(rid)
-            self.worker.metrics.kv_failed.inc()
+            self.metrics.kv_failed.inc()
             await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-        self.worker.staged_at[rid] = time.monotonic()
-        self.worker.metrics.kv_received.inc(received)
+        assert rid is not None
+        self.staged_at[rid] = time.monotonic()
+        self.metrics.kv_received.inc(received)
         return kvpb.TransferAck(request_id=rid, bytes_received=received, pages=pages)
 
 
@@ -319,7 +321,10 @@ async def serve_worker(
     wgrpc.add_WorkerServicer_to_server(worker, server)
     names = [pb.DESCRIPTOR.services_by_name["Worker"].full_name]
     if opts.role == "decode":
-        kvgrpc.add_KVTransferServicer_to_server(KVTransferService(worker), server)
+        assert worker.staging is not None
+        kvgrpc.add_KVTransferServicer_to_server(
+            KVTransferService(worker.staging, metrics, worker.staged_at), server
+        )
         names.append(kvpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
     health_svc = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)

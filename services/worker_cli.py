@@ -45,6 +45,9 @@ def worker_app(role: str) -> typer.Typer:
             int, typer.Option(parser=_size_option, metavar="BYTES", help="decode: host bytes for staged KV.")
         ] = "1GiB",  # type: ignore[assignment]
         staging_ttl: Annotated[float, typer.Option(min=1.0, help="decode: seconds staged KV waits.")] = 120.0,
+        num_threads: Annotated[
+            int | None, typer.Option(min=1, help="CPU threads for torch (default: torch's choice).")
+        ] = None,
     ) -> None:
         from services.worker import WorkerOptions, serve_worker
         from swaserve.config import EngineConfig
@@ -52,6 +55,10 @@ def worker_app(role: str) -> typer.Typer:
         from swaserve.model.checkpoint import default_model_dir
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+        if num_threads is not None:
+            import torch
+
+            torch.set_num_threads(num_threads)
         cfg = EngineConfig(
             page_size=page_size,
             kv_cache_memory=kv_cache_memory,

@@ -375,6 +375,17 @@ def bench_engine(
     main(str(json_path) if json_path is not None else None)
 
 
+@bench_app.command("pd-transfer")
+def bench_pd_transfer(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Loopback pushes per length (best is reported).")] = 3,
+) -> None:
+    """Prefill->decode KV bytes per request vs full KV (per length), and loopback throughput."""
+    from bench.pd_transfer import main
+
+    main(json_path, repeats=repeats)
+
+
 @bench_app.command("prefix-replay")
 def bench_prefix_replay(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,

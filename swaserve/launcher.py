@@ -173,14 +173,20 @@ class Cluster:
     router_args: list[str] = field(default_factory=list)
     show_access_log: bool = False
     services: dict[str, ServiceProcess] = field(default_factory=dict)
-    worker_addresses: dict[str, list[str]] = field(default_factory=dict)
+    worker_addresses: dict[str, list[str]] = field(default_factory=dict)  # role -> host:port
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # worker name -> Prometheus URL
     url: str = ""
 
     def _worker(self, role: str, i: int, extra: list[str]) -> tuple[str, ServiceProcess]:
-        port = free_port()
+        port, mport = free_port(), free_port()
         addr = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", f"services.{role}", "--model", str(self.model), "--port", str(port),
-               *self.worker_args, *extra]  # fmt: skip
+               "--metrics-port", str(mport), *self.worker_args, *extra]  # fmt: skip
+        if not any(a.startswith("--num-threads") for a in cmd):
+            # workers share the machine's cores: more torch threads than cores make OpenMP spin
+            # against each other (measured 10-20x slower prefill on 2 cores)
+            cmd += ["--num-threads", str(max(1, (os.cpu_count() or 1) // (self.prefill + self.decode)))]
+        self.metrics_urls[f"{role}-{i}"] = f"http://127.0.0.1:{mport}/metrics"
         return addr, ServiceProcess(f"{role}-{i}", cmd, grpc_ready(addr))
 
     def start(self, timeout_s: float = 600.0) -> str:

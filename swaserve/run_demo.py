@@ -1,16 +1,19 @@
-"""``make run``: start a server on the default model, replay a slice of the Mooncake trace, report.
+"""``make run``: bring up the cluster on the default model, replay a slice of the Mooncake trace, report.
 
-Steps: make sure the checkpoint exists (the default preset is built on first use), start
-``swaserve serve`` as a child process on 127.0.0.1 and a free port, wait for ``/health``, replay the
-first ``--limit`` trace requests, print the report, then keep serving until Ctrl-C / SIGTERM.
-With ``--once`` it exits after the report: status 0 only if no request failed.
+Steps: make sure the checkpoint exists (the default preset is built on first use), start the
+disaggregated cluster (``swaserve up``: router + ``--prefill`` prefill and ``--decode`` decode
+workers, one each by default, sized for 2 cores) or, with ``--mode serve``, the single-process
+``swaserve serve``, on 127.0.0.1 and free ports; wait until ready, replay the first ``--limit``
+trace requests, print the report, then keep serving until Ctrl-C / SIGTERM. With ``--once`` it
+exits after the report: status 0 only if no request failed.
 
 The server runs in its own process group (so it does not see the terminal's Ctrl-C before we do)
 and is told to exit when this process dies (Linux ``PR_SET_PDEATHSIG``), so it is never orphaned.
 
 Usage::
 
-    python -m swaserve.run_demo [--once] [--model DIR] [--limit N] [--time-scale S]
+    python -m swaserve.run_demo [--once] [--mode cluster|serve] [--prefill N] [--decode M]
+                                [--model DIR] [--limit N] [--time-scale S]
                                 [--block-tokens B] [--max-output-tokens M] [--json PATH]
 """
 
@@ -192,6 +195,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_MAX_OUTPUT_TOKENS,
         help="cap on each request's output length, 0 = trace lengths (%(default)s)",
     )
+    p.add_argument(
+        "--mode", choices=("cluster", "serve"), default="cluster", help="what serves (%(default)s)"
+    )
+    p.add_argument("--prefill", type=int, default=1, help="cluster: prefill workers (%(default)s)")
+    p.add_argument("--decode", type=int, default=1, help="cluster: decode workers (%(default)s)")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -201,7 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra argument for `swaserve serve` (repeatable), e.g. --server-arg=--max-num-seqs=16",
+        help="extra argument for `swaserve serve` or every worker (repeatable), e.g. --server-arg=--max-num-seqs=16",
     )
     p.add_argument("--access-log", action="store_true", help="show the server's per-request access log")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -225,6 +233,7 @@ def _model_dir(model: Path | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit status."""
     args = parse_args(argv)
+    from swaserve.launcher import Cluster, ClusterError
     from swaserve.replay import (
         ReplayError,
         ReplayOptions,
@@ -240,15 +249,34 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = _model_dir(args.model)
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
-    server = ServerProcess(
-        ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *args.server_arg],
-        url,
-        show_access_log=args.access_log,
-    )
+    server: ServerProcess | Cluster
+    if args.mode == "serve":
+        server = ServerProcess(
+            ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *args.server_arg],
+            url,
+            show_access_log=args.access_log,
+        )
+    else:
+        server = Cluster(
+            model_dir,
+            args.prefill,
+            args.decode,
+            port,
+            worker_args=list(args.server_arg),
+            router_args=["--request-timeout", str(args.request_timeout)],
+            show_access_log=args.access_log,
+        )
     try:
-        print(f"starting: {' '.join(server.cmd)}", file=sys.stderr, flush=True)
-        server.start()
-        server.wait_ready(args.startup_timeout)
+        if isinstance(server, ServerProcess):
+            print(f"starting: {' '.join(server.cmd)}", file=sys.stderr, flush=True)
+            server.start()
+            server.wait_ready(args.startup_timeout)
+        else:
+            print(
+                f"starting the cluster: {args.prefill} prefill + {args.decode} decode workers",
+                file=sys.stderr,
+            )
+            server.start(args.startup_timeout)
         print(f"\nserver ready at {url}  (try: curl {url}/v1/models)\n", flush=True)
         vocab, reserved = token_space_from_model_dir(model_dir)
         opts = ReplayOptions(
@@ -267,13 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.once:
             return 0 if report["failed"] == 0 else 1
         print(f"\nstill serving at {url} - press Ctrl-C to stop", flush=True)
-        code = server.wait()
-        print(f"server exited with status {code}", file=sys.stderr)
-        return code or 1
+        if isinstance(server, ServerProcess):
+            code = server.wait()
+            print(f"server exited with status {code}", file=sys.stderr)
+            return code or 1
+        print(f"{server.wait_any_exit()} exited", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nstopping the server...", file=sys.stderr, flush=True)
         return 0 if not args.once else 130
-    except (ServerError, ReplayError) as e:
+    except (ServerError, ClusterError, ReplayError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

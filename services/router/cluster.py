@@ -121,17 +121,20 @@ class ClusterEngine:
 
     async def _poll(self) -> None:
         while True:
-            for w in self.workers:
-                try:
-                    w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=max(1.0, self.poll_s))
-                    if not w.healthy:
-                        log.info("%s worker %s is back", w.role, w.address)
-                    w.healthy = True
-                except grpc.aio.AioRpcError:
-                    if w.healthy:
-                        log.warning("%s worker %s unreachable", w.role, w.address)
-                    w.healthy = False
+            await asyncio.gather(*(self._poll_one(w) for w in self.workers))
             await asyncio.sleep(self.poll_s)
+
+    async def _poll_one(self, w: WorkerHandle) -> None:
+        try:  # a busy worker answers between engine steps: only a refused connection counts
+            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=30.0)
+            if not w.healthy:
+                log.info("%s worker %s is back", w.role, w.address)
+            w.healthy = True
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                if w.healthy:
+                    log.warning("%s worker %s unreachable", w.role, w.address)
+                w.healthy = False
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=self.in_flight, num_waiting=0)
@@ -147,12 +150,12 @@ class ClusterEngine:
     # -- selection ----------------------------------------------------------------------------
     def pick(self, role: str, avoid: set[WorkerHandle]) -> WorkerHandle:
         """The healthy worker of ``role`` with the least outstanding work (not in ``avoid`` if
-        another is left). Raises DispatchError when none is reachable."""
-        pool = [w for w in self.workers if w.role == role and w.healthy and w not in avoid]
+        another is left; a worker that failed this request or looks unreachable is still tried
+        when it is the only one)."""
+        mine = [w for w in self.workers if w.role == role]
+        pool = [w for w in mine if w.healthy and w not in avoid] or [w for w in mine if w.healthy] or mine
         if not pool:
-            pool = [w for w in self.workers if w.role == role and w not in avoid]
-        if not pool:
-            raise DispatchError(f"no {role} worker available", None)
+            raise DispatchError(f"no {role} worker configured", None)
         return min(pool, key=lambda w: (w.outstanding, w.address))
 
     # -- one request --------------------------------------------------------------------------
@@ -190,6 +193,9 @@ class ClusterEngine:
                         yield out
                     return
                 except DispatchError as e:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise asyncio.CancelledError from e  # the client went away: no retry
                     if started[0] or attempt > self.max_retries:
                         raise RuntimeError(f"request failed: {e}") from e
                     log.warning("retrying %s (attempt %d): %s", request_id, attempt + 1, e)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from swaserve.disagg.kv_transfer import KVPage, KVPayload, to_pages
+from swaserve.disagg.kv_transfer import KVPage, KVPayload, expected_pages, to_pages
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import worker_pb2 as pb
@@ -113,12 +113,18 @@ def page_from_proto(m: kvpb.KVPage) -> KVPage:
     )  # fmt: skip
 
 
-def transfer_messages(payload: KVPayload, page_size: int, num_pages: int) -> Iterator[kvpb.TransferMessage]:
-    """The KVTransfer.Push stream of one payload: header, then its pages."""
+PAGES_PER_MESSAGE = 16  # ~1.3 MB messages for MiMo-V2.5-Pro pages: per-message cost amortized
+
+
+def transfer_messages(
+    payload: KVPayload, page_size: int, layers: dict[str, int], pages_per_message: int = PAGES_PER_MESSAGE
+) -> Iterator[kvpb.TransferMessage]:
+    """The KVTransfer.Push stream of one payload: header (with the message count), then its pages."""
+    num_pages = expected_pages(payload.num_tokens, payload.window, page_size, layers, pages_per_message)
     yield kvpb.TransferMessage(
         header=kvpb.TransferHeader(
             request_id=payload.request_id, num_tokens=payload.num_tokens, num_pages=num_pages
         )
     )
-    for pg in to_pages(payload, page_size):
+    for pg in to_pages(payload, page_size, pages_per_message):
         yield kvpb.TransferMessage(page=page_to_proto(pg))

@@ -104,17 +104,19 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def to_pages(payload: KVPayload, page_size: int) -> Iterator[KVPage]:
-    """Cut ``payload`` into page messages: per kind (full then SWA), per layer, per page; a page's
-    token range is clipped to the positions the payload carries (so the first SWA page and the last
+def to_pages(payload: KVPayload, page_size: int, pages_per_message: int = 1) -> Iterator[KVPage]:
+    """Cut ``payload`` into page messages: per kind (full then SWA), per layer, runs of up to
+    ``pages_per_message`` pages (fewer, bigger messages cost less per byte); a message's token
+    range is clipped to the positions the payload carries (so the first SWA page and the last
     page of each layer can be partial)."""
+    span = page_size * max(1, pages_per_message)
     for kind in (FULL, SWA):
         lo, hi = payload.token_range(kind)
         for layer, (k, v) in enumerate(payload.kv.get(kind, [])):
             dt = dtype_name(k.dtype)
             start = lo
             while start < hi:
-                end = min(hi, (start // page_size + 1) * page_size)
+                end = min(hi, (start // page_size) * page_size + span)
                 kp, vp = k[start - lo : end - lo], v[start - lo : end - lo]
                 kb, vb = _tensor_bytes(kp), _tensor_bytes(vp)
                 yield KVPage(
@@ -124,13 +126,19 @@ def to_pages(payload: KVPayload, page_size: int) -> Iterator[KVPage]:
                 start = end
 
 
-def expected_pages(num_tokens: int, window: int, page_size: int, layers: dict[str, int]) -> int:
-    """How many ``KVPage`` s ``to_pages`` sends for a prompt of ``num_tokens`` tokens."""
+def _pages(lo: int, hi: int, page_size: int) -> int:
+    return 0 if hi <= lo else (hi - 1) // page_size - lo // page_size + 1
+
+
+def expected_pages(
+    num_tokens: int, window: int, page_size: int, layers: dict[str, int], pages_per_message: int = 1
+) -> int:
+    """How many messages ``to_pages`` sends for a prompt of ``num_tokens`` tokens."""
     total = 0
     for kind, n_layers in layers.items():
         lo, hi = (0, num_tokens) if kind == FULL else (max(0, num_tokens - window), num_tokens)
-        pages = 0 if hi <= lo else (hi - 1) // page_size - lo // page_size + 1
-        total += pages * n_layers
+        pages = _pages(lo, hi, page_size)
+        total += -(-pages // max(1, pages_per_message)) * n_layers
     return total
 
 
@@ -215,7 +223,7 @@ class KVStaging:
         entry = self._open.get(page.request_id)
         if entry is None:
             raise TransferError(f"page for {page.request_id!r} without an open transfer")
-        payload, seen = entry
+        payload, seen = entry  # seen: (kind, layer, page index) received
         if page.request_id in self._done:
             raise TransferError(f"page for {page.request_id!r} after its transfer was finished")
         if page.kind not in self.layers or not 0 <= page.layer < self.layers[page.kind]:
@@ -231,15 +239,14 @@ class KVStaging:
             )
         lo, hi = payload.token_range(page.kind)
         a, b = page.token_start, page.token_end
-        if (
-            not (lo <= a < b <= hi)
-            or (a != lo and a % self.page_size)
-            or (b - 1) // self.page_size != a // self.page_size
-        ):
-            raise TransferError(f"page token range [{a}, {b}) outside one page of [{lo}, {hi})")
-        key = (page.kind, page.layer, a)
-        if key in seen:
-            raise TransferError(f"duplicate page {key} for {page.request_id}")
+        P = self.page_size
+        if not (lo <= a < b <= hi) or (a != lo and a % P) or (b != hi and b % P):
+            raise TransferError(f"page token range [{a}, {b}) not page-aligned inside [{lo}, {hi})")
+        keys = {(page.kind, page.layer, i) for i in range(a // P, (b - 1) // P + 1)}
+        if keys & seen:
+            raise TransferError(
+                f"duplicate page in {page.kind}[{page.layer}] [{a}, {b}) for {page.request_id}"
+            )
         k_dst, v_dst = payload.kv[page.kind][page.layer]
         s = self.shapes[page.kind]
         if page.k_shape != (b - a, s.kv_heads, s.head_dim) or page.v_shape != (
@@ -254,10 +261,10 @@ class KVStaging:
                 raise TransferError(f"page holds {len(raw)} bytes, shape needs {want}")
             src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.dtype).view(shape)
             dst[a - lo : b - lo].copy_(src)
-        seen.add(key)
+        seen |= keys
 
     def missing(self, request_id: str) -> int:
-        """Pages of an open transfer not received yet."""
+        """Pages (per layer) of an open transfer not received yet."""
         payload, seen = self._open[request_id]
         return expected_pages(payload.num_tokens, self.window, self.page_size, self.layers) - len(seen)
 

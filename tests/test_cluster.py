@@ -1,0 +1,216 @@
+"""The disaggregated cluster as separate processes (``swaserve up``'s ``Cluster``) on the tiny
+checkpoint (W = 8): router + 2 prefill + 2 decode workers on 127.0.0.1.
+
+Tests run in file order on one cluster; the fault tests (killing workers) come last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from swaserve.config import EngineConfig
+from swaserve.disagg.kv_transfer import KVPayload, to_pages
+from swaserve.engine.llm_engine import LLMEngine
+from swaserve.engine.types import SamplingParams
+from swaserve.launcher import Cluster
+from swaserve.v1 import kv_transfer_pb2 as kvpb
+from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
+from swaserve.v1 import worker_pb2 as pb
+from swaserve.v1 import worker_pb2_grpc as wgrpc
+
+WORKER_ARGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", "16MiB", "--page-size", "4"]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    c = Cluster(
+        tiny_dir, prefill=2, decode=2, worker_args=WORKER_ARGS, router_args=["--request-timeout", "60"]
+    )
+    try:
+        c.start(timeout_s=300)
+        yield c
+    finally:
+        c.stop()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    stem = [rng.randrange(3, 500) for _ in range(19)]
+    return [
+        (stem if i % 2 else []) + [rng.randrange(3, 500) for _ in range(rng.randrange(5, 45))]
+        for i in range(n)
+    ]
+
+
+async def complete_all(url: str, ps: list[list[int]], max_tokens: int = NEW) -> list[dict]:
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(p: list[int]) -> dict:
+            body = {
+                "model": "mimo-v2-tiny-v1", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
+            }  # fmt: skip
+            r = await client.post(f"{url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        return await asyncio.gather(*(one(p) for p in ps))
+
+
+def loads(c: Cluster) -> dict[str, pb.Load]:
+    out = {}
+    for role, addrs in c.worker_addresses.items():
+        for i, a in enumerate(addrs):
+            if not c.services[f"{role}-{i}"].alive():
+                continue
+            with grpc.insecure_channel(a) as ch:
+                out[f"{role}-{i}"] = wgrpc.WorkerStub(ch).GetLoad(pb.GetLoadRequest(), timeout=10)
+    return out
+
+
+def wait_idle(c: Cluster, timeout_s: float = 30.0) -> dict[str, pb.Load]:
+    """Every live worker has no request, no request-owned page and nothing staged."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ls = loads(c)
+        busy = {
+            n: (x.running, x.waiting, x.staged_bytes, {k: p.request_pages for k, p in x.pools.items()})
+            for n, x in ls.items()
+            if x.running or x.waiting or x.staged_bytes or any(p.request_pages for p in x.pools.values())
+        }
+        if not busy:
+            return ls
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers still hold requests or pages: {busy}")
+        time.sleep(0.2)
+
+
+def test_outputs_equal_single_engine_and_transformers(cluster: Cluster, tiny_dir: Path, hf_tiny) -> None:  # type: ignore[no-untyped-def]
+    ps = prompts(8)
+    got = asyncio.run(complete_all(cluster.url, ps))
+    eng = LLMEngine(
+        str(tiny_dir), EngineConfig(max_num_batched_tokens=32, kv_cache_memory=16 << 20, page_size=4)
+    )
+    want = eng.generate(ps, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    for r, w in zip(got, want, strict=True):
+        assert r["choices"][0]["token_ids"] == w
+        assert r["usage"]["completion_tokens"] == NEW
+    import torch
+
+    for p, w in list(zip(ps, want, strict=True))[:2]:
+        ids = torch.tensor([p])
+        ref = hf_tiny.generate(ids, max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids))
+        assert ref[0, len(p) :].tolist() == w
+    wait_idle(cluster)
+
+
+def test_kv_bytes_are_full_prompt_plus_swa_window(cluster: Cluster, tiny_dir: Path) -> None:
+    from swaserve.config import ModelConfig
+
+    def sent() -> float:
+        total = 0.0
+        for name, url in cluster.metrics_urls.items():
+            if name.startswith("prefill") and cluster.services[name].alive():
+                for line in httpx.get(url).text.splitlines():
+                    if line.startswith("swaserve:kv_transfer_sent_bytes_total"):
+                        total += float(line.split()[-1])
+        return total
+
+    m = ModelConfig.from_pretrained(tiny_dir)
+    full_tok = len(m.full_layers) * m.full.num_kv_heads * (m.full.head_dim + m.full.v_head_dim) * 4
+    swa_tok = len(m.swa_layers) * m.swa.num_kv_heads * (m.swa.head_dim + m.swa.v_head_dim) * 4
+    before = sent()
+    ps = prompts(5, seed=1)
+    asyncio.run(complete_all(cluster.url, ps))
+    assert sent() - before == sum(len(p) * full_tok + min(len(p), m.window) * swa_tok for p in ps)
+
+
+def test_client_disconnect_frees_pages_on_both_workers(cluster: Cluster) -> None:
+    body = {"model": "mimo-v2-tiny-v1", "prompt": prompts(1, 3)[0], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data:")
+            if n >= 5:
+                break  # leave mid-stream
+    wait_idle(cluster)
+
+
+def test_bad_checksum_is_never_decoded(cluster: Cluster) -> None:
+    addr = cluster.worker_addresses["decode"][0]
+    import torch
+
+    payload = KVPayload("corrupt-1", 6, 8)
+    payload.kv = {
+        "full": [(torch.ones(6, 1, 16), torch.ones(6, 1, 16))],
+    }
+    pages = list(to_pages(payload, 4))
+    msgs = [
+        kvpb.TransferMessage(header=kvpb.TransferHeader(request_id="corrupt-1", num_tokens=6, num_pages=99))
+    ]
+    for pg in pages:
+        msgs.append(kvpb.TransferMessage(page=kvpb.KVPage(
+            request_id=pg.request_id, kind=pg.kind, layer=pg.layer, token_start=pg.token_start, token_end=pg.token_end,
+            page_size=pg.page_size, dtype=pg.dtype, k_shape=list(pg.k_shape), v_shape=list(pg.v_shape),
+            k=pg.k, v=pg.v, checksum=pg.checksum ^ 1)))  # fmt: skip
+    with grpc.insecure_channel(addr) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            kvgrpc.KVTransferStub(ch).Push(iter(msgs), timeout=10)
+        assert e.value.code() in (grpc.StatusCode.DATA_LOSS,)
+        req = pb.GenerateRequest(request_id="corrupt-1", prompt_token_ids=[5] * 6, first_token=7,
+                                 sampling=pb.SamplingParams(max_tokens=3, top_p=1.0, repetition_penalty=1.0))  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e2:
+            list(wgrpc.WorkerStub(ch).Generate(req, timeout=10))
+        assert e2.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no KV staged" in e2.value.details()
+    wait_idle(cluster)
+
+
+def _stream_outcome(url: str, prompt: list[int], max_tokens: int) -> str:
+    """'done' (finish_reason seen), 'error' (error event), or raises on a hang (timeout)."""
+    body = {"model": "mimo-v2-tiny-v1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if "error" in ev:
+                return "error"
+            if ev["choices"][0].get("finish_reason"):
+                return "done"
+    return "ended"
+
+
+def test_killing_a_decode_worker_mid_stream_never_hangs(cluster: Cluster) -> None:
+    import concurrent.futures
+
+    ps = prompts(6, seed=5)
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(_stream_outcome, cluster.url, p, 300) for p in ps]
+        time.sleep(3.0)
+        cluster.services["decode-0"].kill()
+        outcomes = [f.result(timeout=120) for f in futs]
+    assert set(outcomes) <= {"done", "error"}, outcomes
+    got = asyncio.run(complete_all(cluster.url, prompts(4, seed=6)))  # the survivor serves
+    assert all(r["usage"]["completion_tokens"] == NEW for r in got)
+    wait_idle(cluster)
+
+
+def test_killing_a_prefill_worker_sends_new_requests_to_the_other(cluster: Cluster) -> None:
+    cluster.services["prefill-0"].kill()
+    got = asyncio.run(complete_all(cluster.url, prompts(6, seed=7)))
+    assert all(r["usage"]["completion_tokens"] == NEW for r in got)
+    ls = wait_idle(cluster)
+    assert set(ls) == {"prefill-1", "decode-1"}
