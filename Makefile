@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(BIN)/swaserve bench prefix-cache --json bench/results/prefix_cache.json
 	$(BIN)/swaserve bench engine --json bench/results/engine.json
 	$(BIN)/swaserve bench prefix-replay --json bench/results/prefix_replay.json
+	$(BIN)/swaserve bench pd-transfer --json bench/results/pd_transfer.json
+	$(BIN)/swaserve bench cluster-replay --json bench/results/cluster_replay.json
 	$(BIN)/swaserve bench prefix-replay --workload agent --sessions 4 --calls 10 --max-output-tokens 16 \
 		--json bench/results/prefix_replay_agent.json
 

@@ -386,6 +386,23 @@ def bench_pd_transfer(
     main(json_path, repeats=repeats)
 
 
+@bench_app.command("cluster-replay")
+def bench_cluster_replay(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests to replay per mode.")] = 250,
+    max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 64,
+    time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 1,
+    decode: Annotated[int, typer.Option(min=1, help="Decode workers.")] = 1,
+) -> None:
+    """The make-run replay through `swaserve serve`, then `swaserve up`: TTFT and ITL p50/p90."""
+    from bench.cluster_replay import main
+
+    main(
+        json_path, limit, max_output=max_output_tokens, time_scale=time_scale, prefill=prefill, decode=decode
+    )
+
+
 @bench_app.command("prefix-replay")
 def bench_prefix_replay(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,

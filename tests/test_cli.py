@@ -193,7 +193,16 @@ def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 1
-    assert "server exited with status" in proc.stderr and "not_mimo" in proc.stderr
+    assert "exited with status" in proc.stderr and "not_mimo" in proc.stderr
+    serve = subprocess.run(
+        _demo("--once", "--mode", "serve", "--model", str(tmp_path), "--limit", "1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert serve.returncode == 1
+    assert "server exited with status" in serve.stderr and "not_mimo" in serve.stderr
 
 
 def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
@@ -216,10 +225,17 @@ def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
             assert time.monotonic() < deadline
         assert url is not None
         assert httpx.get(f"{url}/health").status_code == 200
+        children = subprocess.run(
+            ["pgrep", "-f", f"services\\.(router|prefill|decode) --model {tiny_dir}"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+        assert len(children) == 3, "router + 1 prefill + 1 decode worker"
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
+        for pid in children:  # no orphans
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
