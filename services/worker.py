@@ -28,12 +28,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from services.transport import GrpcKVSender, KVSender
 from swaserve.config import FULL, SWA
 from swaserve.disagg.convert import (
     chunk_message,
     page_from_proto,
     params_from_proto,
-    transfer_messages,
     usage,
 )
 from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, TransferError
@@ -105,7 +105,10 @@ class WorkerService(wgrpc.WorkerServicer):
         self.staging = staging_for(engine, opts.staging_bytes) if opts.role == "decode" else None
         self.staged_at: dict[str, float] = {}
         self.open = 0
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        cfg = engine.model_config
+        self.sender: KVSender = GrpcKVSender(
+            engine.engine_config.page_size, {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)}
+        )
 
     # -- Generate -----------------------------------------------------------------------------
     async def Generate(
@@ -182,23 +185,11 @@ class WorkerService(wgrpc.WorkerServicer):
             yield pb.GenerateResponse(error=pb.Error(message=str(e), retryable=True))
 
     async def _push(self, target: str, payload: KVPayload) -> int:
-        """Stream ``payload`` to ``target``'s KVTransfer service; returns the K/V bytes sent."""
-        ch = self._channels.get(target)
-        if ch is None:
-            ch = self._channels[target] = grpc.aio.insecure_channel(
-                target, options=[("grpc.max_send_message_length", 64 << 20)]
-            )
-        cfg = self.engine.model_config
-        layers = {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)}
-        ack = await kvgrpc.KVTransferStub(ch).Push(
-            transfer_messages(payload, self.engine.engine_config.page_size, layers)
-        )
-        expect = payload.nbytes()
-        if ack.bytes_received != expect:
-            raise TransferError(f"decode worker acknowledged {ack.bytes_received} of {expect} bytes")
-        self.metrics.kv_sent.inc(expect)
-        self.metrics.kv_request.observe(expect)
-        return expect
+        """Send ``payload`` to ``target`` (``self.sender``); returns the K/V bytes sent."""
+        sent = await self.sender.send(target, payload)
+        self.metrics.kv_sent.inc(sent)
+        self.metrics.kv_request.observe(sent)
+        return sent
 
     # -- Abort / GetLoad ------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -347,4 +338,5 @@ async def serve_worker(
     finally:
         expire.cancel()
         await server.stop(grace=2.0)
+        await worker.sender.close()
         await engine.stop()

@@ -1,0 +1,51 @@
+"""KV transport: how a prefill worker's ``KVPayload`` reaches a decode worker.
+
+``KVSender`` is the interface the worker uses; ``GrpcKVSender`` streams page messages over the
+decode worker's ``KVTransfer.Push`` gRPC service (``protos/swaserve/v1/kv_transfer.proto``). A UCX
+transport (GCache issue) implements the same interface; the receiving side stays ``KVStaging``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import grpc
+
+from swaserve.disagg.convert import transfer_messages
+from swaserve.disagg.kv_transfer import KVPayload, TransferError
+from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
+
+
+class KVSender(Protocol):
+    async def send(self, target: str, payload: KVPayload) -> int:
+        """Deliver ``payload`` to the decode worker at ``target``; returns the K/V bytes it
+        acknowledged. Raises TransferError (or the transport's own error) on failure."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcKVSender:
+    """Args: page_size: tokens per page. layers: layers per kind (``{"full": .., "swa": ..}``)."""
+
+    def __init__(self, page_size: int, layers: dict[str, int], max_message_bytes: int = 64 << 20) -> None:
+        self.page_size, self.layers = page_size, layers
+        self.max_message_bytes = max_message_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def send(self, target: str, payload: KVPayload) -> int:
+        ch = self._channels.get(target)
+        if ch is None:
+            ch = self._channels[target] = grpc.aio.insecure_channel(
+                target, options=[("grpc.max_send_message_length", self.max_message_bytes)]
+            )
+        ack = await kvgrpc.KVTransferStub(ch).Push(transfer_messages(payload, self.page_size, self.layers))
+        expect = payload.nbytes()
+        if ack.bytes_received != expect:
+            raise TransferError(f"decode worker acknowledged {ack.bytes_received} of {expect} bytes")
+        return expect
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
