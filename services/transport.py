@@ -26,10 +26,18 @@ class KVSender(Protocol):
 
 
 class GrpcKVSender:
-    """Args: page_size: tokens per page. layers: layers per kind (``{"full": .., "swa": ..}``)."""
+    """Args: page_size: tokens per page. layers: layers per kind (``{"full": .., "swa": ..}``).
+    timeout_s: deadline of one push (a hung decode worker fails the push, and the router retries
+    elsewhere)."""
 
-    def __init__(self, page_size: int, layers: dict[str, int], max_message_bytes: int = 64 << 20) -> None:
-        self.page_size, self.layers = page_size, layers
+    def __init__(
+        self,
+        page_size: int,
+        layers: dict[str, int],
+        max_message_bytes: int = 64 << 20,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.page_size, self.layers, self.timeout_s = page_size, layers, timeout_s
         self.max_message_bytes = max_message_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -39,7 +47,9 @@ class GrpcKVSender:
             ch = self._channels[target] = grpc.aio.insecure_channel(
                 target, options=[("grpc.max_send_message_length", self.max_message_bytes)]
             )
-        ack = await kvgrpc.KVTransferStub(ch).Push(transfer_messages(payload, self.page_size, self.layers))
+        ack = await kvgrpc.KVTransferStub(ch).Push(
+            transfer_messages(payload, self.page_size, self.layers), timeout=self.timeout_s
+        )
         expect = payload.nbytes()
         if ack.bytes_received != expect:
             raise TransferError(f"decode worker acknowledged {ack.bytes_received} of {expect} bytes")

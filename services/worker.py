@@ -103,7 +103,8 @@ class WorkerService(wgrpc.WorkerServicer):
     def __init__(self, engine: AsyncLLMEngine, opts: WorkerOptions, metrics: WorkerMetrics) -> None:
         self.engine, self.opts, self.metrics = engine, opts, metrics
         self.staging = staging_for(engine, opts.staging_bytes) if opts.role == "decode" else None
-        self.staged_at: dict[str, float] = {}
+        self.staged_at: dict[str, float] = {}  # staged transfers (open or complete) -> when begun
+        self.aborted: dict[str, float] = {}  # recently aborted ids: a late transfer for them is refused
         self.open = 0
         cfg = engine.model_config
         self.sender: KVSender = GrpcKVSender(
@@ -196,6 +197,8 @@ class WorkerService(wgrpc.WorkerServicer):
         rid = request.request_id
         found = rid in self.engine.engine.requests
         await self.engine.abort(rid)
+        if self.staging is not None:
+            self.aborted[rid] = time.monotonic()  # the KV may still be on its way
         if self.staging is not None and rid in self.staging.open_ids():
             self.staging.discard(rid)
             self.staged_at.pop(rid, None)
@@ -231,7 +234,8 @@ class WorkerService(wgrpc.WorkerServicer):
         )
 
     async def expire_staging(self) -> None:
-        """Drop transfers that nobody claimed in time (a router that died between the two calls)."""
+        """Drop transfers not claimed (or not completed) in time: a router that died between its
+        two calls, a prefill worker that died mid-push; forget old aborted ids."""
         while True:
             await asyncio.sleep(max(1.0, self.opts.staging_ttl_s / 4))
             if self.staging is None:
@@ -244,28 +248,45 @@ class WorkerService(wgrpc.WorkerServicer):
                     )
                     self.staging.discard(rid)
                     self.staged_at.pop(rid, None)
+            for rid, t in list(self.aborted.items()):
+                if now - t > self.opts.staging_ttl_s:
+                    del self.aborted[rid]
 
 
 class KVTransferService(kvgrpc.KVTransferServicer):
-    """Decode side of the KV transfer: pages into ``KVStaging``; ``staged_at`` records when each
-    transfer completed (for expiry)."""
+    """Decode side of the KV transfer: pages into ``KVStaging``. ``staged_at`` records when each
+    transfer began (for expiry); a transfer for an id in ``aborted`` is refused or dropped; a
+    transfer that fails or is cancelled midway is dropped at once."""
 
-    def __init__(self, staging: KVStaging, metrics: WorkerMetrics, staged_at: dict[str, float]) -> None:
+    def __init__(
+        self,
+        staging: KVStaging,
+        metrics: WorkerMetrics,
+        staged_at: dict[str, float],
+        aborted: dict[str, float] | None = None,
+    ) -> None:
         self.staging, self.metrics, self.staged_at = staging, metrics, staged_at
+        self.aborted = aborted if aborted is not None else {}
 
     async def Push(
         self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
     ) -> kvpb.TransferAck:
         rid: str | None = None
         num_pages = received = pages = 0
+        done = False
         try:
             async for m in request_iterator:
                 kind = m.WhichOneof("kind")
                 if kind == "header":
                     if rid is not None:
                         raise TransferError("second header in one transfer")
+                    if m.header.request_id in self.aborted:
+                        raise TransferError(f"request {m.header.request_id!r} was aborted")
+                    if m.header.request_id in self.staging.open_ids():  # a retry supersedes it
+                        self.staging.discard(m.header.request_id)
+                    self.staging.begin(m.header.request_id, m.header.num_tokens, m.header.sampler_state)
                     rid, num_pages = m.header.request_id, m.header.num_pages
-                    self.staging.begin(rid, m.header.num_tokens)
+                    self.staged_at[rid] = time.monotonic()
                 elif kind == "page":
                     if rid is None or m.page.request_id != rid:
                         raise TransferError("page before its transfer's header")
@@ -276,14 +297,18 @@ class KVTransferService(kvgrpc.KVTransferServicer):
                 raise TransferError("empty transfer")
             if pages != num_pages:
                 raise TransferError(f"header announced {num_pages} pages, got {pages}")
+            if rid in self.aborted:
+                raise TransferError(f"request {rid!r} was aborted during its transfer")
             self.staging.finish(rid)
+            done = True
         except TransferError as e:
-            if rid is not None:
-                self.staging.discard(rid)
             self.metrics.kv_failed.inc()
             await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        finally:
+            if not done and rid is not None:  # failed, refused or cancelled: nothing stays staged
+                self.staging.discard(rid)
+                self.staged_at.pop(rid, None)
         assert rid is not None
-        self.staged_at[rid] = time.monotonic()
         self.metrics.kv_received.inc(received)
         return kvpb.TransferAck(request_id=rid, bytes_received=received, pages=pages)
 
@@ -314,7 +339,7 @@ async def serve_worker(
     if opts.role == "decode":
         assert worker.staging is not None
         kvgrpc.add_KVTransferServicer_to_server(
-            KVTransferService(worker.staging, metrics, worker.staged_at), server
+            KVTransferService(worker.staging, metrics, worker.staged_at, worker.aborted), server
         )
         names.append(kvpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
     health_svc = health.aio.HealthServicer()

@@ -180,8 +180,8 @@ def up(
             f"\ncluster ready: {url}  ({prefill} prefill, {decode} decode; try: curl {url}/v1/models)",
             flush=True,
         )
-        name = cluster.wait_any_exit()
-        print(f"{name} exited; stopping the cluster", flush=True)
+        code = cluster.watch()
+        print(f"router exited with status {code}; stopping the cluster", flush=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
         print("\nstopping the cluster...", flush=True)

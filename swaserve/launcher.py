@@ -218,12 +218,21 @@ class Cluster:
         router.wait_ready(timeout_s)
         return self.url
 
-    def wait_any_exit(self) -> str:
-        """Block until some service exits; returns its name."""
+    def watch(self) -> int:
+        """Block until the router exits (returns its status). A worker that exits is reported and
+        left out: the router fails over to the others (and answers 503 when a role has none)."""
+        reported: set[str] = set()
         while True:
-            for name, s in self.services.items():
-                if not s.alive():
-                    return name
+            for name, svc in self.services.items():
+                if svc.alive() or name in reported:
+                    continue
+                code = svc.proc.returncode if svc.proc is not None else None
+                if name == "router":
+                    return code if code is not None else 1
+                reported.add(name)
+                print(
+                    f"{name} exited with status {code}; the router goes on with the other workers", flush=True
+                )
             time.sleep(0.5)
 
     def stop(self) -> None:

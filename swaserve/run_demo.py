@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             code = server.wait()
             print(f"server exited with status {code}", file=sys.stderr)
             return code or 1
-        print(f"{server.wait_any_exit()} exited", file=sys.stderr)
+        print(f"router exited with status {server.watch()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nstopping the server...", file=sys.stderr, flush=True)

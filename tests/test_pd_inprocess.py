@@ -51,10 +51,12 @@ def prompts(seed: int) -> dict[str, list[int]]:
     }
 
 
-def run_single(eng: LLMEngine, ps: dict[str, list[int]]) -> dict[str, tuple[list[int], list[float]]]:
+def run_single(
+    eng: LLMEngine, ps: dict[str, list[int]], params: SamplingParams = PARAMS
+) -> dict[str, tuple[list[int], list[float]]]:
     out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ps}
     for rid, p in ps.items():
-        eng.add_request(rid, p, PARAMS)
+        eng.add_request(rid, p, params)
     while eng.has_unfinished():
         for o in eng.step():
             out[o.request_id][0].extend(o.new_token_ids)
@@ -63,20 +65,20 @@ def run_single(eng: LLMEngine, ps: dict[str, list[int]]) -> dict[str, tuple[list
 
 
 def run_pd(
-    pre: LLMEngine, dec: LLMEngine, ps: dict[str, list[int]]
+    pre: LLMEngine, dec: LLMEngine, ps: dict[str, list[int]], params: SamplingParams = PARAMS
 ) -> tuple[dict[str, tuple[list[int], list[float]]], dict[str, int]]:
     """Prefill all prompts (max_tokens=1, export KV), move pages, decode the rest."""
     staging = staging_for(dec)
     out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ps}
     sent: dict[str, int] = {}
     for rid, p in ps.items():
-        pre.add_request(rid, p, PARAMS, export_kv=True)
+        pre.add_request(rid, p, params, export_kv=True)
     while pre.has_unfinished():
         for o in pre.step():
             assert o.finished and o.kv_payload is not None and o.finish_reason == "handoff"
             out[o.request_id][0].extend(o.new_token_ids)
             out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs)
-            staging.begin(o.request_id, o.prompt_tokens)
+            staging.begin(o.request_id, o.prompt_tokens, o.kv_payload.sampler_state)
             pages = list(to_pages(o.kv_payload, pre.config.page_size))
             sent[o.request_id] = sum(pg.nbytes() for pg in pages)
             assert len(pages) == expected_pages(
@@ -87,7 +89,7 @@ def run_pd(
             staging.finish(o.request_id)
     invariants.check(pre.kv)
     for rid, p in ps.items():
-        dec.add_prefilled(rid, p, out[rid][0][0], PARAMS, staging.claim(rid))
+        dec.add_prefilled(rid, p, out[rid][0][0], params, staging.claim(rid))
     assert dec.kv.full.pool.num_used == 0, "no device page is taken before admission"
     while dec.has_unfinished():
         for o in dec.step():
@@ -146,3 +148,16 @@ def test_bad_pages_are_refused(tiny_dir: Path) -> None:
         KVStaging(staging.layers, staging.shapes, staging.window, 4, torch.float32, max_bytes=10).begin(
             "b", 37
         )
+
+
+def test_seeded_sampling_continues_the_same_random_stream(tiny_dir: Path) -> None:
+    """The prefill worker's RNG state after the first token travels with the KV, so a seeded
+    sampled request decodes the same tokens as on one engine."""
+    params = dataclasses.replace(PARAMS, temperature=0.9, top_k=50, seed=2**63 + 5)
+    single = LLMEngine(str(tiny_dir), CFG)
+    pre = LLMEngine(str(tiny_dir), CFG)
+    dec = LLMEngine(str(tiny_dir), dataclasses.replace(CFG, enable_prefix_caching=False))
+    ps = prompts(3)
+    want = run_single(single, ps, params)
+    got, _ = run_pd(pre, dec, ps, params)
+    assert {r: got[r][0] for r in ps} == {r: want[r][0] for r in ps}

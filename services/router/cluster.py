@@ -99,7 +99,9 @@ class ClusterEngine:
     # -- lifecycle ----------------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return bool(self.workers)
+        """Started, and some prefill and some decode worker look reachable (else the API answers
+        503 on /health and on requests)."""
+        return all(any(w.role == r and w.healthy for w in self.workers) for r in ("prefill", "decode"))
 
     async def start(self) -> None:
         if self.workers:
@@ -175,8 +177,10 @@ class ClusterEngine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         avoid: set[WorkerHandle] = set()
+        touched: set[WorkerHandle] = set()  # workers some attempt sent this request (or its KV) to
         first: int | None = None  # the first token, once sent to the client
         attempt = 0
+        finished = False
         self.in_flight += 1
         try:
             while True:
@@ -184,12 +188,14 @@ class ClusterEngine:
                 p = self.pick("prefill", avoid)
                 d = self.pick("decode", avoid)
                 started = [False]  # decode output reached the client
+                touched |= {p, d}
                 try:
                     async for out in self._dispatch(
                         p, d, prompt_token_ids, params, request_id, first, started
                     ):
                         if first is None and out.new_token_ids:
                             first = out.new_token_ids[0]
+                        finished = out.finished
                         yield out
                     return
                 except DispatchError as e:
@@ -203,6 +209,9 @@ class ClusterEngine:
                         avoid.add(e.worker)
         finally:
             self.in_flight -= 1
+            if not finished:  # client gone or failed: drop it everywhere, staged KV included
+                for w in touched:
+                    asyncio.get_running_loop().create_task(self._abort(w, request_id))
 
     async def _dispatch(
         self,
@@ -280,9 +289,8 @@ class ClusterEngine:
             p.outstanding -= n
             d.outstanding -= params.max_tokens
             if not done:
-                for w, c in active:
-                    c.cancel()
-                    asyncio.get_running_loop().create_task(self._abort(w, rid))
+                for _, c in active:
+                    c.cancel()  # the worker's stream ends: its engine aborts the request
 
     async def _messages(
         self, call: grpc.aio.UnaryStreamCall, worker: WorkerHandle, decode: WorkerHandle

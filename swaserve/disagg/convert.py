@@ -26,7 +26,7 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         skip_special_tokens=p.skip_special_tokens,
     )
     if p.seed is not None:
-        m.seed = p.seed
+        m.seed = str(p.seed)
     if p.logprobs is not None:
         m.logprobs = p.logprobs
     return m
@@ -40,7 +40,7 @@ def params_from_proto(m: pb.SamplingParams) -> SamplingParams:
         top_p=m.top_p,
         top_k=m.top_k or None,
         min_p=m.min_p,
-        seed=m.seed if m.HasField("seed") else None,
+        seed=_seed(m),
         presence_penalty=m.presence_penalty,
         frequency_penalty=m.frequency_penalty,
         repetition_penalty=m.repetition_penalty,
@@ -52,6 +52,15 @@ def params_from_proto(m: pb.SamplingParams) -> SamplingParams:
     )
     p.validate()
     return p
+
+
+def _seed(m: pb.SamplingParams) -> int | None:
+    if not m.HasField("seed"):
+        return None
+    try:
+        return int(m.seed)
+    except ValueError as e:
+        raise ValueError(f"seed must be an integer, got {m.seed!r}") from e
 
 
 def usage(o: RequestOutput) -> pb.Usage:
@@ -123,7 +132,10 @@ def transfer_messages(
     num_pages = expected_pages(payload.num_tokens, payload.window, page_size, layers, pages_per_message)
     yield kvpb.TransferMessage(
         header=kvpb.TransferHeader(
-            request_id=payload.request_id, num_tokens=payload.num_tokens, num_pages=num_pages
+            request_id=payload.request_id,
+            num_tokens=payload.num_tokens,
+            num_pages=num_pages,
+            sampler_state=payload.sampler_state,
         )
     )
     for pg in to_pages(payload, page_size, pages_per_message):

@@ -54,12 +54,14 @@ class KVPayload:
         kv: per kind, per layer of that kind, ``(k, v)``: full ``[n, kv_heads, head_dim]``, SWA
             ``[min(n, W), kv_heads, head_dim]`` (positions ``[n - min(n, W), n)``); v's last dim
             is ``v_head_dim``.
+        sampler_state: a seeded request's ``torch.Generator`` state after its first token.
     """
 
     request_id: str
     num_tokens: int
     window: int
     kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    sampler_state: bytes = b""  # seeded requests: RNG state after the first token (empty: none)
 
     def token_range(self, kind: str) -> tuple[int, int]:
         """Positions ``[lo, n)`` whose KV the payload carries for ``kind``."""
@@ -181,7 +183,7 @@ class KVStaging:
     def staged_bytes(self) -> int:
         return sum(self._bytes.values())
 
-    def begin(self, request_id: str, num_tokens: int) -> None:
+    def begin(self, request_id: str, num_tokens: int, sampler_state: bytes = b"") -> None:
         """Start staging a transfer of ``num_tokens`` prompt tokens' KV (allocates host tensors).
 
         Raises:
@@ -191,7 +193,7 @@ class KVStaging:
             raise TransferError(f"transfer for {request_id!r} already open")
         if num_tokens < 1:
             raise TransferError(f"transfer of {num_tokens} tokens")
-        payload = KVPayload(request_id, num_tokens, self.window)
+        payload = KVPayload(request_id, num_tokens, self.window, sampler_state=sampler_state)
         size = 0
         for kind, n_layers in self.layers.items():
             lo, hi = payload.token_range(kind)

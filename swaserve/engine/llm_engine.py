@@ -185,6 +185,12 @@ class LLMEngine:
             raise ValueError(f"first token id {first_token} out of range")
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         req.kv_payload = payload
+        gen = req.sampling.generator if req.sampling is not None else None
+        if gen is not None and payload.sampler_state:
+            try:
+                gen.set_state(torch.frombuffer(bytearray(payload.sampler_state), dtype=torch.uint8))
+            except RuntimeError as e:
+                raise ValueError(f"sampler state from the prefill worker does not fit: {e}") from e
         req.output_token_ids.append(first_token)
         assert req.detok is not None
         req.detok.add([first_token])  # its text went out with the prefill worker's first chunk
@@ -281,6 +287,9 @@ class LLMEngine:
         if reason is not None:
             if req.export_kv:
                 req.kv_payload = gather(self.kv, self.storage, req.request_id, req.num_prompt)
+                gen = req.sampling.generator if req.sampling is not None else None
+                if gen is not None:  # the decoder continues this random stream
+                    req.kv_payload.sampler_state = gen.get_state().numpy().tobytes()
             req.finish_reason = reason
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)

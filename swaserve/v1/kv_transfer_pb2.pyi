@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "num_pages")
+    __slots__ = ("request_id", "num_tokens", "num_pages", "sampler_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     num_pages: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    sampler_state: bytes
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class KVPage(_message.Message):
     __slots__ = ("request_id", "kind", "layer", "token_start", "token_end", "page_size", "dtype", "k_shape", "v_shape", "k", "v", "checksum")
