@@ -11,9 +11,12 @@ a grace period), so nothing is left behind.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,9 +27,22 @@ from pathlib import Path
 
 import httpx
 
-from swaserve.run_demo import _die_with_parent, free_port
+_PR_SET_PDEATHSIG = 1
 
 _ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # Without prctl (not Linux) the callers' stop() is the only guard.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ClusterError(RuntimeError):

@@ -20,21 +20,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import ctypes
-import os
-import re
 import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from types import FrameType
 
-import httpx
+from swaserve.launcher import Cluster, ClusterError, ServiceProcess, free_port, http_ready
 
 DEFAULT_LIMIT = 250
 DEFAULT_BLOCK_TOKENS = 16
@@ -46,29 +37,14 @@ DEFAULT_TIME_SCALE = 1.0
 #   200 requests take 292 s, TTFT p50 47 s (overloaded). 250 requests with a 64-token cap: 90 s,
 #   TTFT p50 1.3 s, ITL p50 67 ms (fresh clone, after decode-first scheduling).
 # 16-token blocks: one trace block fills one KV page at the default page size.
-_ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
-_PR_SET_PDEATHSIG = 1
 
 
-class ServerError(RuntimeError):
-    """The server process exited or did not become healthy in time."""
+ServerError = ClusterError  # the server process exited or did not become healthy in time
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    # Without prctl (not Linux) the finally-block in main() is the only guard.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class ServerProcess:
-    """A ``swaserve serve`` child process with prefixed, filtered output.
+class ServerProcess(ServiceProcess):
+    """A ``swaserve serve`` child process (``launcher.ServiceProcess`` named ``server``, ready when
+    ``GET /health`` answers 200).
 
     Args:
         args: Arguments after ``swaserve serve`` (model, port, engine flags).
@@ -77,90 +53,14 @@ class ServerProcess:
     """
 
     def __init__(self, args: list[str], url: str, show_access_log: bool = False):
-        self.cmd = [sys.executable, "-m", "swaserve.cli", "serve", *args]
+        cmd = [sys.executable, "-m", "swaserve.cli", "serve", *args]
+        super().__init__("server", cmd, http_ready(url), show_access_log)
         self.url = url
-        self.show_access_log = show_access_log
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.proc: subprocess.Popen[str] | None = None
-        self._reader: threading.Thread | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        self._reader = threading.Thread(target=self._pump, name="server-output", daemon=True)
-        self._reader.start()
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.tail.append(line)
-            if self.show_access_log or not _ACCESS_LOG.search(line):
-                print(f"[server] {line}", file=sys.stderr, flush=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Poll ``GET /health`` until it answers 200.
-
-        Raises:
-            ServerError: The process exited, or ``timeout_s`` passed.
-        """
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5.0) as client:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    self._join_reader()
-                    raise ServerError(
-                        f"server exited with status {code} before it was ready:\n{self._tail()}"
-                    )
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ServerError(f"server not healthy after {timeout_s:.0f} s:\n{self._tail()}")
-                time.sleep(0.25)
-
-    def _tail(self) -> str:
-        return "\n".join(f"  | {line}" for line in self.tail) or "  (no output)"
-
-    def _join_reader(self) -> None:
-        if self._reader is not None:
-            self._reader.join(timeout=2.0)
 
     def wait(self) -> int:
         """Block until the server exits; its exit status."""
         assert self.proc is not None
         return self.proc.wait()
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._join_reader()
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self._join_reader()
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -233,7 +133,6 @@ def _model_dir(model: Path | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit status."""
     args = parse_args(argv)
-    from swaserve.launcher import Cluster, ClusterError
     from swaserve.replay import (
         ReplayError,
         ReplayOptions,
