@@ -18,59 +18,18 @@ KV in bf16 (2 bytes), page size 16. ``ratio`` = full-layout bytes / hybrid bytes
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from swaserve.config import FULL, SWA, AttnShape, EngineConfig, ModelConfig
+from swaserve.config import EngineConfig, ModelConfig
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import plan_pools
+from swaserve.shapes import SHAPES, model_config
 
 GB80 = 80 * 10**9
 CONTEXTS = (4096, 32768, 131072)
 PAGE = 16
 CHUNK = 8192
 DTYPE_BYTES = 2
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    full_pattern: tuple[int, ...]  # indices of full-attention layers
-    num_layers: int
-    full_kv_heads: int
-    swa_kv_heads: int
-
-
-SHAPES = (
-    Shape("MiMo-V2-Flash", (0, 5, 11, 17, 23, 29, 35, 41, 47), 48, 4, 8),
-    Shape("MiMo-V2.5-Pro", (0, 7, 15, 23, 31, 39, 47, 55, 62, 69), 70, 8, 8),
-)
-
-
-def model_config(s: Shape) -> ModelConfig:
-    types = tuple(FULL if i in s.full_pattern else SWA for i in range(s.num_layers))
-    return ModelConfig(
-        vocab_size=152576,
-        hidden_size=4096,
-        num_layers=s.num_layers,
-        layer_types=types,
-        mlp_types=("dense",) + ("sparse",) * (s.num_layers - 1),
-        full=AttnShape(64, s.full_kv_heads, 192, 128, 5e6, 64, False),
-        swa=AttnShape(64, s.swa_kv_heads, 192, 128, 1e4, 64, True),
-        sliding_window=129,
-        intermediate_size=16384,
-        moe_intermediate_size=2048,
-        n_routed_experts=256,
-        num_experts_per_tok=8,
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.0,
-        rms_norm_eps=1e-5,
-        value_scale=0.707,
-        max_position_embeddings=262144,
-        tie_word_embeddings=False,
-    )
 
 
 def _fill(cfg: ModelConfig, layout: str, context: int, max_num_seqs: int) -> tuple[int, int]:

@@ -40,20 +40,18 @@ request's need. The full layout splits a budget into equal page counts
 
 from __future__ import annotations
 
-import gzip
 import json
 import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
 
 from bench.kv_capacity import SHAPES, model_config
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.kvcache.manager import KVCacheManager, PoolPlan
 from swaserve.kvcache.sizing import DEFAULT_SWA_FULL_TOKENS_RATIO, host_plan, page_bytes, plan_pools
-from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, read_mooncake
+from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, TraceError, detect_kind, read_mooncake
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVERSATION_TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl"
@@ -95,30 +93,6 @@ class Workload:
     @property
     def ideal_hit_rate(self) -> float:
         return self.ideal_hits / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def _open_text(path: Path) -> IO[str]:
-    with path.open("rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")
-
-
-def detect_kind(path: Path) -> str:
-    """ "mooncake" or "agent", from the first record's fields.
-
-    Raises:
-        BenchInputError: neither format.
-    """
-    with _open_text(path) as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                if isinstance(rec, dict) and "hash_ids" in rec:
-                    return "mooncake"
-                if isinstance(rec, dict) and "messages" in rec:
-                    return "agent"
-                break
-    raise BenchInputError(f"{path}: neither a Mooncake trace (hash_ids) nor agent sessions (messages)")
 
 
 def mooncake_workload(path: Path, limit: int | None, seed: int = 0) -> Workload:
@@ -183,7 +157,11 @@ def agent_workload(path: Path, limit: int | None) -> Workload:
 
 
 def load_workload(path: Path, limit: int | None = None) -> Workload:
-    return mooncake_workload(path, limit) if detect_kind(path) == "mooncake" else agent_workload(path, limit)
+    try:
+        kind = detect_kind(path)
+    except TraceError as e:
+        raise BenchInputError(str(e)) from e
+    return mooncake_workload(path, limit) if kind == "mooncake" else agent_workload(path, limit)
 
 
 # -- pool plans --------------------------------------------------------------------------------------

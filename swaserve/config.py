@@ -290,6 +290,10 @@ class EngineConfig:
             full-pool page (at least what running requests need); None = ``kvcache.sizing``'s
             default. The SWA pool then also holds cached windows (prompt ends, branch points,
             chunk checkpoints).
+        schedule_policy: admission order of waiting requests: "fcfs" or "compute" (fewest uncached
+            tokens first with aging and a bound, ``routing.priority.ComputeAwarePriority``).
+        priority_max_wait_s, priority_wait_weight: its starvation bound (s) and aging weight.
+        cost_model: the ``routing.cost`` preset whose prefill times the priority compares.
     """
 
     page_size: int = 16
@@ -305,3 +309,7 @@ class EngineConfig:
     host_cache_memory: int = 0
     host_write_policy: str = "on_evict"
     swa_full_tokens_ratio: float | None = None
+    schedule_policy: str = "fcfs"
+    priority_max_wait_s: float = 30.0
+    priority_wait_weight: float = 1.0
+    cost_model: str = "cpu-tiny"

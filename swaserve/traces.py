@@ -23,13 +23,15 @@ sound because in this trace no id ever follows two different ids.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -153,12 +155,20 @@ class TokenBlocks:
         vocab_size: Token ids are drawn from ``[0, vocab_size)``.
         reserved_ids: Ids never emitted (special tokens: BOS, EOS, pad, chat markers...).
         seed: Different seeds give unrelated blocks.
+        cache_blocks: Most blocks kept in memory (least recently used dropped); None = all.
 
     Raises:
         ValueError: ``block_tokens < 1`` or no token id is left to draw from.
     """
 
-    def __init__(self, block_tokens: int, vocab_size: int, reserved_ids: Collection[int] = (), seed: int = 0):
+    def __init__(
+        self,
+        block_tokens: int,
+        vocab_size: int,
+        reserved_ids: Collection[int] = (),
+        seed: int = 0,
+        cache_blocks: int | None = None,
+    ):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
         reserved = np.fromiter((int(i) for i in reserved_ids), dtype=np.int64)
@@ -169,18 +179,24 @@ class TokenBlocks:
         self.vocab_size = vocab_size
         self.seed = seed
         self._allowed = allowed
-        self._cache: dict[int, list[int]] = {}
+        self._cache: OrderedDict[int, list[int]] = OrderedDict()
+        self.cache_blocks = cache_blocks
 
     def block(self, hash_id: int) -> list[int]:
         """The ``block_tokens`` token ids of one hash id (cached; do not mutate the result)."""
         got = self._cache.get(hash_id)
-        if got is None:
+        if got is not None:
+            if self.cache_blocks is not None:
+                self._cache.move_to_end(hash_id)
+        else:
             digest = hashlib.shake_256(f"swaserve-trace:{self.seed}:{hash_id}".encode()).digest(
                 4 * self.block_tokens
             )
             draws = np.frombuffer(digest, dtype="<u4").astype(np.int64) % self._allowed.size
             got = self._allowed[draws].tolist()
             self._cache[hash_id] = got
+            if self.cache_blocks is not None and len(self._cache) > self.cache_blocks:
+                self._cache.popitem(last=False)
         return got
 
     def prompt(self, req: MooncakeRequest) -> list[int]:
@@ -216,3 +232,28 @@ def to_token_ids(
         ``ceil(req.input_length * block_tokens / 512)`` token ids.
     """
     return TokenBlocks(block_tokens, vocab_size, reserved_ids, seed).prompt(req)
+
+
+def open_text(path: Path) -> IO[str]:
+    """A text file, gunzipped if it starts with the gzip magic."""
+    with path.open("rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")
+
+
+def detect_kind(path: Path) -> str:
+    """ "mooncake" or "agent" (agent sessions), from the first record's fields.
+
+    Raises:
+        TraceError: neither format.
+    """
+    with open_text(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if isinstance(rec, dict) and "hash_ids" in rec:
+                    return "mooncake"
+                if isinstance(rec, dict) and "messages" in rec:
+                    return "agent"
+                break
+    raise TraceError(f"{path}: neither a Mooncake trace (hash_ids) nor agent sessions (messages)")

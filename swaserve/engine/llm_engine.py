@@ -29,6 +29,8 @@ from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.loader import load_model
+from swaserve.routing.cost import preset
+from swaserve.routing.priority import ComputeAwarePriority
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def schedule_priority(config: EngineConfig) -> ComputeAwarePriority | None:
+    """The scheduler's admission priority for ``config.schedule_policy`` (None: FCFS).
+
+    Raises:
+        ValueError: unknown policy or cost model, or a negative bound or weight.
+    """
+    if config.schedule_policy == "fcfs":
+        return None
+    if config.schedule_policy != "compute":
+        raise ValueError(f"schedule_policy must be 'fcfs' or 'compute', got {config.schedule_policy!r}")
+    return ComputeAwarePriority(
+        preset(config.cost_model), config.priority_max_wait_s, config.priority_wait_weight
+    )
 
 
 class LLMEngine:
@@ -108,8 +125,9 @@ class LLMEngine:
             self.max_model_len = kv_tokens
         self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device, self.host)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, on_import=self._import_kv
-        )
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, on_import=self._import_kv,
+            priority=schedule_priority(config),
+        )  # fmt: skip
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0

@@ -1,9 +1,11 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step: decoding requests first (one token each, so a long prefill never stalls them), then
-requests still prefilling, in arrival order (each gets the next chunk that fits the remaining
-budget and the pools), then waiting requests are admitted in arrival order while both pools can reserve their guaranteed pages and fewer than
-``max_num_seqs`` run. A request that does not fit yet (e.g. a chat whose default max_tokens fills
+requests still prefilling, in admission order (each gets the next chunk that fits the remaining
+budget and the pools), then waiting requests are admitted, in arrival order (FCFS) or by
+``routing.priority.ComputeAwarePriority`` (fewest uncached tokens first, aged by waiting time,
+with a hard bound on waiting; the uncached count is the prefix cache's match when the request
+arrived), while both pools can reserve their guaranteed pages and fewer than ``max_num_seqs`` run. A request that does not fit yet (e.g. a chat whose default max_tokens fills
 the context) does not block smaller ones behind it, but only ``max_bypass`` requests may overtake
 the head of the queue; then admission waits for the head, so it cannot starve. Prefill and decode
 share a step (Sarathi-Serve, Agrawal et al. OSDI'24, "stall-free batching"); requests join and
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.kvcache.manager import KVCacheManager
+from swaserve.routing.priority import ComputeAwarePriority
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_bypass: int = 32,
         on_import: Callable[[Request], None] | None = None,
+        priority: ComputeAwarePriority | None = None,
     ) -> None:
         """``on_import``: called when a request that arrives with its prompt's KV (decode role,
         ``req.kv_payload``) is admitted; it allocates the pages, copies the KV in and sets
-        ``num_computed``."""
+        ``num_computed``. ``priority``: admission order of waiting requests (None: FCFS)."""
+        self.priority = priority
+        self._uncached: dict[str, tuple[int, int, int]] = {}  # rid -> (uncached, cached, arrival seq)
+        self._seq = 0
         self.kv = kv
         self.on_import = on_import
         self.max_bypass = max_bypass
@@ -55,6 +62,26 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if self.priority is not None:
+            cached = 0
+            if self.kv.cache is not None and req.kv_payload is None:
+                P = self.kv.page_size
+                cached = self.kv.cache.match_length(req.prompt_token_ids, (req.num_prompt - 1) // P * P)[0]
+            self._seq += 1
+            self._uncached[req.request_id] = (req.num_prompt - cached, cached, self._seq)
+
+    def _order_waiting(self, now: float) -> None:
+        """Sort the waiting queue by the priority key at ``now``, arrival order among equals."""
+        p = self.priority
+        if p is None or len(self.waiting) < 2:
+            return
+        u = self._uncached
+
+        def key(r: Request) -> tuple[tuple[int, float], int]:
+            unc, cached, seq = u.get(r.request_id, (r.num_prompt, 0, 0))
+            return p.key(r.arrival_time, unc, cached, now), seq
+
+        self.waiting = deque(sorted(self.waiting, key=key))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -72,6 +99,7 @@ class Scheduler:
             if c is not None:
                 chunks.append(c)
                 budget -= c.n
+        self._order_waiting(now)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if i > 0 and self.waiting[0].bypassed >= self.max_bypass:
@@ -89,6 +117,7 @@ class Scheduler:
             else:
                 req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
             del self.waiting[i]
+            self._uncached.pop(req.request_id, None)
             if i > 0:
                 self.waiting[0].bypassed += 1
             req.status = RequestStatus.RUNNING
@@ -118,6 +147,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self._uncached.pop(req.request_id, None)
         was_running = req.status == RequestStatus.RUNNING
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id, req.token_slice(0, req.num_computed) if was_running else None)

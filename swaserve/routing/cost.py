@@ -1,0 +1,123 @@
+"""Cost model: seconds of prefill and decode work, for routing estimates and the simulator.
+
+Prefill of ``u`` uncached tokens after ``c`` cached ones (one request alone)::
+
+    prefill_s(u, c) = base + token * u + attn * u * (c + (u + 1) / 2)
+
+``token`` covers everything linear in the tokens computed (projections, MoE, and SWA attention,
+whose keys are capped at the window); ``attn`` the full-attention layers, where each new token
+attends to every earlier one (``c + (u+1)/2`` keys on average). A decode step of a batch::
+
+    decode_step_s(batch, kv_tokens) = step_base + seq * batch + kv * kv_tokens
+
+with ``kv_tokens`` the full-layer context summed over the batch (SWA reads are O(window) per
+sequence and folded into ``seq``). KV transfer: ``transfer_s(n) = n_bytes(n) / link``.
+
+Presets (``PRESETS``):
+
+* ``cpu-tiny``: the bundled default checkpoint on this project's 2-core CPU machine, fitted to
+  measurements (``python -m bench.cost_calibrate``; numbers and date in the preset's ``source``).
+* ``mimo-v2-flash-h200``: MiMo-V2-Flash (48 layers: 9 full + 39 SWA, W=128, 64 query heads,
+  qk/v head dims 192/128, 4 (full) / 8 (SWA) KV heads, 15B active of 309B params) on one
+  instance of 8 x H200 with expert parallelism, derived, not measured:
+  - linear: 2 x 15e9 FLOP/token + SWA attention 39 x 128 keys x 40,960 FLOP, at 50% of
+    8 x 989 TFLOP/s dense BF16 -> 7.6e-6 s/token;
+  - full attention: 9 layers x 40,960 FLOP per (query, key) pair at 40% -> 1.16e-10 s/pair;
+  - base 10 ms per prefill (launches, EP all-to-all latency);
+  - decode: weights are read once per step: 15 GB of active FP8 experts at small batch, growing
+    with the batch as more experts are touched (0.05 ms per sequence, saturating near 11 ms when all
+    309 GB are read; the linear term is the small-batch slope), 70% of 8 x 4.8 TB/s -> step base
+    0.6 ms + launch/all-to-all 4.4 ms = 5 ms; full-layer KV 23,040 B/token read at the same rate
+    -> 8.6e-10 s/token;
+  - KV transfer at 50 GB/s per instance (8 x 400 Gb/s RDMA at ~100%... halved for protocol and
+    contention), 23,040 B/token full layers + 199,680 B/token SWA for min(n, 128) tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Coefficients in seconds (see the module docstring for the formulas and units)."""
+
+    name: str
+    prefill_base_s: float
+    prefill_token_s: float
+    prefill_attn_s: float
+    decode_base_s: float
+    decode_seq_s: float
+    decode_kv_token_s: float
+    kv_full_bytes_per_token: int = 0
+    kv_swa_bytes_per_token: int = 0
+    window: int = 128
+    link_bytes_per_s: float = 0.0  # 0: transfers are free (same host, not modelled)
+    source: str = ""
+
+    def prefill_s(self, uncached: int, cached: int = 0) -> float:
+        """Seconds to prefill ``uncached`` tokens after ``cached`` ones (>= 0 each)."""
+        if uncached <= 0:
+            return 0.0
+        return (
+            self.prefill_base_s
+            + self.prefill_token_s * uncached
+            + self.prefill_attn_s * uncached * (cached + (uncached + 1) / 2)
+        )
+
+    def prefill_tokens_s(self, tokens: int) -> float:
+        """Seconds of queued prefill work known only as a token count (heartbeats): linear part
+        only, no per-request base."""
+        return self.prefill_token_s * max(tokens, 0)
+
+    def decode_step_s(self, batch: int, kv_tokens: int) -> float:
+        """Seconds of one decode step over ``batch`` sequences holding ``kv_tokens`` in all."""
+        if batch <= 0:
+            return 0.0
+        return self.decode_base_s + self.decode_seq_s * batch + self.decode_kv_token_s * kv_tokens
+
+    def transfer_bytes(self, tokens: int) -> int:
+        """Prefill -> decode KV bytes of a ``tokens``-token prompt (full layers: all; SWA: last W)."""
+        return self.kv_full_bytes_per_token * tokens + self.kv_swa_bytes_per_token * min(tokens, self.window)
+
+    def transfer_s(self, tokens: int) -> float:
+        return 0.0 if self.link_bytes_per_s <= 0 else self.transfer_bytes(tokens) / self.link_bytes_per_s
+
+
+MIMO_V2_FLASH_H200 = CostModel(
+    name="mimo-v2-flash-h200",
+    prefill_base_s=0.010,
+    prefill_token_s=7.6e-6,
+    prefill_attn_s=1.16e-10,
+    decode_base_s=0.005,
+    decode_seq_s=5e-5,
+    decode_kv_token_s=8.6e-10,
+    kv_full_bytes_per_token=23_040,
+    kv_swa_bytes_per_token=199_680,
+    window=128,
+    link_bytes_per_s=50e9,
+    source="derived from FLOPs and HBM bandwidth (module docstring)",
+)
+
+# Filled from `python -m bench.cost_calibrate` on the 2-core CPU machine (see `source`).
+CPU_TINY = CostModel(
+    name="cpu-tiny",
+    prefill_base_s=0.02,
+    prefill_token_s=1.0e-3,
+    prefill_attn_s=1.0e-7,
+    decode_base_s=0.03,
+    decode_seq_s=2e-3,
+    decode_kv_token_s=1e-6,
+    window=128,
+    source="placeholder until calibrated",
+)
+
+PRESETS: dict[str, CostModel] = {m.name: m for m in (CPU_TINY, MIMO_V2_FLASH_H200)}
+
+
+def preset(name: str) -> CostModel:
+    """The preset called ``name``. Raises ValueError naming the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown cost model {name!r}; known: {', '.join(sorted(PRESETS))}") from None

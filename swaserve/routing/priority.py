@@ -1,0 +1,126 @@
+"""Compute-aware priority for a prefill queue: fewest uncached tokens first, with a waiting-time
+term and a hard bound against starvation.
+
+For a request that arrived at ``t_a`` with ``u`` uncached prompt tokens (``c`` cached), at time
+``now`` (waited ``w = now - t_a``)::
+
+    key = (0, t_a)                                   if w >= max_wait_s   (overdue: FCFS first)
+    key = (1, prefill_s(u, c) - wait_weight * w)     otherwise
+
+Smallest key runs first. Shortest-job-first lowers mean and tail TTFT when prompt lengths vary
+widely (the reported production gain is -30% TTFT p90); the ``wait_weight`` term ages a request
+so that after ``w`` seconds it competes as if it were ``wait_weight * w`` seconds of work smaller;
+the overdue class makes the bound hard: once a request has waited ``max_wait_s`` nothing that is
+not itself overdue runs before it, and overdue requests run in arrival order. So a request starts
+at most ``max_wait_s`` plus the time to finish what was already running and the overdue requests
+that arrived before it (the starvation bound; tested with an adversarial stream of short
+requests). ``max_wait_s = 0`` is FCFS.
+
+Defaults: ``wait_weight = 1`` (a second of waiting is worth a second of work: with it, a long request
+overtakes any new short one after waiting its own prefill time); ``max_wait_s = 30`` s (a TTFT
+SLO beyond which latency matters more than throughput).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from swaserve.routing.cost import CostModel
+
+T = TypeVar("T")
+
+DEFAULT_MAX_WAIT_S = 30.0
+DEFAULT_WAIT_WEIGHT = 1.0
+
+
+@dataclass(frozen=True)
+class ComputeAwarePriority:
+    """Ordering key of waiting requests (module docstring). ``max_wait_s`` >= 0, ``wait_weight`` >= 0."""
+
+    cost: CostModel
+    max_wait_s: float = DEFAULT_MAX_WAIT_S
+    wait_weight: float = DEFAULT_WAIT_WEIGHT
+
+    def __post_init__(self) -> None:
+        if self.max_wait_s < 0 or self.wait_weight < 0:
+            raise ValueError("max_wait_s and wait_weight must be >= 0")
+
+    def key(self, arrival: float, uncached: int, cached: int, now: float) -> tuple[int, float]:
+        """Sort key at ``now`` (seconds, same clock as ``arrival``); smaller runs first."""
+        waited = now - arrival
+        if waited >= self.max_wait_s:
+            return (0, arrival)
+        return (1, self.cost.prefill_s(uncached, cached) - self.wait_weight * waited)
+
+
+class PriorityQueue(Generic[T]):
+    """Waiting requests in ``ComputeAwarePriority`` order (FCFS when ``priority`` is None), with
+    O(log n) push and pop.
+
+    Between requests that are not overdue the key's order never changes with time:
+    ``prefill_s - w * (now - arrival)`` orders as ``prefill_s + w * arrival``. So one heap holds that
+    static key and a second one arrival order; ``pop(now)`` takes the oldest request if it is
+    overdue, else the top of the first heap. Removed entries are skipped lazily.
+    """
+
+    def __init__(self, priority: ComputeAwarePriority | None = None) -> None:
+        self.priority = priority
+        self._by_key: list[tuple[float, int, T]] = []
+        self._by_arrival: list[tuple[float, int, T]] = []
+        self._arrival: dict[int, float] = {}  # handle -> arrival, for queued requests only
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._arrival)
+
+    def push(self, item: T, arrival: float, uncached: int = 0, cached: int = 0) -> int:
+        """Add ``item``; returns a handle for ``remove``."""
+        self._seq += 1
+        h = self._seq
+        self._arrival[h] = arrival
+        heapq.heappush(self._by_arrival, (arrival, h, item))
+        if self.priority is not None:
+            p = self.priority
+            heapq.heappush(
+                self._by_key, (p.cost.prefill_s(uncached, cached) + p.wait_weight * arrival, h, item)
+            )
+        return h
+
+    def remove(self, handle: int) -> None:
+        self._arrival.pop(handle, None)  # its heap entries are skipped when they surface
+
+    def _top(self, heap: list[tuple[float, int, T]]) -> tuple[float, int, T] | None:
+        while heap and heap[0][1] not in self._arrival:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def peek(self, now: float) -> T | None:
+        """The request ``pop(now)`` would return, left in place."""
+        got = self._pick(now)
+        return None if got is None else got[1][2]
+
+    def _pick(self, now: float) -> tuple[list[tuple[float, int, T]], tuple[float, int, T]] | None:
+        oldest = self._top(self._by_arrival)
+        if oldest is None:
+            return None
+        if self.priority is None or now - oldest[0] >= self.priority.max_wait_s:
+            return self._by_arrival, oldest
+        best = self._top(self._by_key)
+        assert best is not None
+        return self._by_key, best
+
+    def pop(self, now: float) -> T | None:
+        """Remove and return the next request at ``now`` (None if empty)."""
+        got = self._pick(now)
+        if got is None:
+            return None
+        heap, (_, h, item) = got
+        heapq.heappop(heap)
+        del self._arrival[h]  # its entry in the other heap is skipped later
+        return item
+
+    def items(self) -> list[T]:
+        """Queued requests in arrival order."""
+        return [it for _, h, it in sorted(self._by_arrival) if h in self._arrival]

@@ -1,0 +1,122 @@
+"""``swaserve sim``: deployments (cost model + KV shape + budgets), one simulation run, a table.
+
+Deployments (``DEPLOYMENTS``):
+
+* ``mimo-v2-flash-h200``: MiMo-V2-Flash on instances of 8 x H200 (cost model
+  ``routing.cost.MIMO_V2_FLASH_H200``). KV budget per instance: 8 x 141 GB HBM, minus ~320 GB of
+  FP8 weights (309B params + MTP), minus ~10% for activations and workspace: 690 GB. Host tier
+  (``host_bytes``): none by default; ``--host-cache 1.5T`` models the DRAM of a 2 TB node. Engine
+  settings of a GPU deployment: page 64 (W = 2 pages; also 4x fewer pages to walk than 16, which
+  keeps the 12k-request trace under 2 minutes), chunk 8192 tokens. A decode instance runs at most 256
+  requests and holds 690 GB / 23,040 B (full-layer KV per token) = 30M context tokens.
+* ``cpu-tiny``: the bundled default checkpoint with the engine's CPU defaults (256 MiB KV, page
+  16, chunk 512, 64 running requests) and the measured ``CPU_TINY`` cost model; for comparing the
+  simulation with the real cluster on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from swaserve.config import ModelConfig
+from swaserve.routing.cost import CPU_TINY, MIMO_V2_FLASH_H200, CostModel
+from swaserve.routing.index import IndexConfig
+from swaserve.routing.policy import make_policy
+from swaserve.sim.cluster import SimConfig, Simulator
+from swaserve.sim.workload import Workload, scale_for_load
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    cost: CostModel
+    device_bytes: int  # KV budget of a prefill instance
+    host_bytes: int
+    chunk: int
+    decode_batch: int
+    decode_kv_tokens: int
+    page_size: int = 16
+
+    def model(self) -> ModelConfig:
+        if self.name == "cpu-tiny":
+            from swaserve.model.checkpoint import default_model_dir
+
+            return ModelConfig.from_pretrained(default_model_dir())
+        from swaserve.shapes import model_config, shape
+
+        return model_config(shape("MiMo-V2-Flash"))
+
+
+DEPLOYMENTS = {
+    "mimo-v2-flash-h200": Deployment(
+        "mimo-v2-flash-h200", MIMO_V2_FLASH_H200, 690 * 10**9, 0, 8192, 256, 690 * 10**9 // 23_040, 64
+    ),
+    "cpu-tiny": Deployment("cpu-tiny", CPU_TINY, 256 * 1024 * 1024, 0, 512, 64, 10**6),
+}
+
+
+def deployment(name: str) -> Deployment:
+    """Raises ValueError naming the known deployments."""
+    try:
+        return DEPLOYMENTS[name]
+    except KeyError:
+        raise ValueError(f"unknown deployment {name!r}; known: {', '.join(sorted(DEPLOYMENTS))}") from None
+
+
+def simulate(
+    work: Workload,
+    prefill: int,
+    decode: int,
+    policy: str,
+    dep: Deployment,
+    priority: str = "fcfs",
+    load: float | None = 0.8,
+    time_scale: float | None = None,
+    host_bytes: int | None = None,
+    buckets: tuple[tuple[int, int], ...] | None = None,
+    policy_args: dict[str, float] | None = None,
+    max_wait_s: float | None = None,
+    wait_weight: float | None = None,
+) -> dict[str, object]:
+    """Simulate ``work`` on one deployment; returns the ``SimResult.summary()`` plus the setup.
+
+    ``time_scale`` wins over ``load`` (``sim.workload.scale_for_load`` over the prefill instances).
+    """
+    make_policy(policy, **(policy_args or {}))  # bad names fail before the trace is scanned
+    if priority not in ("fcfs", "compute"):
+        raise ValueError(f"priority must be 'fcfs' or 'compute', got {priority!r}")
+    scale = time_scale if time_scale is not None else scale_for_load(work, dep.cost, prefill, load or 0.8)
+    cfg = SimConfig(
+        prefill, decode, policy, dep.cost, dep.model(), dep.device_bytes,
+        dep.host_bytes if host_bytes is None else host_bytes, priority, dep.decode_batch,
+        dep.decode_kv_tokens, scale, dep.page_size, dep.chunk, buckets,
+        policy_args=policy_args or {}, index=IndexConfig(),
+    )  # fmt: skip
+    if max_wait_s is not None:
+        cfg = replace(cfg, max_wait_s=max_wait_s)
+    if wait_weight is not None:
+        cfg = replace(cfg, wait_weight=wait_weight)
+    out = Simulator(cfg).run(work).summary()
+    out.update(
+        trace=work.name, prefill=prefill, decode=decode, deployment=dep.name, time_scale=round(scale, 6),
+        load=load if time_scale is None else None,
+    )  # fmt: skip
+    return out
+
+
+COLUMNS = ("policy", "priority", "hit_rate", "host_hit_rate", "ttft_p50", "ttft_p90", "ttft_p99",
+           "itl_p50", "prefill_utilization", "wall_s")  # fmt: skip
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
+    print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(COLUMNS, widths, strict=True)))
+
+
+def write_json(path: Path, payload: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")

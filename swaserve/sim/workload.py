@@ -1,0 +1,131 @@
+"""Simulator workloads: trace requests with arrival times, prompts, output lengths and the block
+chains the router indexes.
+
+* Mooncake traces (``hash_ids``, 512 tokens per id): prompts are ``TokenBlocks`` (256 token ids,
+  made on demand, as ``bench/prefix_cache`` does); the router's chain is ``chain_ids(hash_ids)``
+  of the whole 512-token blocks (``block_tokens = 512``).
+* Agent sessions (``messages``): the default model's real prompt ids; chains of 64-token blocks.
+
+``time_scale`` multiplies the trace's inter-arrival times. ``scale_for_load`` picks it so that the
+offered prefill load is ``load``: the work an infinite prefix cache would leave
+(``ideal_work_s``, the lower bound every policy pays) over ``instances x span``. With a finite
+cache every policy does more work than that, so ``load=0.8`` means 80% busy for an oracle and more
+for real policies: the regime where routing and queue order matter.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swaserve.routing.cost import CostModel
+from swaserve.routing.hashing import block_hashes, chain_ids
+from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, detect_kind, read_mooncake
+
+MOONCAKE_VOCAB = 256
+AGENT_BLOCK_TOKENS = 64
+
+
+@dataclass
+class SimRequest:
+    """One request. ``arrival`` in trace seconds (before scaling); ``prompt()`` builds the token
+    ids on demand (a 12k-request trace would hold ~100M ints otherwise)."""
+
+    rid: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    hashes: list[int]
+    prompt: Callable[[], list[int]] = field(repr=False)
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[SimRequest]
+    block_tokens: int  # tokens per router index block
+
+    @property
+    def span_s(self) -> float:
+        return max(r.arrival for r in self.requests) - min(r.arrival for r in self.requests)
+
+
+def mooncake(path: str | Path, limit: int | None = None, seed: int = 0) -> Workload:
+    reqs = read_mooncake(Path(path), limit)
+    blocks = TokenBlocks(TRACE_BLOCK_TOKENS, MOONCAKE_VOCAB, seed=seed, cache_blocks=1 << 15)  # ~130 MB
+    out = []
+    for i, r in enumerate(reqs):
+
+        def make(r=r) -> list[int]:  # type: ignore[no-untyped-def]
+            return blocks.prompt(r)
+
+        whole = r.input_length // TRACE_BLOCK_TOKENS
+        out.append(
+            SimRequest(
+                str(i),
+                r.timestamp_ms / 1000,
+                r.input_length,
+                r.output_length,
+                chain_ids(r.hash_ids[:whole]),
+                make,
+            )
+        )
+    return Workload(Path(path).name, out, TRACE_BLOCK_TOKENS)
+
+
+def agent(path: str | Path, limit: int | None = None) -> Workload:
+    from transformers import AutoTokenizer
+
+    from swaserve.agentic import estimate_output_tokens, read_agent_sessions, tokenize_calls
+    from swaserve.model.checkpoint import default_model_dir
+
+    calls = read_agent_sessions(path, limit)
+    ids = tokenize_calls(calls, AutoTokenizer.from_pretrained(str(default_model_dir())))
+    out = []
+    for i, (c, p) in enumerate(zip(calls, ids, strict=True)):
+        out.append(
+            SimRequest(
+                str(i),
+                c.timestamp_ms / 1000,
+                len(p),
+                estimate_output_tokens(c),
+                block_hashes(p, AGENT_BLOCK_TOKENS),
+                functools.partial(list, p),
+            )
+        )
+    return Workload(Path(path).name, out, AGENT_BLOCK_TOKENS)
+
+
+def load(path: str | Path, limit: int | None = None) -> Workload:
+    """Mooncake or agent sessions, by the first record's fields."""
+    return mooncake(path, limit) if detect_kind(Path(path)) == "mooncake" else agent(path, limit)
+
+
+def ideal_work_s(reqs: Sequence[SimRequest], block_tokens: int, cost: CostModel) -> float:
+    """Prefill seconds if every block seen before were cached (block granularity)."""
+    seen: set[int] = set()
+    total = 0.0
+    for r in sorted(reqs, key=lambda r: r.arrival):
+        k = 0
+        while k < len(r.hashes) and r.hashes[k] in seen:
+            k += 1
+        cached = min(k * block_tokens, r.prompt_len - 1)
+        total += cost.prefill_s(r.prompt_len - cached, cached)
+        seen.update(r.hashes)
+    return total
+
+
+def scale_for_load(work: Workload, cost: CostModel, instances: int, load: float) -> float:
+    """``time_scale`` giving an offered prefill load of ``load`` (module docstring).
+
+    Raises:
+        ValueError: ``load`` not in (0, 2] or the trace has no time span.
+    """
+    if not 0 < load <= 2:
+        raise ValueError(f"load must be in (0, 2], got {load}")
+    span = work.span_s
+    if span <= 0:
+        raise ValueError("the trace has no time span to scale")
+    return ideal_work_s(work.requests, work.block_tokens, cost) / (load * instances * span)
