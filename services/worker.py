@@ -5,9 +5,13 @@
   pool pages: also the debug view tests use to check that no page leaks).
 * prefill role: ``Generate`` runs to the first token with ``export_kv``; unless the request ended
   there, the prompt's KV is pushed to ``kv_target`` (``KVTransfer.Push``) before ``complete``
-  (finish reason ``handoff``, ``kv_bytes_sent``).
+  (finish reason ``handoff``, ``kv_bytes_sent``). A failed push is an ``error`` envelope whose
+  ``code`` is the push's gRPC status (RESOURCE_EXHAUSTED: the target's staging is full).
+* the chunk of a request's last token carries its ``finish_reason`` (``complete`` follows), so
+  the router ends the client's stream on that chunk, as ``swaserve serve`` does.
 * decode role: also serves ``KVTransfer.Push`` into host-memory staging (``KVStaging``: checksum
-  and shape verified page by page; transfers not claimed within ``staging_ttl_s`` are dropped);
+  and shape verified page by page, DATA_LOSS on a bad page, RESOURCE_EXHAUSTED when staging is
+  full; transfers not claimed within ``staging_ttl_s`` are dropped);
   ``Generate`` with ``first_token`` claims the staged KV and decodes.
 * ``grpc.health.v1`` reports NOT_SERVING until the model is loaded and one warm-up request ran;
   server reflection lists the services.
@@ -36,7 +40,7 @@ from swaserve.disagg.convert import (
     params_from_proto,
     usage,
 )
-from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, TransferError
+from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.engine.async_engine import AsyncLLMEngine
 from swaserve.engine.types import FinishReason, SamplingParams
 from swaserve.v1 import kv_transfer_pb2 as kvpb
@@ -158,7 +162,10 @@ class WorkerService(wgrpc.WorkerServicer):
             gen = self.engine.generate(prompt, params, rid, export_kv=export, prefilled=prefilled)
             async for o in gen:
                 if o.new_token_ids or o.new_text:
-                    yield chunk_message(o)
+                    m = chunk_message(o)
+                    if o.finished and o.finish_reason not in (None, FinishReason.HANDOFF):
+                        m.chunk.finish_reason = o.finish_reason.value  # the client's last chunk
+                    yield m
                 if not o.finished:
                     continue
                 sent = 0
@@ -168,10 +175,15 @@ class WorkerService(wgrpc.WorkerServicer):
                         sent = await self._push(kv_target, o.kv_payload)
                     except (grpc.aio.AioRpcError, TransferError) as e:
                         self.metrics.kv_failed.inc()
-                        msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                        if isinstance(e, grpc.aio.AioRpcError):
+                            msg, code = e.details(), e.code().value[0]
+                        else:
+                            msg, code = str(e), 0
                         yield pb.GenerateResponse(
                             error=pb.Error(
-                                message=f"KV transfer to {kv_target} failed: {msg}", retryable=True
+                                message=f"KV transfer to {kv_target} failed: {msg}",
+                                retryable=True,
+                                code=code,
                             ),
                             usage=usage(o),
                         )
@@ -220,6 +232,7 @@ class WorkerService(wgrpc.WorkerServicer):
                 used_pages=p.used_pages,
                 cached_pages=p.cached_pages,
                 request_pages=p.request_pages,
+                peak_used_pages=p.peak_used_pages,
             )
             for name, p in st.pools.items()
         }
@@ -301,6 +314,9 @@ class KVTransferService(kvgrpc.KVTransferServicer):
                 raise TransferError(f"request {rid!r} was aborted during its transfer")
             self.staging.finish(rid)
             done = True
+        except StagingFull as e:  # no room now: the router tries another decode worker
+            self.metrics.kv_failed.inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except TransferError as e:
             self.metrics.kv_failed.inc()
             await context.abort(grpc.StatusCode.DATA_LOSS, str(e))

@@ -1,4 +1,8 @@
-"""Command line of a worker process (``python -m services.prefill`` / ``python -m services.decode``)."""
+"""Command line of a worker process (``python -m services.prefill`` / ``python -m services.decode``).
+
+The engine flags are ``swaserve serve``'s (``swaserve.cli.ENGINE_OPTIONS``: same names, defaults
+and help), except that prefix caching defaults to on for prefill and off for decode workers.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,21 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 
-from swaserve.cli import _size_option
+from swaserve.cli import _size_option, engine_options
+from swaserve.config import EngineConfig
 
 
 def worker_app(role: str) -> typer.Typer:
     app = typer.Typer(add_completion=False, help=f"swaserve {role} worker (gRPC).")
 
     @app.command()
+    @engine_options(
+        enable_prefix_caching=(role == "prefill", "Prefix cache (default: on for prefill, off for decode).")
+    )
     def main(
         model: Annotated[
             Path | None, typer.Option(help="Checkpoint directory (default: bundled model).")
@@ -27,20 +35,7 @@ def worker_app(role: str) -> typer.Typer:
         metrics_port: Annotated[
             int | None, typer.Option(min=0, help="Prometheus /metrics port (default: none).")
         ] = None,
-        page_size: Annotated[int, typer.Option(min=1, help="Tokens per KV page.")] = 16,
-        kv_cache_memory: Annotated[
-            int, typer.Option(parser=_size_option, metavar="BYTES", help="KV cache bytes.")
-        ] = "256MiB",  # type: ignore[assignment]
-        kv_layout: Annotated[Literal["hybrid", "full"], typer.Option(help="KV layout.")] = "hybrid",
-        max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 64,
-        max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per step.")] = 512,
-        dtype: Annotated[
-            Literal["float32", "bfloat16", "float16"], typer.Option(help="Activation and KV dtype.")
-        ] = "float32",
-        device: Annotated[str | None, typer.Option(help="cpu, cuda, ... (default: CUDA if present).")] = None,
-        enable_prefix_caching: Annotated[
-            bool, typer.Option(help="Prefix cache (default: on for prefill, off for decode).")
-        ] = role == "prefill",
+        engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
         staging_memory: Annotated[
             int, typer.Option(parser=_size_option, metavar="BYTES", help="decode: host bytes for staged KV.")
         ] = "1GiB",  # type: ignore[assignment]
@@ -50,7 +45,6 @@ def worker_app(role: str) -> typer.Typer:
         ] = None,
     ) -> None:
         from services.worker import WorkerOptions, serve_worker
-        from swaserve.config import EngineConfig
         from swaserve.engine.async_engine import AsyncLLMEngine
         from swaserve.model.checkpoint import default_model_dir
 
@@ -59,18 +53,8 @@ def worker_app(role: str) -> typer.Typer:
             import torch
 
             torch.set_num_threads(num_threads)
-        cfg = EngineConfig(
-            page_size=page_size,
-            kv_cache_memory=kv_cache_memory,
-            kv_layout=kv_layout,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            dtype=dtype,
-            device=device,
-            enable_prefix_caching=enable_prefix_caching,
-        )
         model_dir = model or Path(default_model_dir())
-        engine = AsyncLLMEngine.from_model_dir(model_dir, cfg)
+        engine = AsyncLLMEngine.from_model_dir(model_dir, engine_config)
         opts = WorkerOptions(role, host, port, metrics_port, staging_memory, staging_ttl)
 
         async def run() -> None:

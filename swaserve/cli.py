@@ -6,11 +6,18 @@ Heavy modules (torch, the engine, the HTTP server) are imported inside the comma
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import typer
+
+from swaserve.config import EngineConfig  # light: no torch
 
 app = typer.Typer(
     name="swaserve",
@@ -58,6 +65,190 @@ def _size_option(text: str) -> int:
         raise typer.BadParameter(str(e)) from e
 
 
+# ---------------------------------------------------------------------------------------------
+# Engine options: one definition for `swaserve serve` and the workers (services/worker_cli.py)
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine flag: parameter name (``page_size`` -> ``--page-size``), typer annotation, default."""
+
+    name: str
+    annotation: Any
+    default: Any
+
+
+ENGINE_OPTIONS: tuple[EngineOption, ...] = (
+    EngineOption("page_size", Annotated[int, typer.Option(min=1, help="Tokens per KV page.")], 16),
+    EngineOption(
+        "kv_cache_memory",
+        Annotated[
+            int, typer.Option(parser=_size_option, metavar="BYTES", help="KV cache bytes, e.g. 256MiB, 1GB.")
+        ],
+        "256MiB",
+    ),
+    EngineOption(
+        "kv_layout",
+        Annotated[
+            Literal["hybrid", "full"],
+            typer.Option(help="hybrid: SWA layers keep only their window; full: baseline."),
+        ],
+        "hybrid",
+    ),
+    EngineOption(
+        "max_num_seqs", Annotated[int, typer.Option(min=1, help="Most requests running at once.")], 64
+    ),
+    EngineOption(
+        "max_num_batched_tokens",
+        Annotated[int, typer.Option(min=1, help="Token budget per engine step.")],
+        512,
+    ),
+    EngineOption(
+        "max_model_len",
+        Annotated[int | None, typer.Option(min=1, help="Longest prompt+output (default: model's).")],
+        None,
+    ),
+    EngineOption(
+        "dtype",
+        Annotated[Literal["float32", "bfloat16", "float16"], typer.Option(help="Activation and KV dtype.")],
+        "float32",
+    ),
+    EngineOption(
+        "device",
+        Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1... (default: CUDA if present).")],
+        None,
+    ),
+    EngineOption("seed", Annotated[int, typer.Option(help="Engine sampling seed.")], 0),
+    EngineOption(
+        "enable_prefix_caching",
+        Annotated[bool, typer.Option(help="Reuse cached prefixes' KV (SWA-aware radix tree).")],
+        True,
+    ),
+    EngineOption(
+        "host_cache_memory",
+        Annotated[
+            int | None,
+            typer.Option(
+                parser=_size_option,
+                metavar="BYTES",
+                help="Host-memory KV tier behind the device pools (default: none).",
+            ),
+        ],
+        None,
+    ),
+    EngineOption(
+        "host_write_policy",
+        Annotated[
+            Literal["on_evict", "second_hit"],
+            typer.Option(
+                help="When pages get a host copy: when evicted from device, or on their second hit."
+            ),
+        ],
+        "on_evict",
+    ),
+    EngineOption(
+        "swa_full_tokens_ratio",
+        Annotated[
+            float | None,
+            typer.Option(
+                min=0.0,
+                help="With prefix caching: SWA-pool pages per full-pool page (default 1/9; see kvcache.sizing).",
+            ),
+        ],
+        None,
+    ),
+    EngineOption(
+        "schedule_policy",
+        Annotated[
+            Literal["fcfs", "compute"],
+            typer.Option(
+                help="Admission order: fcfs, or compute (fewest uncached tokens first, aged, bounded)."
+            ),
+        ],
+        "fcfs",
+    ),
+    EngineOption(
+        "priority_max_wait_s",
+        Annotated[
+            float, typer.Option(min=0.0, help="compute: no request waits past this (s) for a shorter one.")
+        ],
+        30.0,
+    ),
+    EngineOption(
+        "priority_wait_weight",
+        Annotated[
+            float, typer.Option(min=0.0, help="compute: seconds of work one second of waiting is worth.")
+        ],
+        1.0,
+    ),
+    EngineOption(
+        "cost_model",
+        Annotated[
+            Literal["cpu-tiny", "mimo-v2-flash-h200"],
+            typer.Option(help="compute: cost-model preset for prefill times (swaserve.routing.cost)."),
+        ],
+        "cpu-tiny",
+    ),
+)
+"""The engine flags of ``swaserve serve`` and of every worker (``engine_options``): a flag added
+here exists for both, with the same name, default and help."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def engine_options(**overrides: tuple[Any, str]) -> Callable[[F], F]:
+    """Decorator for a typer command: its ``engine_config: EngineConfig`` parameter becomes the
+    ``ENGINE_OPTIONS`` flags (in its place), and the command receives their values as one
+    ``EngineConfig``.
+
+    Args:
+        overrides: ``name=(default, help)`` for a flag whose default differs in this command.
+    """
+    unknown = set(overrides) - {o.name for o in ENGINE_OPTIONS}
+    if unknown:
+        raise ValueError(f"no engine option {sorted(unknown)}")
+
+    def wrap(func: F) -> F:
+        options = []
+        for o in ENGINE_OPTIONS:
+            annotation, default = o.annotation, o.default
+            if o.name in overrides:
+                default, help_text = overrides[o.name]
+                base, info = get_args(annotation)
+                info = copy.copy(info)
+                info.help = help_text
+                annotation = Annotated[base, info]
+            options.append(
+                inspect.Parameter(
+                    o.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+                )
+            )
+        sig = inspect.signature(func, eval_str=True)
+        if "engine_config" not in sig.parameters:
+            raise TypeError(f"{func.__name__} has no engine_config parameter")
+        params: list[inspect.Parameter] = []
+        for p in sig.parameters.values():  # keyword-only: typer passes everything by name
+            params += (
+                options if p.name == "engine_config" else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
+            )
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            values = {o.name: kwargs.pop(o.name) for o in ENGINE_OPTIONS}
+            return func(**kwargs, engine_config=build_engine_config(**values))
+
+        command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command  # type: ignore[return-value]
+
+    return wrap
+
+
+def build_engine_config(**values: Any) -> EngineConfig:
+    """An ``EngineConfig`` from the values of the ``ENGINE_OPTIONS`` flags."""
+    return EngineConfig(**{**values, "host_cache_memory": values.get("host_cache_memory") or 0})
+
+
 def _model_dir(model: Path | None) -> Path:
     if model is not None:
         return model
@@ -67,6 +258,7 @@ def _model_dir(model: Path | None) -> Path:
 
 
 @app.command()
+@engine_options()
 def serve(
     model: Annotated[
         Path | None, typer.Option(help="Checkpoint directory (default: the bundled default model).")
@@ -76,68 +268,11 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="Model name in the API (default: dir name).")
     ] = None,
-    page_size: Annotated[int, typer.Option(min=1, help="Tokens per KV page.")] = 16,
-    kv_cache_memory: Annotated[
-        int, typer.Option(parser=_size_option, metavar="BYTES", help="KV cache bytes, e.g. 256MiB, 1GB.")
-    ] = "256MiB",  # type: ignore[assignment]
-    kv_layout: Annotated[
-        Literal["hybrid", "full"],
-        typer.Option(help="hybrid: SWA layers keep only their window; full: baseline."),
-    ] = "hybrid",
-    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per engine step.")] = 512,
-    max_model_len: Annotated[
-        int | None, typer.Option(min=1, help="Longest prompt+output (default: model's).")
-    ] = None,
-    dtype: Annotated[
-        Literal["float32", "bfloat16", "float16"], typer.Option(help="Activation and KV dtype.")
-    ] = "float32",
-    device: Annotated[
-        str | None, typer.Option(help="cpu, cuda, cuda:1... (default: CUDA if present).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Engine sampling seed.")] = 0,
-    enable_prefix_caching: Annotated[
-        bool, typer.Option(help="Reuse cached prefixes' KV (SWA-aware radix tree).")
-    ] = True,
-    host_cache_memory: Annotated[
-        int | None,
-        typer.Option(
-            parser=_size_option,
-            metavar="BYTES",
-            help="Host-memory KV tier behind the device pools (default: none).",
-        ),
-    ] = None,
-    host_write_policy: Annotated[
-        Literal["on_evict", "second_hit"],
-        typer.Option(help="When pages get a host copy: when evicted from device, or on their second hit."),
-    ] = "on_evict",
-    swa_full_tokens_ratio: Annotated[
-        float | None,
-        typer.Option(
-            min=0.0,
-            help="With prefix caching: SWA-pool pages per full-pool page (default 1/9; see kvcache.sizing).",
-        ),
-    ] = None,
+    engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
     from swaserve.api.server import serve as run_server
-    from swaserve.config import EngineConfig
 
-    engine_config = EngineConfig(
-        page_size=page_size,
-        kv_cache_memory=kv_cache_memory,
-        kv_layout=kv_layout,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-        enable_prefix_caching=enable_prefix_caching,
-        host_cache_memory=host_cache_memory or 0,
-        host_write_policy=host_write_policy,
-        swa_full_tokens_ratio=swa_full_tokens_ratio,
-    )
     run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
 
 
@@ -428,6 +563,69 @@ def bench_prefix_replay(
         sessions=sessions,
         calls=calls,
     )
+
+
+@app.command()
+def sim(
+    trace: Annotated[Path, typer.Option(help="Mooncake .jsonl or agent-session trace (.jsonl[.gz]).")],
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill instances.")] = 8,
+    decode: Annotated[int, typer.Option(min=1, help="Decode instances.")] = 8,
+    policy: Annotated[
+        str, typer.Option(help="Routing policy: round_robin, least_load, cache_aware.")
+    ] = "cache_aware",
+    priority: Annotated[str, typer.Option(help="Prefill queue order: fcfs or compute.")] = "fcfs",
+    deployment: Annotated[
+        str, typer.Option(help="Cost model + KV shape: mimo-v2-flash-h200 or cpu-tiny.")
+    ] = "mimo-v2-flash-h200",
+    load: Annotated[
+        float, typer.Option(min=0.01, max=2.0, help="Offered prefill load (ideal-cache work / capacity).")
+    ] = 0.8,
+    time_scale: Annotated[
+        float | None, typer.Option(min=1e-9, help="Multiply trace inter-arrival times (overrides --load).")
+    ] = None,
+    host_cache: Annotated[
+        int | None,
+        typer.Option(
+            parser=_size_option, metavar="BYTES", help="Host-tier KV per prefill instance, e.g. 1.5TB."
+        ),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
+    max_wait: Annotated[float | None, typer.Option(min=0.0, help="compute priority: max wait (s).")] = None,
+    wait_weight: Annotated[
+        float | None, typer.Option(min=0.0, help="compute priority: aging weight.")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the result here as JSON.")] = None,
+) -> None:
+    """Simulate the cluster on a trace: the real routing and radix-cache code in simulated time."""
+    from swaserve.sim import workload as wl
+    from swaserve.sim.run import deployment as get_deployment
+    from swaserve.sim.run import print_table, simulate, write_json
+
+    try:
+        dep = get_deployment(deployment)
+        work = wl.load(trace, limit)
+        row = simulate(
+            work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,
+            host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight,
+        )  # fmt: skip
+    except (ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    print_table([row])
+    if json_path is not None:
+        write_json(json_path, row)
+
+
+@bench_app.command("routing-sim")
+def bench_routing_sim(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="First N requests of each trace.")] = None,
+    load: Annotated[float, typer.Option(min=0.01, max=2.0, help="Offered prefill load.")] = 0.8,
+) -> None:
+    """Routing policies in the simulator: hit rate and TTFT, 8 and 16 prefill instances."""
+    from bench.routing_sim import main
+
+    main(load=load, limit=limit, json_path=json_path)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """``swaserve up``: the disaggregated cluster (router + prefill and decode workers) as local processes.
 
 Each service is its own process (``python -m services.prefill|decode|router``) on 127.0.0.1 and a
-free port, with its output prefixed by its name (``[prefill-0] ...``). Workers are ready when
+free port (the router on ``port`` when given: a port that cannot be bound stops ``start`` before
+any worker is started), with its output prefixed by its name (``[prefill-0] ...``). Workers are ready when
 their ``grpc.health.v1`` check says SERVING (model loaded and warmed up), the router when
 ``GET /health`` answers 200. Every child runs in its own process group and gets SIGTERM when the
 launcher dies (Linux ``PR_SET_PDEATHSIG``), and ``Cluster.stop`` terminates them all (SIGKILL after
@@ -37,6 +38,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raise ClusterError unless ``host:port`` can be bound now (with SO_REUSEADDR, as uvicorn
+    binds: a port some old connection left in TIME_WAIT counts as free, a listening one not)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ClusterError(
+                f"router port {host}:{port} is not available: {e.strerror or e} "
+                "(pass --port with a free port, or --port 0 for any)"
+            ) from e
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    """The value of ``--name V`` / ``--name=V`` in ``args`` (the last one), else None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -206,7 +232,14 @@ class Cluster:
         return addr, ServiceProcess(f"{role}-{i}", cmd, grpc_ready(addr))
 
     def start(self, timeout_s: float = 600.0) -> str:
-        """Start every service and wait until all are ready; returns the router's URL."""
+        """Start every service and wait until all are ready; returns the router's URL.
+
+        Raises:
+            ClusterError: the router's port is taken (checked before any worker starts), or a
+                service exited or was not ready in time.
+        """
+        if self.port:
+            check_port_free(self.port, _option_value(self.router_args, "--host") or "127.0.0.1")
         addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
         self.worker_addresses = addrs
         for role, n, extra in (

@@ -8,6 +8,12 @@ Two sources feed the exposition:
 * Request latencies are observed by the HTTP layer from each request's ``RequestOutput`` stream
   through a ``RequestTimer`` (one per request).
 
+The router of ``swaserve up`` (``services/router``) serves the same families over its
+``ClusterEngine``: token counters from the requests it relays, KV pool gauges per worker (labels
+``role``, ``instance`` = the worker's ``host:port``) from its ``GetLoad`` polls, and its own
+``router_requests_total{status}``, ``router_retries_total{reason}`` and ``worker_*`` gauges
+(``RouterStats``).
+
 Every ``ServerMetrics`` owns its own ``CollectorRegistry``, so several apps can live in one process
 (tests, benches) without name clashes in the global registry.
 
@@ -19,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from swaserve.engine.stats import EngineStats
+from swaserve.engine.stats import EngineStats, PoolStats
 from swaserve.engine.types import FinishReason, RequestOutput
 
 PREFIX = "swaserve:"
@@ -101,17 +108,62 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
+ROUTER_STATUSES = ("ok", "invalid", "unavailable", "failed", "cancelled")
+"""Outcomes of a request at the router: finished; refused as invalid (4xx); no capacity or no
+worker (503); failed otherwise (500 or an error event); the client went away first."""
+RETRY_REASONS = ("overloaded", "unavailable", "error")
+"""Why the router re-dispatched a request: a decode worker's staging was full; a worker could not
+be reached; another retryable failure."""
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker as the router last saw it (its latest ``GetLoad``).
+
+    Attributes:
+        role: ``prefill`` or ``decode``. instance: the worker's ``host:port``.
+        up: reachable at the last poll or call.
+        pools: page counts per pool (``full``, ``swa``); ``page_bytes`` is 0 (not reported).
+    """
+
+    role: str
+    instance: str
+    up: bool
+    running: int = 0
+    waiting: int = 0
+    outstanding_tokens: int = 0
+    staged_bytes: int = 0
+    pools: dict[str, PoolStats] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """What the router adds to the engine metrics: its workers and its request outcomes."""
+
+    workers: tuple[WorkerStats, ...] = ()
+    requests: dict[str, int] = field(default_factory=dict)  # ROUTER_STATUSES -> count
+    retries: dict[str, int] = field(default_factory=dict)  # RETRY_REASONS -> count
+
+
 class EngineStatsCollector(Collector):
     """Turns one ``EngineStats`` snapshot per scrape into gauges and counters.
 
     Args:
         stats: Returns the engine's current snapshot (``AsyncLLMEngine.stats``).
         model_name: Value of the ``model_name`` label.
+        router: The router's snapshot (``ClusterEngine.router_stats``): KV pool gauges come from
+            its workers (extra labels ``role``, ``instance``) and the router families are added.
     """
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        model_name: str,
+        router: Callable[[], RouterStats] | None = None,
+    ) -> None:
         self._stats = stats
         self._model = model_name
+        self._router = router
 
     def describe(self) -> list[Metric]:
         # An empty description keeps the registry from calling collect() at registration time.
@@ -119,6 +171,7 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
+        r = self._router() if self._router is not None else None
         m = [self._model]
         running = GaugeMetricFamily(
             PREFIX + "num_requests_running", "Requests in model execution batches.", labels=["model_name"]
@@ -132,6 +185,14 @@ class EngineStatsCollector(Collector):
         yield waiting
 
         pool_labels = ["model_name", "pool"]
+        rows: list[tuple[list[str], PoolStats]] = [([self._model, n], p) for n, p in sorted(s.pools.items())]
+        if r is not None:  # the router: the workers' pools
+            pool_labels = ["model_name", "pool", "role", "instance"]
+            rows = [
+                ([self._model, n, w.role, w.instance], p)
+                for w in r.workers
+                for n, p in sorted(w.pools.items())
+            ]
         usage = GaugeMetricFamily(
             PREFIX + "kv_cache_usage_perc",
             "Fraction of the KV pool's pages in use (0..1).",
@@ -153,13 +214,13 @@ class EngineStatsCollector(Collector):
             "Bytes of KV pages not free (requests and prefix cache).",
             labels=pool_labels,
         )
-        for pool, p in sorted(s.pools.items()):
-            labels = [self._model, pool]
+        for labels, p in rows:
             usage.add_metric(labels, p.usage)
             used.add_metric(labels, p.used_pages)
             total.add_metric(labels, p.total_pages)
             peak.add_metric(labels, p.peak_used_pages)
-            used_bytes.add_metric(labels, p.used_bytes)
+            if p.page_bytes:  # workers do not report page sizes
+                used_bytes.add_metric(labels, p.used_bytes)
         yield from (usage, used, total, peak, used_bytes)
 
         prompt = CounterMetricFamily(
@@ -195,6 +256,59 @@ class EngineStatsCollector(Collector):
         for pool, n in sorted(s.cache_pages.items()):
             cached.add_metric([self._model, pool], n)
         yield from (queries, hits, cached)
+        if r is not None:
+            yield from self._router_families(r)
+
+    def _router_families(self, r: RouterStats) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            PREFIX + "router_requests",
+            "Requests the router finished, by status (ok, invalid, unavailable, failed, cancelled).",
+            labels=["model_name", "status"],
+        )
+        for status in ROUTER_STATUSES:
+            requests.add_metric([self._model, status], r.requests.get(status, 0))
+        retries = CounterMetricFamily(
+            PREFIX + "router_retries",
+            "Re-dispatches of a request to other workers, by reason (overloaded, unavailable, error).",
+            labels=["model_name", "reason"],
+        )
+        for reason in RETRY_REASONS:
+            retries.add_metric([self._model, reason], r.retries.get(reason, 0))
+        yield requests
+        yield retries
+        labels = ["model_name", "role", "instance"]
+        families = {
+            "up": GaugeMetricFamily(
+                PREFIX + "worker_up", "1 if the worker was reachable at the last poll.", labels=labels
+            ),
+            "running": GaugeMetricFamily(
+                PREFIX + "worker_num_requests_running", "Requests in the worker's batches.", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                PREFIX + "worker_num_requests_waiting", "Requests waiting in the worker.", labels=labels
+            ),
+            "outstanding_tokens": GaugeMetricFamily(
+                PREFIX + "worker_outstanding_tokens",
+                "Prompt tokens not computed yet plus tokens still to generate, on the worker.",
+                labels=labels,
+            ),
+            "staged_bytes": GaugeMetricFamily(
+                PREFIX + "worker_kv_staged_bytes",
+                "KV bytes received and not yet admitted (decode workers).",
+                labels=labels,
+            ),
+        }
+        for w in r.workers:
+            values = {
+                "up": int(w.up),
+                "running": w.running,
+                "waiting": w.waiting,
+                "outstanding_tokens": w.outstanding_tokens,
+                "staged_bytes": w.staged_bytes,
+            }
+            for key, fam in families.items():
+                fam.add_metric([self._model, w.role, w.instance], values[key])
+        yield from families.values()
 
 
 class ServerMetrics:
@@ -203,9 +317,15 @@ class ServerMetrics:
     Args:
         stats: Returns the engine's current ``EngineStats`` (read at scrape time).
         model_name: Value of the ``model_name`` label on every series.
+        router: The router's ``RouterStats`` (read at scrape time), in ``swaserve up``'s router.
     """
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        model_name: str,
+        router: Callable[[], RouterStats] | None = None,
+    ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         labels = ["model_name"]
@@ -234,7 +354,7 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(EngineStatsCollector(stats, model_name, router))
 
     def count_finished(self, reason: FinishReason | str) -> None:
         """Count one finished request under ``finished_reason`` (stop, length, abort)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -100,6 +101,35 @@ def test_serve_kv_cache_memory_option_parses_sizes() -> None:
     assert res.exit_code == 2 and "bad size" in res.output
 
 
+def test_workers_take_every_engine_flag_of_serve() -> None:
+    from services.worker_cli import worker_app
+
+    serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    serve_flags = {p.name: (p.opts, p.secondary_opts) for p in serve.params}
+    serve_values = serve.make_context("serve", []).params
+    engine = [n for n in serve_flags if n not in ("model", "host", "port", "served_model_name")]
+    assert {"page_size", "kv_cache_memory", "max_model_len", "seed", "host_cache_memory"} <= set(engine)
+    for role in ("prefill", "decode"):
+        worker = get_command(worker_app(role))
+        flags = {p.name: (p.opts, p.secondary_opts) for p in worker.params}
+        values = worker.make_context(role, []).params
+        for name in engine:
+            assert flags.get(name) == serve_flags[name], (role, name)
+            want = (role == "prefill") if name == "enable_prefix_caching" else serve_values[name]
+            assert values[name] == want, (role, name)
+        ctx = worker.make_context(role, ["--kv-cache-memory", "1GB", "--max-model-len", "64", "--seed", "3"])
+        assert (ctx.params["kv_cache_memory"], ctx.params["max_model_len"], ctx.params["seed"]) == (
+            10**9,
+            64,
+            3,
+        )
+    out = subprocess.run(
+        [sys.executable, "-m", "services.prefill", "--help"], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0 and "--staging-memory" in out.stdout and "--host-cache-memory" in out.stdout
+
+
 def test_make_checkpoint_refuses_non_empty_out(tmp_path: Path) -> None:
     (tmp_path / "x").write_text("keep me")
     res = runner.invoke(
@@ -152,6 +182,24 @@ def tiny_dir() -> Path:
 
 def _demo(*args: str) -> list[str]:
     return [sys.executable, "-m", "swaserve.run_demo", "--no-progress", *args]
+
+
+def test_up_refuses_a_busy_port_before_starting_workers(tiny_dir: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "swaserve.cli", "up", "--model", str(tiny_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert f"router port 127.0.0.1:{port} is not available: Address already in use" in out, out
+    assert "[prefill-0]" not in out and "[decode-0]" not in out, out  # no worker was started
 
 
 def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -181,6 +182,207 @@ def test_bad_checksum_is_never_decoded(cluster: Cluster) -> None:
         with pytest.raises(grpc.RpcError) as e2:
             list(wgrpc.WorkerStub(ch).Generate(req, timeout=10))
         assert e2.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no KV staged" in e2.value.details()
+    wait_idle(cluster)
+
+
+# ---------------------------------------------------------------------------------------------
+# SSE chunks: the same shape as `swaserve serve`
+
+
+def _sse(text: str, drop_cached: bool = False) -> list[Any]:
+    """The data payloads of an SSE body without ids and timestamps (and without the prompt-cache
+    count where the two servers' cache histories differ)."""
+    events: list[Any] = []
+    for line in text.splitlines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            events.append(data)
+            continue
+        ev = {k: v for k, v in json.loads(data).items() if k not in ("id", "created")}
+        if drop_cached and ev.get("usage"):
+            ev["usage"]["prompt_tokens_details"] = None
+        events.append(ev)
+    return events
+
+
+def test_sse_chunks_equal_serve(cluster: Cluster, tiny_dir: Path) -> None:
+    import random
+
+    from swaserve.api.server import build_app
+    from swaserve.engine.async_engine import AsyncLLMEngine
+
+    rng = random.Random(11)
+    ps = [[rng.randrange(3, 500) for _ in range(rng.randrange(6, 40))] for _ in range(6)]
+    model = "mimo-v2-tiny-v1"
+    base = {"model": model, "temperature": 0, "stream": True}
+    usage = {"stream_options": {"include_usage": True}}
+
+    def chat(i: int) -> list[dict[str, str]]:
+        words = " ".join(rng.choice(["files", "open", "agent", "the", "list", "read"]) for _ in range(6))
+        return [{"role": "user", "content": f"case {i}: {words}"}]
+
+    async def run() -> None:
+        engine = AsyncLLMEngine.from_model_dir(
+            str(tiny_dir), EngineConfig(max_num_batched_tokens=32, kv_cache_memory=16 << 20, page_size=4)
+        )
+        app = build_app(engine)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://serve", timeout=120
+            ) as s,
+            httpx.AsyncClient(base_url=cluster.url, timeout=120) as c,
+        ):
+            r = await s.post("/v1/completions", json={**base, "stream": False, "prompt": ps[5], "max_tokens": NEW,
+                                                      "ignore_eos": True})  # fmt: skip
+            text = r.json()["choices"][0]["text"]
+            stop = text[len(text) // 2 : len(text) // 2 + 2]
+            assert stop.strip(), text
+            cases = [
+                ("/v1/completions", {"prompt": ps[0], "max_tokens": 1}),
+                ("/v1/completions", {"prompt": ps[1], "max_tokens": 1, **usage}),
+                ("/v1/completions", {"prompt": ps[2], "max_tokens": NEW, "ignore_eos": True,
+                                     "return_token_ids": True, **usage}),
+                ("/v1/completions", {"prompt": ps[3], "max_tokens": NEW}),
+                ("/v1/completions", {"prompt": ps[5], "max_tokens": NEW, "ignore_eos": True, "stop": [stop],
+                                     **usage}),
+                ("/v1/chat/completions", {"messages": chat(0), "max_tokens": 1, **usage}),
+                ("/v1/chat/completions", {"messages": chat(1), "max_tokens": 6, "ignore_eos": True}),
+            ]  # fmt: skip
+            for path, body in cases:
+                want, got = (
+                    await s.post(path, json={**base, **body}),
+                    await c.post(path, json={**base, **body}),
+                )
+                assert want.status_code == got.status_code == 200, (want.text, got.text)
+                is_chat = "messages" in body
+                assert _sse(got.text, is_chat) == _sse(want.text, is_chat), body
+                chunks = [e for e in _sse(want.text) if e != "[DONE]" and e["choices"]]
+                reasons = [ch["choices"][0]["finish_reason"] for ch in chunks]
+                assert reasons[-1] in ("stop", "length") and not any(reasons[:-1]), reasons
+                if body["max_tokens"] == 1 and not is_chat:
+                    assert len(chunks) == 1  # the one token and its finish reason together
+            stopped = await c.post("/v1/completions", json={**base, **cases[4][1], "stream": False})
+            assert stopped.json()["choices"][0]["finish_reason"] == "stop"  # it did stop on the string
+
+    asyncio.run(run())
+    wait_idle(cluster)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router /metrics
+
+
+def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        (smp.name, frozenset(smp.labels.items())): smp.value
+        for fam in text_string_to_metric_families(text)
+        for smp in fam.samples
+    }
+
+
+def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return samples.get((name, frozenset({"model_name": "mimo-v2-tiny-v1", **labels}.items())), 0.0)
+
+
+def test_router_metrics_count_tokens_and_show_worker_loads(cluster: Cluster) -> None:
+    wait_idle(cluster)
+    before = _scrape(cluster.url)
+    ps = prompts(4, seed=21)
+    got = asyncio.run(complete_all(cluster.url, ps))
+    after = _scrape(cluster.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert delta("swaserve:prompt_tokens_total") == sum(len(p) for p in ps)
+    assert (
+        delta("swaserve:generation_tokens_total")
+        == sum(r["usage"]["completion_tokens"] for r in got)
+        == 4 * NEW
+    )
+    assert delta("swaserve:prefix_cache_queries_total") == sum(len(p) for p in ps)
+    assert delta("swaserve:prefix_cache_hits_total", tier="device") == sum(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in got
+    )
+    assert delta("swaserve:router_requests_total", status="ok") == 4
+    assert delta("swaserve:request_success_total", finished_reason="length") == 4
+    assert _value(after, "swaserve:router_retries_total", reason="overloaded") == 0
+
+    # per-worker gauges are the workers' own GetLoad (as of the router's last poll)
+    ls = wait_idle(cluster)
+    want = {
+        (role, a): _expected_view(ls[f"{role}-{i}"])
+        for role, addrs in cluster.worker_addresses.items()
+        for i, a in enumerate(addrs)
+    }
+    deadline = time.monotonic() + 30
+    while True:
+        m = _scrape(cluster.url)
+        seen = {(role, a): _worker_view(m, role, a) for role, a in want}
+        if seen == want:
+            break
+        assert time.monotonic() < deadline, (seen, want)
+        time.sleep(0.5)
+    assert any(
+        v[("full", "kv_cache_peak_used_pages")] > 0 for (role, _), v in seen.items() if role == "prefill"
+    )
+
+
+_GAUGES = ("kv_cache_total_pages", "kv_cache_used_pages", "kv_cache_peak_used_pages", "kv_cache_usage_perc")
+
+
+def _worker_view(
+    m: dict[tuple[str, frozenset[tuple[str, str]]], float], role: str, addr: str
+) -> dict[Any, Any]:
+    """What the router's /metrics says about one worker."""
+    w = {"role": role, "instance": addr}
+    view: dict[Any, Any] = {
+        g: _value(m, f"swaserve:{g}", **w) if (f"swaserve:{g}", frozenset({"model_name": "mimo-v2-tiny-v1", **w}.items())) in m else None
+        for g in ("worker_up", "worker_num_requests_running", "worker_num_requests_waiting",
+                  "worker_outstanding_tokens", "worker_kv_staged_bytes")
+    }  # fmt: skip
+    for pool in ("full", "swa"):
+        for g in _GAUGES:
+            view[(pool, g)] = _value(m, f"swaserve:{g}", pool=pool, **w)
+    return view
+
+
+def _expected_view(load: pb.Load) -> dict[Any, Any]:
+    view: dict[Any, Any] = {
+        "worker_up": 1, "worker_num_requests_running": load.running, "worker_num_requests_waiting": load.waiting,
+        "worker_outstanding_tokens": load.outstanding_tokens, "worker_kv_staged_bytes": load.staged_bytes,
+    }  # fmt: skip
+    for pool, p in load.pools.items():
+        values = (p.total_pages, p.used_pages, p.peak_used_pages, p.used_pages / p.total_pages)
+        view.update({(pool, g): v for g, v in zip(_GAUGES, values, strict=True)})
+    return view
+
+
+def test_replay_reports_the_cluster_kv_pools(cluster: Cluster, tiny_dir: Path) -> None:
+    from swaserve.replay import ReplayOptions, format_report, run_replay, token_space_from_model_dir
+    from swaserve.traces import read_mooncake
+
+    vocab, reserved = token_space_from_model_dir(tiny_dir)
+    opts = ReplayOptions(url=cluster.url, time_scale=1000.0, block_tokens=4, max_output_tokens=4, vocab_size=vocab,
+                         reserved_ids=reserved, request_timeout_s=120, progress=False)  # fmt: skip
+    rep = run_replay(read_mooncake(limit=2), opts)
+    assert rep["failed"] == 0, rep["errors"]
+    want = {f"{role}@{a}/{pool}" for role, addrs in cluster.worker_addresses.items() for a in addrs
+            for pool in ("full", "swa")}  # fmt: skip
+    assert set(rep["kv_pages"]) == want
+    for v in rep["kv_pages"].values():
+        assert 0 <= v["peak_used_pages"] <= v["total_pages"] and v["total_pages"] > 0
+    text = format_report(rep)
+    assert (
+        "not reported" not in text
+        and f"KV pool prefill@{cluster.worker_addresses['prefill'][0]}/full" in text
+    )
     wait_idle(cluster)
 
 

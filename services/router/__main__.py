@@ -22,6 +22,9 @@ def main(
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API.")] = None,
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Per-request deadline, seconds.")] = 600.0,
     max_retries: Annotated[int, typer.Option(min=0, help="Re-dispatches before the first decode token.")] = 2,
+    poll_interval: Annotated[
+        float, typer.Option(min=0.05, help="Seconds between GetLoad polls (worker health, load, /metrics).")
+    ] = 1.0,
 ) -> None:
     import uvicorn
 
@@ -31,7 +34,13 @@ def main(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     engine = ClusterEngine(
-        model or Path(default_model_dir()), prefill, decode, served_model_name, request_timeout, max_retries
+        model or Path(default_model_dir()),
+        prefill,
+        decode,
+        served_model_name,
+        request_timeout,
+        max_retries,
+        poll_interval,
     )
     fastapi_app = build_app(engine)  # type: ignore[arg-type]
     with contextlib.suppress(KeyboardInterrupt):

@@ -13,12 +13,24 @@ produced anything (prefill worker down, KV transfer refused, decode worker down 
 retried on other workers: the prefill runs again (a prefix-cache hit) and its first token must equal
 the one already sent, else the client gets an error event. A failure after that ends the stream with
 an error event. Closing the stream (client gone) cancels the calls and aborts on both workers.
+
+The workers mark the chunk of a request's last token with its finish reason; that chunk becomes the
+final ``RequestOutput`` (tokens and finish reason together, as ``AsyncLLMEngine`` yields it), so
+the API's responses and SSE chunks have the same shape as ``swaserve serve``'s.
+
+When the retries run out on capacity or reachability (a decode worker's KV staging full:
+``Overloaded``; no worker reachable: ``NoWorkerAvailable``) ``generate`` raises an ``Unavailable``
+(HTTP 503, or an error event with its code in a started stream); other failures a RuntimeError.
+``stats``/``router_stats`` feed ``/metrics``: token counters of the relayed requests, the workers'
+``GetLoad`` (pools, running, waiting, outstanding tokens), requests by status and retries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,27 +38,58 @@ from pathlib import Path
 
 import grpc
 
+from swaserve.api.server import Unavailable
 from swaserve.config import ModelConfig
 from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
-from swaserve.engine.stats import EngineStats
+from swaserve.engine.stats import EngineStats, PoolStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.kvcache.prefix_cache import CacheStats
+from swaserve.metrics import RouterStats, WorkerStats
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger("swaserve.router")
-_RETRYABLE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-)
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class Overloaded(Unavailable):
+    """No decode worker had room for the request's KV (staging full) in any attempt."""
+
+    code = "overloaded"
+
+
+class NoWorkerAvailable(Unavailable):
+    """No worker of a role could be reached for the request."""
+
+    code = "no_worker_available"
 
 
 class DispatchError(RuntimeError):
-    """A worker failed a request; ``worker`` is the one to avoid on a retry."""
+    """A worker failed a request; ``worker`` is the one to avoid on a retry; ``code`` the gRPC
+    status of the failure (RESOURCE_EXHAUSTED: no room; UNAVAILABLE: not reachable)."""
 
-    def __init__(self, message: str, worker: WorkerHandle | None) -> None:
+    def __init__(
+        self, message: str, worker: WorkerHandle | None, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    ) -> None:
         super().__init__(message)
         self.worker = worker
+        self.code = code
+
+    @property
+    def reason(self) -> str:
+        """The retry reason it counts under (``swaserve.metrics.RETRY_REASONS``)."""
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "overloaded"
+        return "unavailable" if self.code == grpc.StatusCode.UNAVAILABLE else "error"
+
+    def final(self) -> Exception:
+        """What ``generate`` raises when this was the last attempt's failure."""
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return Overloaded(f"no decode worker has room for the request's KV now, retry later ({self})")
+        if self.code == grpc.StatusCode.UNAVAILABLE:
+            role = self.worker.role if self.worker is not None else "a"
+            return NoWorkerAvailable(f"no {role} worker available, retry later ({self})")
+        return RuntimeError(f"request failed: {self}")
 
 
 @dataclass(eq=False)
@@ -60,6 +103,27 @@ class WorkerHandle:
     outstanding: int = 0  # tokens of requests this router dispatched and that are not done
     healthy: bool = True
     load: pb.Load | None = field(default=None, repr=False)
+
+    def stats(self) -> WorkerStats:
+        """The last ``GetLoad`` as ``/metrics`` shows it."""
+        ld = self.load
+        if ld is None:
+            return WorkerStats(self.role, self.address, self.healthy)
+        pools = {
+            name: PoolStats(
+                total_pages=p.total_pages,
+                used_pages=p.used_pages,
+                peak_used_pages=p.peak_used_pages,
+                page_bytes=0,
+                num_layers=0,
+                cached_pages=p.cached_pages,
+            )
+            for name, p in ld.pools.items()
+        }
+        return WorkerStats(
+            self.role, self.address, self.healthy, ld.running, ld.waiting, ld.outstanding_tokens,
+            ld.staged_bytes, pools,
+        )  # fmt: skip
 
 
 class ClusterEngine:
@@ -95,6 +159,12 @@ class ClusterEngine:
         self.workers: list[WorkerHandle] = []
         self.in_flight = 0
         self._poller: asyncio.Task[None] | None = None
+        # counters since start, for /metrics (stats, router_stats)
+        self.prompt_tokens_total = 0  # prompts of requests that got their first token
+        self.generation_tokens_total = 0  # tokens relayed to clients
+        self.cached_tokens_total = 0  # of those prompts, tokens the prefill workers had cached
+        self.requests_by_status: collections.Counter[str] = collections.Counter()
+        self.retries: collections.Counter[str] = collections.Counter()
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -139,7 +209,24 @@ class ClusterEngine:
                 w.healthy = False
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=self.in_flight, num_waiting=0)
+        """Requests in flight through the router (``num_running``) and the token counters of the
+        requests it relayed; the prefix-cache hits are the cached tokens the prefill workers
+        reported (both tiers, counted as ``device``)."""
+        return EngineStats(
+            num_running=self.in_flight,
+            num_waiting=0,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache=CacheStats(queries=self.prompt_tokens_total, hits_device=self.cached_tokens_total),
+        )
+
+    def router_stats(self) -> RouterStats:
+        """Each worker's last ``GetLoad``, requests by status and retries (``/metrics``)."""
+        return RouterStats(
+            workers=tuple(w.stats() for w in self.workers),
+            requests=dict(self.requests_by_status),
+            retries=dict(self.retries),
+        )
 
     async def loads(self) -> dict[str, pb.Load]:
         """Every worker's current ``GetLoad`` (address -> load); unreachable ones are left out."""
@@ -157,7 +244,7 @@ class ClusterEngine:
         mine = [w for w in self.workers if w.role == role]
         pool = [w for w in mine if w.healthy and w not in avoid] or [w for w in mine if w.healthy] or mine
         if not pool:
-            raise DispatchError(f"no {role} worker configured", None)
+            raise NoWorkerAvailable(f"no {role} worker configured")
         return min(pool, key=lambda w: (w.outstanding, w.address))
 
     # -- one request --------------------------------------------------------------------------
@@ -168,21 +255,23 @@ class ClusterEngine:
 
         Raises:
             ValueError: the workers refused the request (bad input), before any output.
-            RuntimeError: it failed and could not be retried.
+            Overloaded, NoWorkerAvailable: no capacity / no reachable worker in any attempt.
+            RuntimeError: it failed otherwise and could not be retried.
         """
-        params.validate()
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
         avoid: set[WorkerHandle] = set()
         touched: set[WorkerHandle] = set()  # workers some attempt sent this request (or its KV) to
         first: int | None = None  # the first token, once sent to the client
         attempt = 0
         finished = False
+        status = "cancelled"  # unless it ends otherwise
         self.in_flight += 1
         try:
+            params.validate()
+            if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                    f"exceeds max_model_len {self.max_model_len}"
+                )
             while True:
                 attempt += 1
                 p = self.pick("prefill", avoid)
@@ -195,20 +284,38 @@ class ClusterEngine:
                     ):
                         if first is None and out.new_token_ids:
                             first = out.new_token_ids[0]
+                            self.prompt_tokens_total += len(prompt_token_ids)
+                            self.cached_tokens_total += out.cached_tokens
+                        self.generation_tokens_total += len(out.new_token_ids)
                         finished = out.finished
+                        if finished:
+                            status = "ok"
                         yield out
                     return
                 except DispatchError as e:
                     task = asyncio.current_task()
                     if task is not None and task.cancelling():
                         raise asyncio.CancelledError from e  # the client went away: no retry
-                    if started[0] or attempt > self.max_retries:
+                    if started[0]:
                         raise RuntimeError(f"request failed: {e}") from e
+                    if attempt > self.max_retries:
+                        raise e.final() from e
                     log.warning("retrying %s (attempt %d): %s", request_id, attempt + 1, e)
+                    self.retries[e.reason] += 1
                     if e.worker is not None:
                         avoid.add(e.worker)
+        except ValueError:
+            status = "invalid"
+            raise
+        except Unavailable:
+            status = "unavailable"
+            raise
+        except Exception:
+            status = "failed"
+            raise
         finally:
             self.in_flight -= 1
+            self.requests_by_status[status] += 1
             if not finished:  # client gone or failed: drop it everywhere, staged KV included
                 for w in touched:
                     asyncio.get_running_loop().create_task(self._abort(w, request_id))
@@ -242,12 +349,17 @@ class ClusterEngine:
             async for m in self._messages(call, p, d):
                 kind = m.WhichOneof("kind")
                 if kind == "chunk":
-                    out = output_from_chunk(rid, m)
+                    out = _output(rid, m)
                     first = out.new_token_ids[0] if out.new_token_ids else first
+                    if first_sent is not None and first != first_sent:
+                        raise RuntimeError("a retried prefill sampled another first token")
+                    done = out.finished  # ended at its first token: the last chunk
                     if first_sent is None:
                         yield out
-                    elif first != first_sent:
-                        raise RuntimeError("a retried prefill sampled another first token")
+                    elif done:  # its tokens were sent already
+                        yield dataclasses.replace(out, new_token_ids=[], new_text="", new_logprobs=[])
+                    if done:
+                        return
                 elif kind == "complete":
                     reason, usage = m.complete.finish_reason, m.usage
             p.outstanding -= n
@@ -272,10 +384,13 @@ class ClusterEngine:
             async for m in self._messages(call, d, d):
                 kind = m.WhichOneof("kind")
                 if kind == "chunk":
-                    out = output_from_chunk(rid, m)
+                    out = _output(rid, m)
                     out.cached_tokens = cached
                     started[0] = True
+                    done = out.finished
                     yield out
+                    if done:
+                        return
                 elif kind == "complete":
                     done = True
                     yield RequestOutput(
@@ -288,9 +403,8 @@ class ClusterEngine:
         finally:
             p.outstanding -= n
             d.outstanding -= params.max_tokens
-            if not done:
-                for _, c in active:
-                    c.cancel()  # the worker's stream ends: its engine aborts the request
+            for _, c in active:  # not done: the worker's stream ends and its engine aborts the
+                c.cancel()  # request; done: only the `complete` after the last chunk is left
 
     async def _messages(
         self, call: grpc.aio.UnaryStreamCall, worker: WorkerHandle, decode: WorkerHandle
@@ -303,9 +417,12 @@ class ClusterEngine:
                     msg = m.error.message
                     if not m.error.retryable:
                         raise ValueError(msg)  # the worker refused the request itself
+                    code = _CODES.get(m.error.code, grpc.StatusCode.UNKNOWN)
                     if msg.startswith("KV transfer"):
-                        raise DispatchError(msg, decode)
-                    raise DispatchError(f"{worker.role} worker {worker.address}: {msg}", worker)
+                        if code == grpc.StatusCode.UNAVAILABLE:
+                            decode.healthy = False
+                        raise DispatchError(msg, decode, code)
+                    raise DispatchError(f"{worker.role} worker {worker.address}: {msg}", worker, code)
                 yield m
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -313,7 +430,7 @@ class ClusterEngine:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 worker.healthy = False
             raise DispatchError(
-                f"{worker.role} worker {worker.address}: {e.code().name} {e.details()}", worker
+                f"{worker.role} worker {worker.address}: {e.code().name} {e.details()}", worker, e.code()
             ) from e
 
     async def _abort(self, w: WorkerHandle, rid: str) -> None:
@@ -323,3 +440,11 @@ class ClusterEngine:
     async def abort(self, request_id: str) -> None:
         for w in self.workers:
             await self._abort(w, request_id)
+
+
+def _output(rid: str, m: pb.GenerateResponse) -> RequestOutput:
+    """A chunk as a delta; the chunk a worker marked as the last one is the final output."""
+    out = output_from_chunk(rid, m)
+    if m.chunk.finish_reason:
+        out.finished, out.finish_reason = True, finish_reason(m.chunk.finish_reason)
+    return out

@@ -9,7 +9,9 @@ Request flow::
         --> engine.generate() --first output--> stream (SSE) or collect (JSON)
 
 The first output is awaited before the response starts, so a ValueError the engine raises while
-admitting the request still becomes a 400 (and not an error event inside a 200 stream).
+admitting the request still becomes a 400 (and not an error event inside a 200 stream), and an
+``Unavailable`` (no capacity, no worker: the router's ``Overloaded`` / ``NoWorkerAvailable``) a
+503. Later failures end the stream with an error event (``code`` set for ``Unavailable``).
 
 Client disconnects abort the engine request, which frees its KV pages:
 
@@ -65,6 +67,15 @@ T = TypeVar("T")
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the work it asked for was done."""
+
+
+class Unavailable(RuntimeError):
+    """The engine cannot serve a request now (no capacity, no worker that can run it); retrying
+    later may work. Engines raise it (or a subclass: the router's ``Overloaded`` and
+    ``NoWorkerAvailable``) from ``generate``; the client gets a 503 with ``code``, or an error event
+    with ``code`` in a stream that had started."""
+
+    code = "service_unavailable"
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -241,6 +252,10 @@ class OpenAIServer:
             if include_usage:
                 yield sse_data(renderer.usage_chunk(job, job.usage(out)))
             yield "[DONE]"
+        except Unavailable as e:  # no capacity after the stream started: say so, end it
+            logger.warning("stream %s: %s", job.request_id, e)
+            yield sse_data(error_body(str(e), "server_error", code=e.code))
+            yield "[DONE]"
         except Exception as e:  # an engine failure after the stream started: tell the client, end it
             logger.exception("stream %s failed", job.request_id)
             yield sse_data(error_body(f"internal error: {e}", "server_error"))
@@ -289,6 +304,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
 
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:
+        logger.warning("request refused: %s", exc)
+        return _error(503, str(exc), "server_error", code=exc.code)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
@@ -326,7 +346,8 @@ def build_app(engine: AsyncLLMEngine, *, manage_engine: bool = True) -> FastAPI:
         The app; ``app.state.server`` is the ``OpenAIServer``, ``app.state.metrics`` the
         ``ServerMetrics`` (its own Prometheus registry).
     """
-    metrics = ServerMetrics(engine.stats, engine.model_name)
+    # the router's ClusterEngine adds its workers' loads and its own counters
+    metrics = ServerMetrics(engine.stats, engine.model_name, getattr(engine, "router_stats", None))
     server = OpenAIServer(engine, metrics)
 
     @asynccontextmanager

@@ -36,6 +36,10 @@ class TransferError(ValueError):
     """A KV page failed verification (checksum, shape, dtype, range) or a transfer is incomplete."""
 
 
+class StagingFull(TransferError):
+    """Staging has no room for a transfer now (a capacity refusal, not a fault: retry later)."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     for name, dt in _DTYPES.items():
         if dt == dtype:
@@ -187,7 +191,7 @@ class KVStaging:
         """Start staging a transfer of ``num_tokens`` prompt tokens' KV (allocates host tensors).
 
         Raises:
-            TransferError: duplicate id, bad length, or not enough staging memory.
+            TransferError: duplicate id, bad length; StagingFull: not enough staging memory.
         """
         if request_id in self._open:
             raise TransferError(f"transfer for {request_id!r} already open")
@@ -200,7 +204,7 @@ class KVStaging:
             s = self.shapes[kind]
             size += n_layers * (hi - lo) * s.kv_heads * (s.head_dim + s.v_head_dim) * self.dtype.itemsize
         if self.staged_bytes + size > self.max_bytes:
-            raise TransferError(
+            raise StagingFull(
                 f"staging full: {self.staged_bytes} + {size} bytes > {self.max_bytes} (retry later)"
             )
         for kind, n_layers in self.layers.items():

@@ -81,14 +81,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "kv_bytes_sent")
@@ -99,12 +101,14 @@ class Complete(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., kv_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("message", "retryable")
+    __slots__ = ("message", "retryable", "code")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     message: str
     retryable: bool
-    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    code: int
+    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ..., code: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete", "error", "usage")
@@ -135,16 +139,18 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolLoad(_message.Message):
-    __slots__ = ("total_pages", "used_pages", "cached_pages", "request_pages")
+    __slots__ = ("total_pages", "used_pages", "cached_pages", "request_pages", "peak_used_pages")
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     total_pages: int
     used_pages: int
     cached_pages: int
     request_pages: int
-    def __init__(self, total_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., request_pages: _Optional[int] = ...) -> None: ...
+    peak_used_pages: int
+    def __init__(self, total_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., request_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("role", "running", "waiting", "outstanding_tokens", "pools", "staged_bytes", "open_requests")
