@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(BIN)/swaserve bench cluster-replay --json bench/results/cluster_replay.json
 	$(BIN)/swaserve bench prefix-replay --workload agent --sessions 4 --calls 10 --max-output-tokens 16 \
 		--json bench/results/prefix_replay_agent.json
+	$(BIN)/swaserve bench routing-sim --json bench/results/routing_sim.json
+	$(BIN)/swaserve bench routing-cluster --json bench/results/routing_cluster.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

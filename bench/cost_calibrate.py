@@ -67,7 +67,9 @@ def measure_decode(eng: LLMEngine, vocab: int, steps: int = 12) -> list[dict[str
     for k, (b, ctx) in enumerate(DECODE_POINTS):
         eng.kv.flush_cache()
         for i in range(b):
-            eng.add_request(f"d{k}-{i}", rng.integers(10, vocab, size=ctx).tolist(), _params(steps + 2))
+            # long enough that all b decode together after the last prefill chunk
+            n_out = steps + 2 + b * ctx // 512 + 2
+            eng.add_request(f"d{k}-{i}", rng.integers(10, vocab, size=ctx).tolist(), _params(n_out))
         times = []
         while eng.has_unfinished():
             decoding = all(r.num_tokens - r.num_computed == 1 for r in eng.scheduler.running)
@@ -76,7 +78,7 @@ def measure_decode(eng: LLMEngine, vocab: int, steps: int = 12) -> list[dict[str
             eng.step()
             if decoding and full:
                 times.append(time.perf_counter() - t0)
-        out.append({"batch": b, "kv_tokens": b * (ctx + steps // 2), "seconds": float(np.median(times))})
+        out.append({"batch": b, "kv_tokens": b * (ctx + steps), "seconds": float(np.median(times))})
     return out
 
 

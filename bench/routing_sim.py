@@ -1,6 +1,8 @@
 """Routing policies in the simulator (``swaserve.sim``), on the conversation trace and the agent
 sessions, with 8 and 16 prefill instances at the same offered load (default 0.8, see
-``sim.workload.scale_for_load``), on the ``mimo-v2-flash-h200`` deployment.
+``sim.workload.scale_for_load``), on the ``mimo-v2-flash-h200`` deployment. Agent sessions run
+closed loop (a call waits for its session's previous one) with as many copies of the trace's 49
+sessions as instances (``sim.workload.agent``), else they could not load the instances.
 
 Rows: ``round_robin``, ``least_load``, ``cache_aware`` (FCFS queues), and ``cache_aware`` with the
 compute-aware priority in the prefill queues. JSON: per trace and instance count, per row
@@ -38,8 +40,9 @@ def main(
     out: dict[str, object] = {"deployment": dep.name, "load": load, "runs": []}
     runs: list[dict[str, object]] = []
     for name in traces:
-        work = workload.load(TRACES[name], limit)
         for n in instances:
+            # agent sessions run closed loop: `n` copies of the 49 sessions keep ~49 per instance
+            work = workload.load(TRACES[name], limit, copies=n if name == "agent" else 1)
             rows = [simulate(work, n, n, pol, dep, prio, load=load) for pol, prio in ROWS]
             by = {f"{r['policy']}+{r['priority']}": r for r in rows}
             rr = float(by["round_robin+fcfs"]["hit_rate"])  # type: ignore[arg-type]

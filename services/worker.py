@@ -15,6 +15,9 @@
   ``Generate`` with ``first_token`` claims the staged KV and decodes.
 * ``grpc.health.v1`` reports NOT_SERVING until the model is loaded and one warm-up request ran;
   server reflection lists the services.
+* prefill role with ``redis_url``: the prefix cache's stored / removed block events go to the
+  cluster's Redis stream for the routers' precise-mode index (``services.index_events``; from a
+  thread, best effort: a Redis failure drops events, never a request).
 
 All engine work runs on the asyncio loop of ``AsyncLLMEngine``; this module holds no policy.
 """
@@ -32,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from services.index_events import EventPump
 from services.transport import GrpcKVSender, KVSender
 from swaserve.config import FULL, SWA
 from swaserve.disagg.convert import (
@@ -43,6 +47,8 @@ from swaserve.disagg.convert import (
 from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.engine.async_engine import AsyncLLMEngine
 from swaserve.engine.types import FinishReason, SamplingParams
+from swaserve.routing.buckets import ALL_LENGTHS
+from swaserve.routing.events import RedisEventPublisher, stream_key
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 from swaserve.v1 import worker_pb2 as pb
@@ -60,6 +66,10 @@ class WorkerOptions:
     metrics_port: int | None = None
     staging_bytes: int = 1 << 30
     staging_ttl_s: float = 120.0
+    prompt_range: tuple[int, int] | None = None  # prefill: prompt-length bucket [lo, hi) it serves
+    redis_url: str | None = None  # prefill: publish cache events there (needs index_block_tokens)
+    index_namespace: str = "swaserve"  # the routers' Redis namespace
+    instance_id: str | None = None  # this worker in the index (default: host:port, as the router names it)
 
 
 class WorkerMetrics:
@@ -85,6 +95,12 @@ class WorkerMetrics:
         )
         self.kv_failed = Counter(
             "swaserve:kv_transfer_failed", "KV transfers refused or failed", registry=self.registry
+        )
+        self.index_events = Counter(
+            "swaserve:index_events",
+            "prefix-cache block events for the router's index, by outcome (published, dropped)",
+            ["outcome"],
+            registry=self.registry,
         )
 
 
@@ -226,6 +242,8 @@ class WorkerService(wgrpc.WorkerServicer):
             - len(r.output_token_ids)
             for r in eng.requests.values()
         )
+        prefill_tokens = sum(max(0, r.num_prompt - r.num_computed) for r in eng.requests.values())
+        lo, hi = self.opts.prompt_range or (0, 0)
         pools = {
             name: pb.PoolLoad(
                 total_pages=p.total_pages,
@@ -244,6 +262,9 @@ class WorkerService(wgrpc.WorkerServicer):
             pools=pools,
             staged_bytes=self.staging.staged_bytes if self.staging is not None else 0,
             open_requests=self.open,
+            prefill_tokens=prefill_tokens,
+            min_prompt_tokens=lo,
+            max_prompt_tokens=0 if hi >= ALL_LENGTHS[1] else hi,
         )
 
     async def expire_staging(self) -> None:
@@ -334,6 +355,36 @@ async def _warm_up(engine: AsyncLLMEngine) -> None:
     async for _ in engine.generate([3, 4, 5, 6, 7], params, "warmup"):
         pass
     engine.engine.kv.flush_cache()
+    engine.engine.drain_cache_events()  # the warm-up's blocks came and went: nothing to publish
+
+
+def start_event_pump(
+    engine: AsyncLLMEngine, opts: WorkerOptions, port: int, metrics: WorkerMetrics
+) -> EventPump | None:
+    """The publisher of a prefill worker's cache events (None: not configured)."""
+    if opts.role != "prefill" or not opts.redis_url:
+        return None
+    if engine.engine_config.index_block_tokens is None:
+        log.warning("--redis-url without index block tokens: no cache events published")
+        return None
+    import redis
+
+    client = redis.Redis.from_url(
+        opts.redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+    )
+    instance = opts.instance_id or f"{opts.host}:{port}"
+    publisher = RedisEventPublisher(client, opts.index_namespace, instance)
+    log.info(
+        "publishing cache events of %d-token blocks as %s to %s",
+        engine.engine_config.index_block_tokens,
+        instance,
+        stream_key(opts.index_namespace),
+    )
+    return EventPump(
+        engine.engine.drain_cache_events,
+        publisher,
+        on_count=lambda outcome, n: metrics.index_events.labels(outcome).inc(n),
+    )
 
 
 async def serve_worker(
@@ -368,8 +419,13 @@ async def serve_worker(
     print(f"{opts.role} worker listening on {opts.host}:{port}", flush=True)
     await engine.start()
     expire = asyncio.create_task(worker.expire_staging())
+    pump: EventPump | None = None
+    pump_task: asyncio.Task[None] | None = None
     try:
         await _warm_up(engine)
+        pump = start_event_pump(engine, opts, port, metrics)
+        if pump is not None:
+            pump_task = asyncio.create_task(pump.run())
         for name in ("", *names):
             await health_svc.set(name, health_pb2.HealthCheckResponse.SERVING)
         print(f"{opts.role} worker ready on {opts.host}:{port}", flush=True)
@@ -380,4 +436,8 @@ async def serve_worker(
         expire.cancel()
         await server.stop(grace=2.0)
         await worker.sender.close()
+        if pump_task is not None:
+            pump_task.cancel()
         await engine.stop()
+        if pump is not None:  # the engine is stopped: draining from the pump's thread is safe
+            await asyncio.to_thread(pump.close)

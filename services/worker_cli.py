@@ -1,13 +1,16 @@
 """Command line of a worker process (``python -m services.prefill`` / ``python -m services.decode``).
 
 The engine flags are ``swaserve serve``'s (``swaserve.cli.ENGINE_OPTIONS``: same names, defaults
-and help), except that prefix caching defaults to on for prefill and off for decode workers.
+and help), except that prefix caching defaults to on for prefill and off for decode workers. A
+prefill worker given ``--redis-url`` (default: ``$REDIS_URL``) publishes its prefix cache's block
+events for the routers' precise-mode index (``--index-block-tokens``, default 64).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from pathlib import Path
@@ -17,6 +20,27 @@ import typer
 
 from swaserve.cli import _size_option, engine_options
 from swaserve.config import EngineConfig
+from swaserve.routing.hashing import DEFAULT_BLOCK_TOKENS
+
+
+def _with_index_events(
+    role: str, config: EngineConfig, redis_url: str | None, block_tokens: int | None
+) -> EngineConfig:
+    """``config`` with ``index_block_tokens`` set when this worker publishes cache events: a prefill
+    worker with a Redis URL and a prefix cache (events with nobody draining them would pile up)."""
+    if role != "prefill" or not redis_url:
+        return config
+    if not config.enable_prefix_caching:
+        if block_tokens is not None:
+            raise typer.BadParameter("needs prefix caching", param_hint="--index-block-tokens")
+        logging.getLogger("swaserve.worker").warning("no prefix cache: no cache events to publish")
+        return config
+    B = block_tokens or DEFAULT_BLOCK_TOKENS
+    if B % config.page_size:
+        raise typer.BadParameter(
+            f"{B} is not a multiple of --page-size {config.page_size}", param_hint="--index-block-tokens"
+        )
+    return dataclasses.replace(config, index_block_tokens=B)
 
 
 def worker_app(role: str) -> typer.Typer:
@@ -43,6 +67,30 @@ def worker_app(role: str) -> typer.Typer:
         num_threads: Annotated[
             int | None, typer.Option(min=1, help="CPU threads for torch (default: torch's choice).")
         ] = None,
+        prompt_len_range: Annotated[
+            str | None,
+            typer.Option(help="prefill: prompt lengths this worker serves, LO-HI tokens (e.g. 0-64k, 64k-)."),
+        ] = None,
+        redis_url: Annotated[
+            str | None,
+            typer.Option(envvar="REDIS_URL", help="prefill: publish prefix-cache events to this Redis."),
+        ] = None,
+        index_namespace: Annotated[
+            str, typer.Option(help="prefill: the routers' Redis namespace for cache events.")
+        ] = "swaserve",
+        instance_id: Annotated[
+            str | None,
+            typer.Option(
+                help="prefill: this worker's name in the index (default: HOST:PORT, as routers dial it)."
+            ),
+        ] = None,
+        index_block_tokens: Annotated[
+            int | None,
+            typer.Option(
+                min=1,
+                help="prefill: tokens per index block, a multiple of --page-size (default 64 with --redis-url).",
+            ),
+        ] = None,
     ) -> None:
         from services.worker import WorkerOptions, serve_worker
         from swaserve.engine.async_engine import AsyncLLMEngine
@@ -54,8 +102,16 @@ def worker_app(role: str) -> typer.Typer:
 
             torch.set_num_threads(num_threads)
         model_dir = model or Path(default_model_dir())
+        engine_config = _with_index_events(role, engine_config, redis_url, index_block_tokens)
         engine = AsyncLLMEngine.from_model_dir(model_dir, engine_config)
-        opts = WorkerOptions(role, host, port, metrics_port, staging_memory, staging_ttl)
+        from swaserve.routing.buckets import parse_range
+
+        try:
+            prompt_range = parse_range(prompt_len_range) if prompt_len_range else None
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--prompt-len-range") from e
+        opts = WorkerOptions(role, host, port, metrics_port, staging_memory, staging_ttl, prompt_range)
+        opts.redis_url, opts.index_namespace, opts.instance_id = redis_url, index_namespace, instance_id
 
         async def run() -> None:
             task = asyncio.create_task(serve_worker(engine, opts))

@@ -179,7 +179,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         Annotated[
             float, typer.Option(min=0.0, help="compute: seconds of work one second of waiting is worth.")
         ],
-        1.0,
+        0.1,
     ),
     EngineOption(
         "cost_model",
@@ -289,6 +289,15 @@ def up(
         typer.Option(help="Extra worker argument (repeatable), e.g. --worker-arg=--max-num-seqs=16."),
     ] = None,
     router_arg: Annotated[list[str] | None, typer.Option(help="Extra router argument (repeatable).")] = None,
+    routers: Annotated[int, typer.Option(min=1, help="Router replicas (stateless; state in Redis).")] = 1,
+    redis: Annotated[
+        bool,
+        typer.Option(help="Share routing state in Redis: REDIS_URL, or a local redis-server started here."),
+    ] = True,
+    index_mode: Annotated[
+        Literal["approximate", "precise"],
+        typer.Option(help="Prefix index: record dispatches, or follow the prefill workers' cache events."),
+    ] = "approximate",
     startup_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for readiness.")] = 600.0,
 ) -> None:
     """Start the disaggregated cluster (router + prefill + decode workers) on 127.0.0.1 until Ctrl-C."""
@@ -308,15 +317,21 @@ def up(
         port,
         worker_args=list(worker_arg or []),
         router_args=list(router_arg or []),
+        routers=routers,
+        redis=redis,
+        index_mode=index_mode,
     )
     try:
         url = cluster.start(startup_timeout)
+        others = f"; other routers: {' '.join(cluster.urls[1:])}" if routers > 1 else ""
+        shared = f"; routing state in {cluster.redis_url}" if cluster.redis_url else ""
         print(
-            f"\ncluster ready: {url}  ({prefill} prefill, {decode} decode; try: curl {url}/v1/models)",
+            f"\ncluster ready: {url}  ({prefill} prefill, {decode} decode{others}{shared}; "
+            f"try: curl {url}/v1/models)",
             flush=True,
         )
         code = cluster.watch()
-        print(f"router exited with status {code}; stopping the cluster", flush=True)
+        print(f"every router exited (last status {code}); stopping the cluster", flush=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
         print("\nstopping the cluster...", flush=True)
@@ -626,6 +641,20 @@ def bench_routing_sim(
     from bench.routing_sim import main
 
     main(load=load, limit=limit, json_path=json_path)
+
+
+@bench_app.command("routing-cluster")
+def bench_routing_cluster(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests to replay per row.")] = 200,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 2,
+    time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
+    max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 32,
+) -> None:
+    """Routing policies on the real cluster (CPU) next to the simulator on the same requests."""
+    from bench.routing_cluster import main
+
+    main(json_path, limit, max_output=max_output_tokens, time_scale=time_scale, prefill=prefill)
 
 
 if __name__ == "__main__":

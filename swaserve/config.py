@@ -294,6 +294,8 @@ class EngineConfig:
             tokens first with aging and a bound, ``routing.priority.ComputeAwarePriority``).
         priority_max_wait_s, priority_wait_weight: its starvation bound (s) and aging weight.
         cost_model: the ``routing.cost`` preset whose prefill times the priority compares.
+        index_block_tokens: log the prefix cache's stored / removed blocks of this many tokens (a
+            multiple of ``page_size``) for the router's precise-mode index; None = no events.
     """
 
     page_size: int = 16
@@ -311,5 +313,6 @@ class EngineConfig:
     swa_full_tokens_ratio: float | None = None
     schedule_policy: str = "fcfs"
     priority_max_wait_s: float = 30.0
-    priority_wait_weight: float = 1.0
+    priority_wait_weight: float = 0.1
     cost_model: str = "cpu-tiny"
+    index_block_tokens: int | None = None

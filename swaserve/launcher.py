@@ -197,12 +197,17 @@ def http_ready(url: str) -> Callable[[], bool]:
 
 @dataclass
 class Cluster:
-    """Router + ``prefill`` prefill workers + ``decode`` decode workers on 127.0.0.1.
+    """``routers`` routers + ``prefill`` prefill workers + ``decode`` decode workers on 127.0.0.1,
+    sharing their routing state in Redis.
 
     Args:
-        model: checkpoint dir (all services load it). prefill, decode: worker counts.
-        port: router HTTP port (0 = a free one). worker_args / prefill_args / decode_args /
-        router_args: extra command-line arguments for those services.
+        model: checkpoint dir (all services load it). prefill, decode, routers: process counts.
+        port: first router's HTTP port (0 = a free one; the others always get free ones).
+        worker_args / prefill_args / decode_args / router_args: extra command-line arguments.
+        redis: share routing state in Redis: ``redis_url`` if given (or ``REDIS_URL``), else a
+            local ``redis-server`` started first (``swaserve.redis_server``). Without it each
+            router keeps its own state (fine for one router).
+        index_mode: "approximate" or "precise" (prefill workers publish cache events to Redis).
     """
 
     model: Path
@@ -213,11 +218,17 @@ class Cluster:
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    routers: int = 1
+    redis: bool = True
+    redis_url: str | None = None
+    index_mode: str = "approximate"
     show_access_log: bool = False
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     worker_addresses: dict[str, list[str]] = field(default_factory=dict)  # role -> host:port
     metrics_urls: dict[str, str] = field(default_factory=dict)  # worker name -> Prometheus URL
-    url: str = ""
+    url: str = ""  # the first router's
+    urls: list[str] = field(default_factory=list)  # every router's
+    redis_server: object | None = None  # the RedisServer we started, if any
 
     def _worker(self, role: str, i: int, extra: list[str]) -> tuple[str, ServiceProcess]:
         port, mport = free_port(), free_port()
@@ -240,6 +251,23 @@ class Cluster:
         """
         if self.port:
             check_port_free(self.port, _option_value(self.router_args, "--host") or "127.0.0.1")
+        if self.index_mode not in ("approximate", "precise"):
+            raise ClusterError(f"index mode must be 'approximate' or 'precise', got {self.index_mode!r}")
+        if self.redis and self.redis_url is None:
+            from swaserve.redis_server import RedisServer, redis_url_from_env
+
+            self.redis_url = redis_url_from_env()
+            if self.redis_url is None:
+                server = RedisServer()
+                self.services["redis"] = server.proc
+                self.redis_server = server
+                server.start(timeout_s)
+                self.redis_url = server.url
+        if self.index_mode == "precise" and not self.redis_url:
+            raise ClusterError("precise index mode needs Redis")
+        shared = ["--redis-url", self.redis_url] if self.redis and self.redis_url else []
+        if self.index_mode == "precise":
+            self.prefill_args = [*self.prefill_args, *shared]
         addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
         self.worker_addresses = addrs
         for role, n, extra in (
@@ -253,43 +281,49 @@ class Cluster:
                 svc.start()
         for svc in list(self.services.values()):
             svc.wait_ready(timeout_s)
-        port = self.port or free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "services.router", "--model", str(self.model), "--port", str(port)]
-        for role in ("prefill", "decode"):
-            for a in addrs[role]:
-                cmd += [f"--{role}", a]
-        router = ServiceProcess(
-            "router", [*cmd, *self.router_args], http_ready(self.url), self.show_access_log
-        )
-        self.services["router"] = router
-        router.start()
-        router.wait_ready(timeout_s)
+        routers = []
+        for i in range(self.routers):
+            port = self.port if (i == 0 and self.port) else free_port()
+            url = f"http://127.0.0.1:{port}"
+            self.urls.append(url)
+            cmd = [sys.executable, "-m", "services.router", "--model", str(self.model), "--port", str(port)]
+            for role in ("prefill", "decode"):
+                for a in addrs[role]:
+                    cmd += [f"--{role}", a]
+            cmd += [*shared, "--index-mode", self.index_mode, *self.router_args]
+            name = "router" if self.routers == 1 else f"router-{i}"
+            router = ServiceProcess(name, cmd, http_ready(url), self.show_access_log)
+            self.services[name] = router
+            routers.append(router)
+            router.start()
+        for router in routers:
+            router.wait_ready(timeout_s)
+        self.url = self.urls[0]
         return self.url
 
     def watch(self) -> int:
-        """Block until the router exits (returns its status). A worker that exits is reported and
-        left out: the router fails over to the others (and answers 503 when a role has none)."""
+        """Block until every router has exited (returns the last one's status). A worker, a router
+        or Redis that exits is reported and left out: routers fail over to the other workers (and
+        answer 503 when a role has none), clients to the other routers, and routers without Redis
+        go on with their local routing state."""
         reported: set[str] = set()
         while True:
+            code: int | None = None
             for name, svc in self.services.items():
                 if svc.alive() or name in reported:
                     continue
                 code = svc.proc.returncode if svc.proc is not None else None
-                if name == "router":
-                    return code if code is not None else 1
                 reported.add(name)
-                print(
-                    f"{name} exited with status {code}; the router goes on with the other workers", flush=True
-                )
+                print(f"{name} exited with status {code}; the others go on", flush=True)
+            routers = [n for n in self.services if n.startswith("router")]
+            if all(n in reported for n in routers):
+                return code if code is not None else 1
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """Stop the router first (no new requests), then the workers."""
-        order = [s for n, s in self.services.items() if n == "router"] + [
-            s for n, s in self.services.items() if n != "router"
-        ]
-        for s in order:
+        """Stop the routers first (no new requests), then the workers, then Redis."""
+        rank = {"router": 0, "redis": 2}
+        for _, s in sorted(self.services.items(), key=lambda kv: rank.get(kv[0].split("-")[0], 1)):
             s.stop()
 
     def __enter__(self) -> Cluster:

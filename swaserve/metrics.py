@@ -143,6 +143,10 @@ class RouterStats:
     workers: tuple[WorkerStats, ...] = ()
     requests: dict[str, int] = field(default_factory=dict)  # ROUTER_STATUSES -> count
     retries: dict[str, int] = field(default_factory=dict)  # RETRY_REASONS -> count
+    decisions: dict[str, int] = field(default_factory=dict)  # routing decision reason -> count
+    dispatches: dict[tuple[str, str], int] = field(default_factory=dict)  # (role, instance) -> count
+    index_entries: int = 0  # prefix index (block, instance) entries
+    shared_state_up: bool | None = None  # Redis reachable (None: no Redis)
 
 
 class EngineStatsCollector(Collector):
@@ -276,6 +280,34 @@ class EngineStatsCollector(Collector):
             retries.add_metric([self._model, reason], r.retries.get(reason, 0))
         yield requests
         yield retries
+        decisions = CounterMetricFamily(
+            PREFIX + "router_decisions",
+            "Prefill choices by reason: affinity (cache hit), load, balance (guard overrode the cache), "
+            "round_robin; _fallback when no worker's length bucket held the prompt.",
+            labels=["model_name", "reason"],
+        )
+        for reason, n in sorted(r.decisions.items()):
+            decisions.add_metric([self._model, reason], n)
+        dispatches = CounterMetricFamily(
+            PREFIX + "router_dispatches",
+            "Attempts sent to each worker by this router.",
+            labels=["model_name", "role", "instance"],
+        )
+        for (role, inst), n in sorted(r.dispatches.items()):
+            dispatches.add_metric([self._model, role, inst], n)
+        index = GaugeMetricFamily(
+            PREFIX + "router_index_entries", "Prefix index entries (block, instance).", labels=["model_name"]
+        )
+        index.add_metric([self._model], r.index_entries)
+        yield from (decisions, dispatches, index)
+        if r.shared_state_up is not None:
+            up = GaugeMetricFamily(
+                PREFIX + "router_shared_state_up",
+                "1 if the shared routing state (Redis) answered at the last call.",
+                labels=["model_name"],
+            )
+            up.add_metric([self._model], int(r.shared_state_up))
+            yield up
         labels = ["model_name", "role", "instance"]
         families = {
             "up": GaugeMetricFamily(

@@ -25,14 +25,53 @@ def main(
     poll_interval: Annotated[
         float, typer.Option(min=0.05, help="Seconds between GetLoad polls (worker health, load, /metrics).")
     ] = 1.0,
+    policy: Annotated[
+        str,
+        typer.Option(help="Prefill choice: cache_aware, least_load, round_robin (swaserve.routing.policy)."),
+    ] = "cache_aware",
+    cost_model: Annotated[
+        str, typer.Option(help="Cost-model preset for TTFT estimates: cpu-tiny, mimo-v2-flash-h200.")
+    ] = "cpu-tiny",
+    block_tokens: Annotated[int, typer.Option(min=1, help="Tokens per prefix-index block.")] = 64,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="REDIS_URL", help="Shared routing state for router replicas (default: in process)."
+        ),
+    ] = None,
+    namespace: Annotated[str, typer.Option(help="Redis key namespace of this cluster.")] = "swaserve",
+    index_mode: Annotated[
+        str, typer.Option(help="approximate: record dispatches; precise: follow workers' cache events.")
+    ] = "approximate",
+    index_max_entries: Annotated[int, typer.Option(min=1, help="Global cap on index entries.")] = 4_000_000,
+    index_ttl: Annotated[float, typer.Option(min=1.0, help="Seconds an index entry lives unused.")] = 3600.0,
+    balance_abs: Annotated[
+        float | None, typer.Option(min=0.0, help="cache_aware guard: queue seconds over the shortest.")
+    ] = None,
+    balance_rel: Annotated[
+        float | None, typer.Option(min=1.0, help="cache_aware guard: queue ratio over the shortest.")
+    ] = None,
 ) -> None:
     import uvicorn
 
     from services.router.cluster import ClusterEngine
+    from services.router.routing import RoutingOptions
     from swaserve.api.server import build_app
     from swaserve.model.checkpoint import default_model_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    try:
+        routing = RoutingOptions(
+            policy, cost_model, block_tokens, redis_url, namespace, index_mode, index_max_entries, index_ttl,
+            balance_abs, balance_rel, lease_ttl_s=request_timeout + 60.0,
+        )  # fmt: skip
+        from swaserve.routing.cost import preset
+        from swaserve.routing.policy import make_policy
+
+        preset(cost_model)
+        make_policy(policy)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     engine = ClusterEngine(
         model or Path(default_model_dir()),
         prefill,
@@ -41,6 +80,7 @@ def main(
         request_timeout,
         max_retries,
         poll_interval,
+        routing,
     )
     fastapi_app = build_app(engine)  # type: ignore[arg-type]
     with contextlib.suppress(KeyboardInterrupt):

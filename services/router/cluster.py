@@ -5,8 +5,9 @@ workers instead of a local engine.
 yielding ``RequestOutput`` deltas, ``tokenizer``, ``model_config``, ``max_model_len``, ``stats``,
 ``start``/``stop``), so endpoints, validation and errors are the same as ``swaserve serve``.
 
-One request: pick a prefill and a decode worker (least outstanding tokens dispatched by this
-router, healthy ones only), ``Generate`` on the prefill worker with ``kv_target`` = the decode
+One request: pick a prefill and a decode worker among the reachable ones (``routing.RouterRouting``:
+length bucket, prefix-cache affinity and load, with leases counted at dispatch, shared between
+router replicas through Redis), ``Generate`` on the prefill worker with ``kv_target`` = the decode
 worker (it streams the first token, pushes the KV, completes with ``handoff``), then ``Generate``
 on the decode worker with ``first_token`` and relay its stream. A failure before the decode worker
 produced anything (prefill worker down, KV transfer refused, decode worker down at the call) is
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import grpc
 
+from services.router.routing import RouterRouting, RoutingOptions
 from swaserve.api.server import Unavailable
 from swaserve.config import ModelConfig
 from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
@@ -45,6 +47,8 @@ from swaserve.engine.stats import EngineStats, PoolStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.metrics import RouterStats, WorkerStats
+from swaserve.routing.dispatch import NoInstanceError
+from swaserve.routing.load import Lease
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 
@@ -133,6 +137,7 @@ class ClusterEngine:
     model_name: served model name. request_timeout_s: per-request deadline (seconds).
     max_retries: re-dispatches of a request that failed before its decode output started.
     poll_s: seconds between ``GetLoad`` polls (worker health and load).
+    routing: worker selection and shared state (default: cache-aware, in this process).
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class ClusterEngine:
         request_timeout_s: float = 600.0,
         max_retries: int = 2,
         poll_s: float = 1.0,
+        routing: RoutingOptions | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -157,7 +163,9 @@ class ClusterEngine:
         self.addresses = {"prefill": list(prefill), "decode": list(decode)}
         self.request_timeout_s, self.max_retries, self.poll_s = request_timeout_s, max_retries, poll_s
         self.workers: list[WorkerHandle] = []
+        self.routing = RouterRouting(routing or RoutingOptions())
         self.in_flight = 0
+        self.index_entries = 0  # last poll's prefix index size (/metrics)
         self._poller: asyncio.Task[None] | None = None
         # counters since start, for /metrics (stats, router_stats)
         self.prompt_tokens_total = 0  # prompts of requests that got their first token
@@ -194,9 +202,11 @@ class ClusterEngine:
     async def _poll(self) -> None:
         while True:
             await asyncio.gather(*(self._poll_one(w) for w in self.workers))
+            self.index_entries = await self._routing(self.routing.index_size)
             await asyncio.sleep(self.poll_s)
 
     async def _poll_one(self, w: WorkerHandle) -> None:
+        was = w.healthy
         try:  # a busy worker answers between engine steps: only a refused connection counts
             w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=30.0)
             if not w.healthy:
@@ -207,6 +217,11 @@ class ClusterEngine:
                 if w.healthy:
                     log.warning("%s worker %s unreachable", w.role, w.address)
                 w.healthy = False
+        await self._routing(self.routing.observe, w.address, w.role, w.load, w.healthy, was)
+
+    async def _routing(self, fn, *args):  # type: ignore[no-untyped-def]
+        """Run a (blocking: Redis) routing call on the routing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.routing.executor, fn, *args)
 
     def stats(self) -> EngineStats:
         """Requests in flight through the router (``num_running``) and the token counters of the
@@ -226,6 +241,10 @@ class ClusterEngine:
             workers=tuple(w.stats() for w in self.workers),
             requests=dict(self.requests_by_status),
             retries=dict(self.retries),
+            decisions=dict(self.routing.decisions),
+            dispatches=dict(self.routing.dispatches),
+            index_entries=self.index_entries,
+            shared_state_up=self.routing.shared_up,
         )
 
     async def loads(self) -> dict[str, pb.Load]:
@@ -237,15 +256,29 @@ class ClusterEngine:
         return out
 
     # -- selection ----------------------------------------------------------------------------
-    def pick(self, role: str, avoid: set[WorkerHandle]) -> WorkerHandle:
-        """The healthy worker of ``role`` with the least outstanding work (not in ``avoid`` if
-        another is left; a worker that failed this request or looks unreachable is still tried
-        when it is the only one)."""
+    def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
+        """Workers of ``role`` a request may go to: reachable ones not in ``avoid`` if any is
+        left, else reachable ones, else all (a worker that failed this request or looks
+        unreachable is still tried when it is the only one)."""
         mine = [w for w in self.workers if w.role == role]
         pool = [w for w in mine if w.healthy and w not in avoid] or [w for w in mine if w.healthy] or mine
-        if not pool:
-            raise NoWorkerAvailable(f"no {role} worker configured")
-        return min(pool, key=lambda w: (w.outstanding, w.address))
+        return {w.address: w for w in pool}
+
+    async def _choose(
+        self, rid: str, prompt: list[int], hashes: list[int], params: SamplingParams, avoid: set[WorkerHandle]
+    ) -> tuple[WorkerHandle, WorkerHandle, list[Lease]]:
+        ps, ds = self.candidates("prefill", avoid), self.candidates("decode", avoid)
+        total = len(prompt) + params.max_tokens
+        try:
+            d, p_lease, d_lease = await self._routing(
+                self.routing.choose, rid, len(prompt), hashes, total, ps, ds
+            )
+        except NoInstanceError as e:
+            raise NoWorkerAvailable(str(e)) from e
+        return ps[d.instance], ds[d_lease.instance], [p_lease, d_lease]
+
+    def _release(self, *leases: Lease) -> None:
+        asyncio.get_running_loop().run_in_executor(self.routing.executor, self.routing.release, *leases)
 
     # -- one request --------------------------------------------------------------------------
     async def generate(
@@ -272,15 +305,17 @@ class ClusterEngine:
                     f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                     f"exceeds max_model_len {self.max_model_len}"
                 )
+            hashes = self.routing.hashes(prompt_token_ids)
             while True:
                 attempt += 1
-                p = self.pick("prefill", avoid)
-                d = self.pick("decode", avoid)
+                p, d, leases = await self._choose(
+                    f"{request_id}#{attempt}", prompt_token_ids, hashes, params, avoid
+                )
                 started = [False]  # decode output reached the client
                 touched |= {p, d}
                 try:
                     async for out in self._dispatch(
-                        p, d, prompt_token_ids, params, request_id, first, started
+                        p, d, prompt_token_ids, params, request_id, first, started, leases
                     ):
                         if first is None and out.new_token_ids:
                             first = out.new_token_ids[0]
@@ -329,7 +364,10 @@ class ClusterEngine:
         rid: str,
         first_sent: int | None,
         started: list[bool],
+        leases: list[Lease],
     ) -> AsyncIterator[RequestOutput]:
+        """One attempt on ``p`` then ``d``; ``leases`` (prefill, decode) are released as each
+        worker's part ends."""
         sampling = params_to_proto(params)
         timeout = self.request_timeout_s
         n = len(prompt)
@@ -364,6 +402,7 @@ class ClusterEngine:
                     reason, usage = m.complete.finish_reason, m.usage
             p.outstanding -= n
             n = 0
+            self._release(leases.pop(0))  # the prefill's work is done
             if reason != FinishReason.HANDOFF.value:
                 done = True
                 yield RequestOutput(
@@ -403,6 +442,7 @@ class ClusterEngine:
         finally:
             p.outstanding -= n
             d.outstanding -= params.max_tokens
+            self._release(*leases)
             for _, c in active:  # not done: the worker's stream ends and its engine aborts the
                 c.cancel()  # request; done: only the `complete` after the last chunk is left
 

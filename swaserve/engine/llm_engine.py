@@ -30,6 +30,7 @@ from swaserve.kvcache.sizing import host_plan, plan_pools
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.loader import load_model
 from swaserve.routing.cost import preset
+from swaserve.routing.events import BlockEvent
 from swaserve.routing.priority import ComputeAwarePriority
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class LLMEngine:
             mover=self.host,
             write_policy=config.host_write_policy,  # type: ignore[arg-type]
         )
+        if config.index_block_tokens is not None:
+            self.kv.enable_cache_events(config.index_block_tokens)
         if not self.kv.fits_ever(min(self.max_model_len, config.max_num_batched_tokens)):
             raise ValueError("kv cache budget too small for even one request; raise --kv-cache-memory")
         kv_tokens = self.kv.full.pool.num_pages * config.page_size
@@ -340,6 +343,11 @@ class LLMEngine:
             prefix_cache=self.kv.cache.stats if self.kv.cache is not None else None,
             cache_pages=self.kv.cached_pages() if self.kv.cache is not None else {},
         )
+
+    def drain_cache_events(self) -> list[BlockEvent]:
+        """Prefix-cache block events since the last call, oldest first (``config.index_block_tokens``;
+        empty when off). The caller publishes them (``routing.events``)."""
+        return self.kv.drain_cache_events()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Offline helper: run prompts to completion, return output token ids in order."""

@@ -29,6 +29,7 @@ from swaserve.kvcache.host import PageMover
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.prefix_cache import Acquired, PrefixCache, WritePolicy
 from swaserve.kvcache.radix import CacheLock
+from swaserve.routing.events import BlockEvent
 
 
 def cdiv(a: int, b: int) -> int:
@@ -453,6 +454,18 @@ class KVCacheManager:
             self.cache.release(self.locks.pop(rid, None))
         self.hits.pop(rid, None)
         self.diverge.pop(rid, None)
+
+    def enable_cache_events(self, block_tokens: int) -> None:
+        """Log the prefix cache's stored / removed blocks of ``block_tokens`` tokens
+        (``kvcache.block_events``). Raises ValueError without a prefix cache or unless
+        ``block_tokens`` is a multiple of the page size."""
+        if self.cache is None:
+            raise ValueError("cache events need prefix caching")
+        self.cache.enable_events(block_tokens)
+
+    def drain_cache_events(self) -> list[BlockEvent]:
+        """The prefix cache's block events since the last drain, oldest first (empty if off)."""
+        return self.cache.drain_events() if self.cache is not None else []
 
     def flush_cache(self) -> None:
         """Drop every unlocked page the prefix cache holds (device and host)."""

@@ -16,6 +16,9 @@ Host tier (L2, optional): ``host_full`` / ``host_swa`` pools with their own LRU.
 second time (SGLang HiCache's selective write-through), so eviction later costs nothing. Only the
 trailing ``ceil(W / page)`` SWA pages of a node get a host copy. Matches extend into host-resident
 pages; ``acquire`` loads them back (all or nothing) before the request runs.
+
+Events (optional, ``enable_events``): the blocks whose full-attention KV enters or leaves the tree,
+for the router's precise-mode index (rules in ``kvcache.block_events``; SWA-only changes emit none).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swaserve.config import FULL, SWA
+from swaserve.kvcache.block_events import BlockEventLog
 from swaserve.kvcache.host import NoCopy, PageMover
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import INNER, TRIM_INNER, TRIM_LEAF, CacheLock, RadixNode, RadixTree
+from swaserve.routing.events import BlockEvent
 
 WritePolicy = Literal["on_evict", "second_hit"]
 
@@ -88,6 +93,25 @@ class PrefixCache:
     @property
     def has_host(self) -> bool:
         return self.host_full is not None
+
+    # -- events ---------------------------------------------------------------------------------
+    def enable_events(self, block_tokens: int, salt: str = "") -> None:
+        """Start logging stored / removed block events (``kvcache.block_events``) of
+        ``block_tokens``-token blocks. Raises ValueError unless it is a multiple of the page size."""
+        self.tree.events = BlockEventLog(block_tokens, self.page_size, salt)
+
+    def drain_events(self) -> list[BlockEvent]:
+        """Events since the last drain, oldest first (empty when events are off)."""
+        return self.tree.events.drain() if self.tree.events is not None else []
+
+    def _detach(self, y: RadixNode) -> None:
+        """Unlink ``y`` (off device; with its subtree) from its parent: its blocks leave the tree."""
+        assert y.parent is not None
+        if self.tree.events is not None:
+            self.tree.events.removed(y)
+        del y.parent.children[tuple(y.key[: self.page_size])]
+        self._suspects.add(y.parent)
+        y.parent = None
 
     # -- match and acquire ------------------------------------------------------------------------
     def match_length(self, tokens: list[int], max_tokens: int, use_host: bool = True) -> tuple[int, int]:
@@ -350,10 +374,7 @@ class PrefixCache:
         for y in doomed:
             assert y.full is None and y.swa is None and y.lock == 0
             self._drop_host(y)
-        assert x.parent is not None
-        del x.parent.children[tuple(x.key[: self.page_size])]
-        self._suspects.add(x.parent)
-        x.parent = None
+        self._detach(x)
 
     # -- host tier --------------------------------------------------------------------------------
     def _host_swa_slice(self, x: RadixNode) -> int:
@@ -423,10 +444,7 @@ class PrefixCache:
                 elif y.full is not None:
                     self._drop_host(y)
                 else:
-                    assert y.parent is not None
-                    del y.parent.children[tuple(y.key[: self.page_size])]
-                    self._suspects.add(y.parent)
-                    y.parent = None
+                    self._detach(y)
                     self._drop_host(y)
             progress = bool(victims)
         return pool.num_free >= n
@@ -456,9 +474,7 @@ class PrefixCache:
             if y.parent is None:
                 continue  # already deleted with an ancestor
             if y.full is None and not y.children and y.lock == 0:
-                del y.parent.children[tuple(y.key[: self.page_size])]
-                self._suspects.add(y.parent)
-                y.parent = None
+                self._detach(y)
                 self._drop_host(y)
             elif y.full is not None:
                 self._drop_host(y)

@@ -30,9 +30,13 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from swaserve.kvcache.lru import CategoryLRU
 from swaserve.kvcache.pool import PagePool
+
+if TYPE_CHECKING:
+    from swaserve.kvcache.block_events import BlockEventLog
 
 # SWA eviction categories of a node with live device SWA KV (SWA-aware trees only): more than a
 # window of it ("trim"), on an inner node (a device child) or a leaf; an inner node all of whose
@@ -139,6 +143,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._handles: dict[int, CacheLock] = {}
         self._handle_ids = itertools.count()
+        self.events: BlockEventLog | None = None  # set by PrefixCache.enable_events
 
     def lock_root(self) -> None:
         self.root.lock = 1 << 30  # never evicted
@@ -392,6 +397,8 @@ class RadixTree:
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
                 node = self._new_leaves(node, tokens, pos, n, full, swa, live_from)
+                if self.events is not None:  # the only place tokens enter the tree
+                    self.events.stored(tokens[: n * P], pos * P)
                 pos = n
                 break
             m = self._common_pages(child, tokens, pos)

@@ -16,7 +16,7 @@ sequence and folded into ``seq``). KV transfer: ``transfer_s(n) = n_bytes(n) / l
 Presets (``PRESETS``):
 
 * ``cpu-tiny``: the bundled default checkpoint on this project's 2-core CPU machine, fitted to
-  measurements (``python -m bench.cost_calibrate``; numbers and date in the preset's ``source``).
+  measurements (``python -m bench.cost_calibrate``; numbers and date beside the preset).
 * ``mimo-v2-flash-h200``: MiMo-V2-Flash (48 layers: 9 full + 39 SWA, W=128, 64 query heads,
   qk/v head dims 192/128, 4 (full) / 8 (SWA) KV heads, 15B active of 309B params) on one
   instance of 8 x H200 with expert parallelism, derived, not measured:
@@ -99,17 +99,23 @@ MIMO_V2_FLASH_H200 = CostModel(
     source="derived from FLOPs and HBM bandwidth (module docstring)",
 )
 
-# Filled from `python -m bench.cost_calibrate` on the 2-core CPU machine (see `source`).
+# Fitted by `python -m bench.cost_calibrate` on the 2-core CPU machine, 2026-11-30, float32, 2 torch
+# threads, idle machine (bench/results/cost_calibrate.json: measured vs fitted within ~20%). KV
+# bytes: the default checkpoint (3 full + 9 SWA layers, float32); link: loopback gRPC KV transfer
+# measured by `swaserve bench pd-transfer` (~140 MB/s).
 CPU_TINY = CostModel(
     name="cpu-tiny",
-    prefill_base_s=0.02,
-    prefill_token_s=1.0e-3,
-    prefill_attn_s=1.0e-7,
-    decode_base_s=0.03,
-    decode_seq_s=2e-3,
-    decode_kv_token_s=1e-6,
+    prefill_base_s=0.0262,
+    prefill_token_s=5.44e-4,
+    prefill_attn_s=5.7e-8,
+    decode_base_s=0.0198,
+    decode_seq_s=1.91e-3,
+    decode_kv_token_s=6.6e-7,
+    kv_full_bytes_per_token=1344,
+    kv_swa_bytes_per_token=8064,
     window=128,
-    source="placeholder until calibrated",
+    link_bytes_per_s=140e6,
+    source="measured: bench/cost_calibrate.py, 2-core CPU, 2026-11-30",
 )
 
 PRESETS: dict[str, CostModel] = {m.name: m for m in (CPU_TINY, MIMO_V2_FLASH_H200)}

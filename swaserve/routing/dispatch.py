@@ -63,13 +63,20 @@ class Dispatcher:
         self.conflicts = 0  # reserve conflicts seen (metrics)
 
     def route_prefill(
-        self, request_id: str, prompt_tokens: int, hashes: Sequence[int], instances: Collection[str]
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        hashes: Sequence[int],
+        instances: Collection[str],
+        record: bool = True,
     ) -> Route:
         """Choose a prefill instance among ``instances`` (live ones) and reserve its work.
 
         Args:
             request_id: unique per attempt (the lease id is derived from it).
             prompt_tokens: prompt length. hashes: its block chain (``block_tokens`` per block).
+            record: record the chain on the chosen instance (approximate index mode; in precise
+                mode the workers' events fill the index).
 
         Raises:
             NoInstanceError: ``instances`` is empty.
@@ -96,7 +103,8 @@ class Dispatcher:
             if self.book.reserve(lease, now, None if last else {i: loads[i].version for i in names}):
                 break
             self.conflicts += 1
-        self.index.record(d.instance, hashes, now)
+        if record:
+            self.index.record(d.instance, hashes, now)
         return Route(replace(d, fallback=fallback), lease)
 
     def route_decode(self, request_id: str, tokens: int, instances: Collection[str]) -> Lease:

@@ -157,3 +157,7 @@ class InMemoryPrefixIndex(PrefixIndex):
 
     def entries(self, instance: str) -> list[tuple[int, float]]:
         return [(h, self._lru[(h, instance)]) for h in self._by_inst.get(instance, ())]
+
+    def instances(self) -> list[str]:
+        """Instances with at least one entry."""
+        return [i for i, hs in self._by_inst.items() if hs]

@@ -62,7 +62,7 @@ class SimConfig:
     chunk: int = 8192
     buckets: tuple[tuple[int, int], ...] | None = None
     max_wait_s: float = 30.0
-    wait_weight: float = 1.0
+    wait_weight: float = 0.1
     policy_args: dict[str, float] = field(default_factory=dict)
     index: IndexConfig = field(default_factory=IndexConfig)
 
@@ -79,7 +79,7 @@ class SimResult:
     steps: list[tuple[float, int]] = field(repr=False)  # decode steps: (seconds, tokens)
     e2e_s: list[float] = field(repr=False)
     decisions: dict[str, int]
-    prefill_busy: float  # mean utilization of prefill instances over the makespan
+    prefill_busy: float  # mean utilization of prefill instances until the last first token
     makespan_s: float
     wall_s: float
     rejected: int
@@ -144,6 +144,8 @@ class Simulator:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.finished: list[Job] = []
+        self._done: set[str] = set()
+        self._blocked: dict[str, list[SimRequest]] = {}  # rid -> requests waiting for it (closed loop)
         self.decisions: Counter[str] = Counter()
 
     def _at(self, t: float, fn: Callable[[], None]) -> None:
@@ -167,7 +169,8 @@ class Simulator:
             fn()
         jobs = self.finished
         span = max((j.done for j in jobs), default=0.0)
-        busy = sum(p.busy_s for p in self.prefill.values()) / max(span * len(self.prefill), 1e-9)
+        prefill_span = max((j.first_token for j in jobs), default=0.0)
+        busy = sum(p.busy_s for p in self.prefill.values()) / max(prefill_span * len(self.prefill), 1e-9)
         return SimResult(
             self.cfg.policy, self.cfg.priority, len(jobs), sum(j.req.prompt_len for j in jobs),
             sum(j.cached for j in jobs), sum(j.from_host for j in jobs),
@@ -178,6 +181,9 @@ class Simulator:
 
     # -- events -----------------------------------------------------------------------------------
     def _arrive_request(self, r: SimRequest) -> None:
+        if r.after is not None and r.after not in self._done:
+            self._blocked.setdefault(r.after, []).append(r)  # sent when its predecessor is done
+            return
         job = Job(r, self.now)
         route = self.dispatcher.route_prefill(r.rid, r.prompt_len, r.hashes, self.prefill.keys())
         d = route.decision
@@ -230,6 +236,9 @@ class Simulator:
     def _finish(self, job: Job) -> None:
         if job.done == 0.0:
             job.done = self.now
+        self._done.add(job.req.rid)
+        for r in self._blocked.pop(job.req.rid, []):
+            self._at(self.now, functools.partial(self._arrive_request, r))
         if job.decode_lease is not None:
             self.dispatcher.release(job.decode_lease)
         self.finished.append(job)

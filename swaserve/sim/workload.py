@@ -5,6 +5,8 @@ chains the router indexes.
   made on demand, as ``bench/prefix_cache`` does); the router's chain is ``chain_ids(hash_ids)``
   of the whole 512-token blocks (``block_tokens = 512``).
 * Agent sessions (``messages``): the default model's real prompt ids; chains of 64-token blocks.
+  Closed loop per session: a call is sent at its (scaled) time or when the session's previous
+  call has finished, whichever is later (an agent needs the reply before its next call).
 
 ``time_scale`` multiplies the trace's inter-arrival times. ``scale_for_load`` picks it so that the
 offered prefill load is ``load``: the work an infinite prefix cache would leave
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swaserve.replay import PlannedRequest
 from swaserve.routing.cost import CostModel
 from swaserve.routing.hashing import block_hashes, chain_ids
 from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, detect_kind, read_mooncake
@@ -39,6 +42,7 @@ class SimRequest:
     output_len: int
     hashes: list[int]
     prompt: Callable[[], list[int]] = field(repr=False)
+    after: str | None = None  # closed loop: sent only once this request (same session) is done
 
 
 @dataclass
@@ -75,7 +79,11 @@ def mooncake(path: str | Path, limit: int | None = None, seed: int = 0) -> Workl
     return Workload(Path(path).name, out, TRACE_BLOCK_TOKENS)
 
 
-def agent(path: str | Path, limit: int | None = None) -> Workload:
+def agent(path: str | Path, limit: int | None = None, copies: int = 1) -> Workload:
+    """Agent sessions, closed loop per session. ``copies`` > 1 replays every session that many
+    times as unrelated sessions (copy ``c`` adds ``c`` to every token id modulo the vocabulary:
+    same lengths and reuse structure, no shared content), its arrivals shifted by ``c / copies``
+    of the trace's span: the trace has too few sessions to load many instances closed loop."""
     from transformers import AutoTokenizer
 
     from swaserve.agentic import estimate_output_tokens, read_agent_sessions, tokenize_calls
@@ -83,24 +91,36 @@ def agent(path: str | Path, limit: int | None = None) -> Workload:
 
     calls = read_agent_sessions(path, limit)
     ids = tokenize_calls(calls, AutoTokenizer.from_pretrained(str(default_model_dir())))
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    vocab = max(max(p) for p in ids) + 1
+    span = (calls[-1].timestamp_ms - calls[0].timestamp_ms) / 1000 if calls else 0.0
     out = []
-    for i, (c, p) in enumerate(zip(calls, ids, strict=True)):
-        out.append(
-            SimRequest(
-                str(i),
-                c.timestamp_ms / 1000,
-                len(p),
-                estimate_output_tokens(c),
-                block_hashes(p, AGENT_BLOCK_TOKENS),
-                functools.partial(list, p),
+    for k in range(copies):
+        last: dict[str, str] = {}  # session -> its latest call's rid
+        for i, (c, p0) in enumerate(zip(calls, ids, strict=True)):
+            p = p0 if k == 0 else [(t + k) % vocab for t in p0]
+            rid = f"{k}/{i}" if copies > 1 else str(i)
+            after = last.get(c.session_id)
+            last[c.session_id] = rid
+            out.append(
+                SimRequest(
+                    rid,
+                    c.timestamp_ms / 1000 + span * k / copies,
+                    len(p),
+                    estimate_output_tokens(c),
+                    block_hashes(p, AGENT_BLOCK_TOKENS),
+                    functools.partial(list, p),
+                    after,
+                )
             )
-        )
+    out.sort(key=lambda r: r.arrival)
     return Workload(Path(path).name, out, AGENT_BLOCK_TOKENS)
 
 
-def load(path: str | Path, limit: int | None = None) -> Workload:
-    """Mooncake or agent sessions, by the first record's fields."""
-    return mooncake(path, limit) if detect_kind(Path(path)) == "mooncake" else agent(path, limit)
+def load(path: str | Path, limit: int | None = None, copies: int = 1) -> Workload:
+    """Mooncake or agent sessions (``copies``: see ``agent``), by the first record's fields."""
+    return mooncake(path, limit) if detect_kind(Path(path)) == "mooncake" else agent(path, limit, copies)
 
 
 def ideal_work_s(reqs: Sequence[SimRequest], block_tokens: int, cost: CostModel) -> float:
@@ -129,3 +149,15 @@ def scale_for_load(work: Workload, cost: CostModel, instances: int, load: float)
     if span <= 0:
         raise ValueError("the trace has no time span to scale")
     return ideal_work_s(work.requests, work.block_tokens, cost) / (load * instances * span)
+
+
+def from_planned(planned: Sequence[PlannedRequest], block_tokens: int, name: str = "replay") -> Workload:
+    """The exact requests a ``swaserve.replay`` run sends (prompts, send times already divided by
+    its ``time_scale``, capped outputs), indexed in blocks of ``block_tokens`` as the real router
+    hashes them (``--block-tokens``): for comparing the simulator with the real cluster."""
+    out = [
+        SimRequest(str(p.index), p.send_at_s, len(p.prompt_token_ids), p.max_tokens,
+                   block_hashes(p.prompt_token_ids, block_tokens), functools.partial(list, p.prompt_token_ids))
+        for p in planned
+    ]  # fmt: skip
+    return Workload(name, out, block_tokens)

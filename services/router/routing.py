@@ -1,0 +1,183 @@
+"""The router's routing state: the sans-IO core (``swaserve.routing``) over this router's view of
+its workers, with the shared state in Redis when ``redis_url`` is given (stateless replicas) or in
+this process otherwise.
+
+``RouterRouting.choose`` picks a prefill worker (``Dispatcher.route_prefill``: length bucket,
+prefix index, leases, policy) and a decode worker (``route_decode``), reserving work on both;
+``release`` gives it back. ``observe`` turns each ``GetLoad`` poll into a heartbeat and a length
+bucket, and drops a worker's index entries when it becomes unreachable (its cache is gone).
+Redis calls are blocking: the async router runs them on one thread (``executor``), which also
+serializes the in-memory backend. In ``precise`` index mode an ``IndexFollower`` applies the
+prefill workers' stored/removed block events from Redis before each decision instead of recording
+dispatches.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from swaserve.routing.buckets import ALL_LENGTHS, LengthBuckets
+from swaserve.routing.cost import preset
+from swaserve.routing.dispatch import Dispatcher, NoInstanceError
+from swaserve.routing.hashing import block_hashes
+from swaserve.routing.index import IndexConfig, InMemoryPrefixIndex, PrefixIndex
+from swaserve.routing.load import InMemoryLoadBook, Lease, LoadBook, WorkerReport
+from swaserve.routing.policy import Decision, make_policy
+from swaserve.v1 import worker_pb2 as pb
+
+log = logging.getLogger("swaserve.router")
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """Router routing settings (``python -m services.router --help`` documents each).
+
+    ``block_tokens`` must equal the prefill workers' ``--index-block-tokens`` in precise mode.
+    ``lease_ttl_s``: a lease outlives the request deadline, so a live request's work stays counted.
+    """
+
+    policy: str = "cache_aware"
+    cost_model: str = "cpu-tiny"
+    block_tokens: int = 64
+    redis_url: str | None = None
+    namespace: str = "swaserve"
+    index_mode: str = "approximate"  # or "precise"
+    index_max_entries: int = IndexConfig().max_entries
+    index_ttl_s: float = IndexConfig().ttl_s
+    balance_abs_s: float | None = None
+    balance_rel: float | None = None
+    lease_ttl_s: float = 660.0
+    redis_retry_s: float = 1.0
+    policy_args: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.index_mode not in ("approximate", "precise"):
+            raise ValueError(f"index mode must be 'approximate' or 'precise', got {self.index_mode!r}")
+        if self.index_mode == "precise" and not self.redis_url:
+            raise ValueError("precise index mode needs --redis-url (workers publish their events there)")
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+
+
+class RouterRouting:
+    def __init__(self, opts: RoutingOptions, clock: Any = time.time) -> None:
+        self.opts = opts
+        cost = preset(opts.cost_model)
+        kwargs = dict(opts.policy_args)
+        if opts.policy == "cache_aware":
+            if opts.balance_abs_s is not None:
+                kwargs["balance_abs_s"] = opts.balance_abs_s
+            if opts.balance_rel is not None:
+                kwargs["balance_rel"] = opts.balance_rel
+        policy = make_policy(opts.policy, **kwargs)
+        cfg = IndexConfig(opts.index_max_entries, opts.index_ttl_s)
+        self.state = None
+        self.follower = None
+        index: PrefixIndex
+        book: LoadBook
+        if opts.redis_url:
+            import redis
+
+            from swaserve.routing.redis_store import RedisLoadBook, RedisPrefixIndex
+            from swaserve.routing.resilient import FallbackBook, FallbackIndex, SharedState
+
+            client = redis.Redis.from_url(
+                opts.redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+            )
+            self.state = SharedState(
+                client.ping, (redis.exceptions.RedisError, OSError), clock, opts.redis_retry_s
+            )
+            index = FallbackIndex(RedisPrefixIndex(client, cfg, opts.namespace), self.state)
+            book = FallbackBook(RedisLoadBook(client, opts.namespace), self.state)
+            if opts.index_mode == "precise":
+                from swaserve.routing.events import IndexFollower
+
+                self.follower = IndexFollower(index, client, opts.namespace, clock)
+        else:
+            index, book = InMemoryPrefixIndex(cfg), InMemoryLoadBook()
+        self.index, self.book = index, book
+        self.buckets = LengthBuckets()
+        self.dispatcher = Dispatcher(
+            index, book, policy, cost, self.buckets, opts.block_tokens, clock, opts.lease_ttl_s
+        )
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-routing")
+        self.decisions: collections.Counter[str] = collections.Counter()
+        self.dispatches: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, instance)
+
+    def hashes(self, prompt: list[int]) -> list[int]:
+        return block_hashes(prompt, self.opts.block_tokens)
+
+    def choose(
+        self,
+        rid: str,
+        prompt_len: int,
+        hashes: list[int],
+        total_tokens: int,
+        prefill: Collection[str],
+        decode: Collection[str],
+    ) -> tuple[Decision, Lease, Lease]:
+        """A prefill and a decode instance for one attempt, with their leases (blocking: run on
+        ``executor``).
+
+        Raises:
+            NoInstanceError: ``prefill`` or ``decode`` is empty.
+        """
+        if self.follower is not None:
+            self.follower.poll()
+        if not decode:
+            raise NoInstanceError("no decode instance is available")
+        route = self.dispatcher.route_prefill(rid, prompt_len, hashes, prefill, record=self.follower is None)
+        try:
+            d_lease = self.dispatcher.route_decode(rid, total_tokens, decode)
+        except BaseException:
+            self.dispatcher.release(route.lease)
+            raise
+        d = route.decision
+        self.decisions[d.reason + ("_fallback" if d.fallback else "")] += 1
+        self.dispatches[("prefill", d.instance)] += 1
+        self.dispatches[("decode", d_lease.instance)] += 1
+        return d, route.lease, d_lease
+
+    def release(self, *leases: Lease) -> None:
+        for lease in leases:
+            self.dispatcher.release(lease)
+
+    def observe(
+        self, address: str, role: str, load: pb.Load | None, healthy: bool, was_healthy: bool
+    ) -> None:
+        """One poll result (blocking: run on ``executor``)."""
+        if not healthy:
+            if was_healthy and role == "prefill":
+                dropped = self.index.remove_instance(address)
+                log.info("prefill worker %s left: %d index entries dropped", address, dropped)
+            return
+        if load is None:
+            return
+        if role == "prefill":
+            hi = load.max_prompt_tokens or ALL_LENGTHS[1]
+            if self.buckets.range_of(address) != (load.min_prompt_tokens, hi):
+                self.buckets.set(address, load.min_prompt_tokens, hi)
+        kv = max((p.used_pages / p.total_pages for p in load.pools.values() if p.total_pages), default=0.0)
+        rep = WorkerReport(
+            queued_tokens=load.prefill_tokens if role == "prefill" else 0,
+            running_tokens=0,
+            running_requests=load.running,
+            waiting_requests=load.waiting,
+            kv_usage=kv,
+            at=self.dispatcher.clock(),
+        )
+        self.book.heartbeat(address, rep)
+
+    @property
+    def shared_up(self) -> bool | None:
+        """Whether Redis answers (None without Redis)."""
+        return None if self.state is None else self.state.up
+
+    def index_size(self) -> int:
+        return self.index.size()
