@@ -1,8 +1,15 @@
 """Routing policies on the real cluster on this CPU, next to the simulator on the same requests.
 
-A slice of the Mooncake conversation trace (512-token blocks scaled to ``--block-tokens``, outputs
-capped, arrival times divided by ``--time-scale``; as ``make run``) is replayed through ``swaserve
-up`` with ``--prefill`` prefill workers and one decode worker, once per row: round-robin,
+Workloads (``--workload``): ``agent`` (default): the first ``--calls`` calls of the first
+``--sessions`` agent sessions (real ChatML token ids), closed loop: the sessions run concurrently,
+each call sent when the session's previous one has finished (``bench/prefix_replay``'s agent
+mode), so a session's next call reuses nearly all of its prompt if it lands where the last one
+ran. ``conversation``: a slice of the Mooncake conversation trace (512-token blocks scaled to
+``--block-tokens``, outputs capped, arrival times divided by ``--time-scale``; as ``make run``),
+open loop; at this scale it has little reuse (a few percent of prompt tokens).
+
+The workload is sent through ``swaserve up`` with ``--prefill`` prefill workers and one decode
+worker, once per row: round-robin,
 cache-aware, and cache-aware with the compute-aware priority in the prefill workers' queues
 (``--schedule-policy compute``). The router indexes blocks of ``--block-tokens`` tokens. Each row
 is then simulated (``swaserve.sim``, deployment ``cpu-tiny``: the measured cost model) on exactly
@@ -25,6 +32,24 @@ from typing import Any
 ROWS = (("round_robin", "fcfs"), ("cache_aware", "fcfs"), ("cache_aware", "compute"))
 
 
+def _agent_work(sessions: list[list[list[int]]], max_output: int, block_tokens: int) -> Any:
+    """The closed-loop agent replay as a simulator workload (all sessions start at 0)."""
+    import functools
+
+    from swaserve.routing.hashing import block_hashes
+    from swaserve.sim.workload import SimRequest, Workload
+
+    reqs = []
+    for si, calls in enumerate(sessions):
+        prev = None
+        for k, p in enumerate(calls):
+            rid = f"{si}/{k}"
+            reqs.append(SimRequest(rid, 0.0, len(p), max_output, block_hashes(p, block_tokens),
+                                   functools.partial(list, p), prev))  # fmt: skip
+            prev = rid
+    return Workload("agent sessions", reqs, block_tokens)
+
+
 def main(
     json_path: Path | None = None,
     limit: int = 200,
@@ -32,7 +57,14 @@ def main(
     max_output: int = 32,
     time_scale: float = 1.0,
     prefill: int = 2,
+    workload: str = "agent",
+    sessions: int = 6,
+    calls: int = 6,
 ) -> dict[str, Any]:
+    import asyncio
+    from dataclasses import replace
+
+    from bench.prefix_replay import _closed_loop, agent_sessions
     from swaserve.config import ModelConfig
     from swaserve.launcher import Cluster
     from swaserve.model.checkpoint import default_model_dir
@@ -42,6 +74,8 @@ def main(
     from swaserve.sim.workload import from_planned
     from swaserve.traces import read_mooncake
 
+    if workload not in ("agent", "conversation"):
+        raise ValueError(f"workload must be agent or conversation, got {workload!r}")
     model_dir = Path(default_model_dir())
     vocab, reserved = token_space_from_model_dir(model_dir)
     trace = read_mooncake(limit=limit)
@@ -49,7 +83,11 @@ def main(
         url="", time_scale=time_scale, block_tokens=block_tokens, max_output_tokens=max_output,
         vocab_size=vocab, reserved_ids=reserved, progress=False,
     )  # fmt: skip
-    work = from_planned(plan_requests(trace, opts), block_tokens, "conversation slice")
+    if workload == "agent":
+        plan = agent_sessions(sessions, calls)
+        work = _agent_work(plan, max_output, block_tokens)
+    else:
+        work = from_planned(plan_requests(trace, opts), block_tokens, "conversation slice")
     model = ModelConfig.from_pretrained(model_dir)
     rows = []
     for policy, prio in ROWS:
@@ -59,9 +97,10 @@ def main(
             model_dir, prefill, 1, router_args=router_args, prefill_args=["--schedule-policy", prio]
         ) as c:
             url = c.start(600)
-            from dataclasses import replace
-
-            rep = run_replay(trace, replace(opts, url=url))
+            if workload == "agent":
+                rep = asyncio.run(_closed_loop(url, model_dir.name, plan, max_output))
+            else:
+                rep = run_replay(trace, replace(opts, url=url))
         sim = Simulator(
             SimConfig(
                 prefill,
@@ -99,8 +138,9 @@ def main(
             f"{m['ttft_p50']:>9.3f} {s2['ttft_p50']:>8.3f} {m['ttft_p90']:>9.3f} {s2['ttft_p90']:>8.3f}"
         )
     out = {
-        "workload": {"requests": limit, "block_tokens": block_tokens, "max_output_tokens": max_output,
-                     "time_scale": time_scale, "prefill": prefill, "decode": 1},
+        "workload": {"name": workload, "requests": len(work.requests), "block_tokens": block_tokens,
+                     "max_output_tokens": max_output, "time_scale": time_scale if workload != "agent" else None,
+                     "sessions": sessions if workload == "agent" else None, "prefill": prefill, "decode": 1},
         "rows": rows,
     }  # fmt: skip
     if json_path is not None:

@@ -605,6 +605,9 @@ def sim(
         ),
     ] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
+    copies: Annotated[
+        int, typer.Option(min=1, help="Agent sessions: run this many unrelated copies (closed loop).")
+    ] = 1,
     max_wait: Annotated[float | None, typer.Option(min=0.0, help="compute priority: max wait (s).")] = None,
     wait_weight: Annotated[
         float | None, typer.Option(min=0.0, help="compute priority: aging weight.")
@@ -618,7 +621,7 @@ def sim(
 
     try:
         dep = get_deployment(deployment)
-        work = wl.load(trace, limit)
+        work = wl.load(trace, limit, copies)
         row = simulate(
             work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,
             host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight,
@@ -650,11 +653,20 @@ def bench_routing_cluster(
     prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 2,
     time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
     max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 32,
+    workload: Annotated[
+        Literal["agent", "conversation"],
+        typer.Option(help="agent: sessions closed loop (reuse); conversation: the make-run trace slice."),
+    ] = "agent",
+    sessions: Annotated[int, typer.Option(min=1, help="agent: sessions run concurrently.")] = 6,
+    calls: Annotated[int, typer.Option(min=1, help="agent: first calls of each session.")] = 6,
 ) -> None:
     """Routing policies on the real cluster (CPU) next to the simulator on the same requests."""
     from bench.routing_cluster import main
 
-    main(json_path, limit, max_output=max_output_tokens, time_scale=time_scale, prefill=prefill)
+    main(
+        json_path, limit, max_output=max_output_tokens, time_scale=time_scale, prefill=prefill,
+        workload=workload, sessions=sessions, calls=calls,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
