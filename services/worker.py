@@ -265,6 +265,7 @@ class WorkerService(wgrpc.WorkerServicer):
             prefill_tokens=prefill_tokens,
             min_prompt_tokens=lo,
             max_prompt_tokens=0 if hi >= ALL_LENGTHS[1] else hi,
+            index_block_tokens=eng.config.index_block_tokens or 0,
         )
 
     async def expire_staging(self) -> None:

@@ -289,6 +289,22 @@ def up(
         typer.Option(help="Extra worker argument (repeatable), e.g. --worker-arg=--max-num-seqs=16."),
     ] = None,
     router_arg: Annotated[list[str] | None, typer.Option(help="Extra router argument (repeatable).")] = None,
+    prefill_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Extra prefill-worker argument (repeatable), e.g. --prefill-arg=--schedule-policy=compute."
+        ),
+    ] = None,
+    decode_arg: Annotated[
+        list[str] | None, typer.Option(help="Extra decode-worker argument (repeatable).")
+    ] = None,
+    prefill_len_range: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Prompt-length bucket of prefill worker i, in order (repeatable, e.g. 0-2k then 2k-): "
+            "--prompt-len-range of each."
+        ),
+    ] = None,
     routers: Annotated[int, typer.Option(min=1, help="Router replicas (stateless; state in Redis).")] = 1,
     redis: Annotated[
         bool,
@@ -317,6 +333,9 @@ def up(
         port,
         worker_args=list(worker_arg or []),
         router_args=list(router_arg or []),
+        prefill_args=list(prefill_arg or []),
+        decode_args=list(decode_arg or []),
+        prefill_ranges=list(prefill_len_range or []),
         routers=routers,
         redis=redis,
         index_mode=index_mode,

@@ -218,6 +218,7 @@ class Cluster:
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    prefill_ranges: list[str] = field(default_factory=list)  # --prompt-len-range of prefill worker i
     routers: int = 1
     redis: bool = True
     redis_url: str | None = None
@@ -263,6 +264,10 @@ class Cluster:
                 self.redis_server = server
                 server.start(timeout_s)
                 self.redis_url = server.url
+        if len(self.prefill_ranges) > self.prefill:
+            raise ClusterError(
+                f"{len(self.prefill_ranges)} prompt-length ranges for {self.prefill} prefill workers"
+            )
         if self.index_mode == "precise" and not self.redis_url:
             raise ClusterError("precise index mode needs Redis")
         shared = ["--redis-url", self.redis_url] if self.redis and self.redis_url else []
@@ -275,7 +280,12 @@ class Cluster:
             ("decode", self.decode, self.decode_args),
         ):
             for i in range(n):
-                addr, svc = self._worker(role, i, extra)
+                bucket = (
+                    ["--prompt-len-range", self.prefill_ranges[i]]
+                    if role == "prefill" and i < len(self.prefill_ranges)
+                    else []
+                )
+                addr, svc = self._worker(role, i, [*extra, *bucket])
                 addrs[role].append(addr)
                 self.services[svc.name] = svc
                 svc.start()

@@ -50,3 +50,56 @@ def test_fallback_and_resync_across_a_redis_restart() -> None:
             again.stop()
     finally:
         server.stop()
+
+
+def test_a_hung_probe_is_not_repeated_at_once() -> None:
+    """A probe that blocks (hung Redis) sets the next probe from when it ended: calls in between
+    go straight to the local copy instead of each waiting on another probe."""
+    t = [0.0]
+    probes: list[float] = []
+
+    def hung_probe() -> None:
+        probes.append(t[0])
+        t[0] += 2.0  # blocked for its socket timeout
+        raise TimeoutError("hung")
+
+    state = SharedState(hung_probe, (TimeoutError,), lambda: t[0], retry_s=1.0)
+
+    def shared() -> str:
+        raise TimeoutError("hung")
+
+    assert state.call(shared, lambda: "local") == "local" and not state.up
+    for _ in range(5):
+        t[0] += 0.5
+        assert state.call(shared, lambda: "local") == "local"
+    # probe at 1.0 ends at 3.0, so the next one is due at 4.0 (timed from the probe's start it
+    # would run at 3.5, and with a slow enough probe at every call)
+    assert probes == [1.0, 4.0]
+
+
+def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers() -> None:
+    from services.router.routing import RouterRouting, RoutingOptions
+    from swaserve.v1 import worker_pb2 as pb
+
+    server = RedisServer().start()
+    try:
+        r = RouterRouting(
+            RoutingOptions(redis_url=server.url, index_mode="precise", block_tokens=4, redis_retry_s=0.1)
+        )
+        hashes = chain_ids(range(3))
+        r.index.record("p0", hashes, now=r.dispatcher.clock())  # as if p0's events said so
+        d, pl, dl = r.choose("a", 12, hashes, 20, ["p0", "p1"], ["d0"])
+        assert d.instance == "p0" and d.cached_tokens == 11
+        r.release(pl, dl)
+        server.stop()
+        # Redis gone: the follower's poll and the index fall back; routing goes on
+        d, pl, dl = r.choose("b", 12, hashes, 20, ["p0", "p1"], ["d0"])
+        assert d.instance == "p0" and r.shared_up is False
+        # p0 seen down (even if a request noticed first): its entries go, once
+        r.observe("p0", "prefill", None, False)
+        r.observe("p0", "prefill", None, False)
+        assert r.index.match(hashes, r.dispatcher.clock()) == {}
+        r.observe("p0", "prefill", pb.Load(role="prefill"), True)
+        assert "p0" not in r._gone
+    finally:
+        server.stop()

@@ -70,6 +70,10 @@ def main(
 
         preset(cost_model)
         make_policy(policy)
+        if redis_url:
+            import redis
+
+            redis.Redis.from_url(redis_url)  # a malformed URL raises ValueError here
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     engine = ClusterEngine(

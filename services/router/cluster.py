@@ -53,6 +53,8 @@ from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger("swaserve.router")
+POLL_TIMEOUT_S = 10.0  # GetLoad deadline: a CPU engine step can take seconds
+HUNG_POLLS = 3  # deadlines in a row before a worker that accepts connections counts as down
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -106,6 +108,7 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     outstanding: int = 0  # tokens of requests this router dispatched and that are not done
     healthy: bool = True
+    missed: int = 0  # GetLoad polls in a row that failed
     load: pb.Load | None = field(default=None, repr=False)
 
     def stats(self) -> WorkerStats:
@@ -167,6 +170,7 @@ class ClusterEngine:
         self.in_flight = 0
         self.index_entries = 0  # last poll's prefix index size (/metrics)
         self._poller: asyncio.Task[None] | None = None
+        self._pollers: list[asyncio.Task[None]] = []
         # counters since start, for /metrics (stats, router_stats)
         self.prompt_tokens_total = 0  # prompts of requests that got their first token
         self.generation_tokens_total = 0  # tokens relayed to clients
@@ -189,35 +193,50 @@ class ClusterEngine:
                 ch = grpc.aio.insecure_channel(a)
                 self.workers.append(WorkerHandle(a, role, wgrpc.WorkerStub(ch), ch))
         self._poller = asyncio.create_task(self._poll(), name="router-load-poll")
+        self._pollers = [
+            asyncio.create_task(self._poll_worker(w), name=f"poll-{w.address}") for w in self.workers
+        ]
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for t in [self._poller, *self._pollers]:
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        self._pollers = []
         for w in self.workers:
             await w.channel.close()
         self.workers = []
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll_one(w) for w in self.workers))
             self.index_entries = await self._routing(self.routing.index_size)
             await asyncio.sleep(self.poll_s)
 
+    async def _poll_worker(self, w: WorkerHandle) -> None:
+        """One worker's poll loop (a hung worker delays only its own polls)."""
+        while True:
+            await self._poll_one(w)
+            await asyncio.sleep(self.poll_s)
+
     async def _poll_one(self, w: WorkerHandle) -> None:
-        was = w.healthy
-        try:  # a busy worker answers between engine steps: only a refused connection counts
-            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=30.0)
+        """A refused connection marks the worker down at once; a busy worker answers between
+        engine steps, so only ``HUNG_POLLS`` polls in a row past ``POLL_TIMEOUT_S`` (a stopped or
+        wedged process) do."""
+        try:
+            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=POLL_TIMEOUT_S)
             if not w.healthy:
                 log.info("%s worker %s is back", w.role, w.address)
-            w.healthy = True
+            w.healthy, w.missed = True, 0
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            w.missed += 1
+            hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.missed >= HUNG_POLLS
+            if e.code() == grpc.StatusCode.UNAVAILABLE or hung:
                 if w.healthy:
-                    log.warning("%s worker %s unreachable", w.role, w.address)
+                    what = "unreachable" if not hung else f"not answering for {w.missed} polls"
+                    log.warning("%s worker %s %s", w.role, w.address, what)
                 w.healthy = False
-        await self._routing(self.routing.observe, w.address, w.role, w.load, w.healthy, was)
+        await self._routing(self.routing.observe, w.address, w.role, w.load, w.healthy)
 
     async def _routing(self, fn, *args):  # type: ignore[no-untyped-def]
         """Run a (blocking: Redis) routing call on the routing thread."""

@@ -88,10 +88,12 @@ class RouterRouting:
             from swaserve.routing.resilient import FallbackBook, FallbackIndex, SharedState
 
             client = redis.Redis.from_url(
-                opts.redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+                opts.redis_url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0
             )
+            # probes use a short timeout: a hung Redis must not stall routing for the full one
+            prober = redis.Redis.from_url(opts.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25)
             self.state = SharedState(
-                client.ping, (redis.exceptions.RedisError, OSError), clock, opts.redis_retry_s
+                prober.ping, (redis.exceptions.RedisError, OSError), clock, opts.redis_retry_s
             )
             index = FallbackIndex(RedisPrefixIndex(client, cfg, opts.namespace), self.state)
             book = FallbackBook(RedisLoadBook(client, opts.namespace), self.state)
@@ -107,6 +109,8 @@ class RouterRouting:
             index, book, policy, cost, self.buckets, opts.block_tokens, clock, opts.lease_ttl_s
         )
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-routing")
+        self._gone: set[str] = set()  # prefill workers seen down (entries dropped)
+        self._warned: set[str] = set()  # block-size mismatches reported
         self.decisions: collections.Counter[str] = collections.Counter()
         self.dispatches: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, instance)
 
@@ -128,8 +132,9 @@ class RouterRouting:
         Raises:
             NoInstanceError: ``prefill`` or ``decode`` is empty.
         """
-        if self.follower is not None:
-            self.follower.poll()
+        if self.follower is not None and self.state is not None:
+            follower = self.follower
+            self.state.call(follower.poll, lambda: 0)  # Redis down: route on the local index
         if not decode:
             raise NoInstanceError("no decode instance is available")
         route = self.dispatcher.route_prefill(rid, prompt_len, hashes, prefill, record=self.follower is None)
@@ -148,17 +153,32 @@ class RouterRouting:
         for lease in leases:
             self.dispatcher.release(lease)
 
-    def observe(
-        self, address: str, role: str, load: pb.Load | None, healthy: bool, was_healthy: bool
-    ) -> None:
-        """One poll result (blocking: run on ``executor``)."""
+    def observe(self, address: str, role: str, load: pb.Load | None, healthy: bool) -> None:
+        """One poll result (blocking: run on ``executor``). A prefill worker seen down has its
+        index entries dropped once (its cache is gone if it died; a worker that comes back
+        under the same address starts empty)."""
         if not healthy:
-            if was_healthy and role == "prefill":
+            if role == "prefill" and address not in self._gone:
+                self._gone.add(address)
                 dropped = self.index.remove_instance(address)
                 log.info("prefill worker %s left: %d index entries dropped", address, dropped)
             return
+        self._gone.discard(address)
         if load is None:
             return
+        B = load.index_block_tokens
+        if (
+            role == "prefill"
+            and self.follower is not None
+            and self.opts.block_tokens != B
+            and address not in self._warned
+        ):
+            self._warned.add(address)
+            log.error(
+                "prefill worker %s publishes cache events in blocks of %s tokens, this router indexes "
+                "blocks of %d (--block-tokens): precise mode cannot match its entries",
+                address, B or "no", self.opts.block_tokens,
+            )  # fmt: skip
         if role == "prefill":
             hi = load.max_prompt_tokens or ALL_LENGTHS[1]
             if self.buckets.range_of(address) != (load.min_prompt_tokens, hi):

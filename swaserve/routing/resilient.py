@@ -74,12 +74,12 @@ class SharedState:
         log.warning("shared routing state unreachable (%s): routing on this router's local state", e)
 
     def _try_back(self) -> None:
-        self._next_probe = self.clock() + self.retry_s
         try:
             self.probe()
             for fn in self.on_back:
                 fn()
         except self.errors:
+            self._next_probe = self.clock() + self.retry_s  # from the end of a probe that hung
             return
         self.up = True
         log.warning("shared routing state is back after %.1f s: re-synced", self.clock() - self._down_since)
