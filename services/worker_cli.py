@@ -2,7 +2,8 @@
 
 The engine flags are ``swaserve serve``'s (``swaserve.cli.ENGINE_OPTIONS``: same names, defaults
 and help), except that prefix caching defaults to on for prefill and off for decode workers. A
-prefill worker given ``--redis-url`` (default: ``$REDIS_URL``) publishes its prefix cache's block
+prefill worker given ``--redis-url`` (explicitly: ``REDIS_URL`` in the environment is for routers,
+and a stream nobody reads in approximate mode would only cost work) publishes its prefix cache's block
 events for the routers' precise-mode index (``--index-block-tokens``, default 64).
 """
 
@@ -73,7 +74,7 @@ def worker_app(role: str) -> typer.Typer:
         ] = None,
         redis_url: Annotated[
             str | None,
-            typer.Option(envvar="REDIS_URL", help="prefill: publish prefix-cache events to this Redis."),
+            typer.Option(help="prefill: publish prefix-cache events to this Redis (precise index mode)."),
         ] = None,
         index_namespace: Annotated[
             str, typer.Option(help="prefill: the routers' Redis namespace for cache events.")

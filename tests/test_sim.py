@@ -117,3 +117,12 @@ def test_scale_for_load_and_errors() -> None:
     with pytest.raises(ValueError, match="deployment"):
         deployment("tpu")
     assert MIMO_V2_FLASH_H200.transfer_s(1000) > 0
+
+
+def test_requests_over_the_context_are_refused_and_sessions_go_on() -> None:
+    work = synthetic([(0.0, 300, 4), (0.1, 5000, 4), (0.2, 200, 4)])
+    work.requests[2].after = "1"  # closed loop behind the refused one
+    sim = Simulator(config(1, "cache_aware", max_model_len=1000))
+    res = sim.run(work)
+    assert res.too_long == 1 and res.requests == 2
+    assert {j.req.rid for j in sim.finished} == {"0", "2"}

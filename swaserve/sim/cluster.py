@@ -65,6 +65,7 @@ class SimConfig:
     wait_weight: float = 0.1
     policy_args: dict[str, float] = field(default_factory=dict)
     index: IndexConfig = field(default_factory=IndexConfig)
+    max_model_len: int | None = None  # longer requests (prompt + output) are refused, as the API does
 
 
 @dataclass
@@ -83,6 +84,7 @@ class SimResult:
     makespan_s: float
     wall_s: float
     rejected: int
+    too_long: int = 0  # refused: prompt + output over the deployment's max_model_len
 
     def summary(self) -> dict[str, object]:
         def pct(xs: list[float], q: float) -> float:
@@ -106,6 +108,7 @@ class SimResult:
             "prefill_utilization": round(self.prefill_busy, 4),
             "decisions": self.decisions,
             "rejected": self.rejected,
+            "too_long": self.too_long,
             "makespan_s": round(self.makespan_s, 2),
             "wall_s": round(self.wall_s, 2),
         }
@@ -145,6 +148,7 @@ class Simulator:
         self._seq = itertools.count()
         self.finished: list[Job] = []
         self._done: set[str] = set()
+        self.too_long = 0  # requests refused for exceeding max_model_len
         self._blocked: dict[str, list[SimRequest]] = {}  # rid -> requests waiting for it (closed loop)
         self.decisions: Counter[str] = Counter()
 
@@ -176,13 +180,20 @@ class Simulator:
             sum(j.cached for j in jobs), sum(j.from_host for j in jobs),
             [j.first_token - j.arrival for j in jobs], [s for d in self.decode.values() for s in d.steps],
             [j.done - j.arrival for j in jobs], dict(self.decisions), busy, span,
-            time.perf_counter() - wall, sum(p.rejected for p in self.prefill.values()),
+            time.perf_counter() - wall, sum(p.rejected for p in self.prefill.values()), self.too_long,
         )  # fmt: skip
 
     # -- events -----------------------------------------------------------------------------------
     def _arrive_request(self, r: SimRequest) -> None:
         if r.after is not None and r.after not in self._done:
             self._blocked.setdefault(r.after, []).append(r)  # sent when its predecessor is done
+            return
+        limit = self.cfg.max_model_len
+        if limit is not None and r.prompt_len + r.output_len > limit:
+            self.too_long += 1  # the API would answer 400: nothing runs, its session goes on
+            self._done.add(r.rid)
+            for nxt in self._blocked.pop(r.rid, []):
+                self._at(self.now, functools.partial(self._arrive_request, nxt))
             return
         job = Job(r, self.now)
         route = self.dispatcher.route_prefill(r.rid, r.prompt_len, r.hashes, self.prefill.keys())

@@ -38,6 +38,7 @@ class Deployment:
     decode_batch: int
     decode_kv_tokens: int
     page_size: int = 16
+    max_model_len: int | None = None
 
     def model(self) -> ModelConfig:
         if self.name == "cpu-tiny":
@@ -51,9 +52,17 @@ class Deployment:
 
 DEPLOYMENTS = {
     "mimo-v2-flash-h200": Deployment(
-        "mimo-v2-flash-h200", MIMO_V2_FLASH_H200, 690 * 10**9, 0, 8192, 256, 690 * 10**9 // 23_040, 64
+        "mimo-v2-flash-h200",
+        MIMO_V2_FLASH_H200,
+        690 * 10**9,
+        0,
+        8192,
+        256,
+        690 * 10**9 // 23_040,
+        64,
+        max_model_len=262_144,
     ),
-    "cpu-tiny": Deployment("cpu-tiny", CPU_TINY, 256 * 1024 * 1024, 0, 512, 64, 10**6),
+    "cpu-tiny": Deployment("cpu-tiny", CPU_TINY, 256 * 1024 * 1024, 0, 512, 64, 10**6, max_model_len=32_768),
 }
 
 
@@ -92,7 +101,7 @@ def simulate(
         prefill, decode, policy, dep.cost, dep.model(), dep.device_bytes,
         dep.host_bytes if host_bytes is None else host_bytes, priority, dep.decode_batch,
         dep.decode_kv_tokens, scale, dep.page_size, dep.chunk, buckets,
-        policy_args=policy_args or {}, index=IndexConfig(),
+        policy_args=policy_args or {}, index=IndexConfig(), max_model_len=dep.max_model_len,
     )  # fmt: skip
     if max_wait_s is not None:
         cfg = replace(cfg, max_wait_s=max_wait_s)
