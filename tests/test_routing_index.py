@@ -167,6 +167,11 @@ def test_leases_versions_and_expiry(kind: str, rclient: redis.Redis) -> None:
     book.release("p0", "r1")
     book.release("p0", "r1")  # twice: no error
     assert book.loads(["p0"], now=6.0)["p0"].leases == 0
+    # renewal: a running request's router moves its lease's expiry; a dead router's is not moved
+    assert book.reserve(Lease("r4", "p1", 1.5, 20, expires_at=12.0), now=6.0)
+    assert book.renew("p1", "r4", 40.0) and not book.renew("p1", "nope", 40.0)
+    got = book.loads(["p1"], now=30.0)["p1"]
+    assert (got.leases, got.reserved_s, got.reserved_tokens) == (1, 1.5, 20)  # r2 expired at 10, r4 renewed
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

@@ -90,7 +90,9 @@ def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers(
         r.index.record("p0", hashes, now=r.dispatcher.clock())  # as if p0's events said so
         d, pl, dl = r.choose("a", 12, hashes, 20, ["p0", "p1"], ["d0"])
         assert d.instance == "p0" and d.cached_tokens == 11
+        assert set(r.active) == {pl.lease_id, dl.lease_id} and r.renew() == 2  # running work renewed
         r.release(pl, dl)
+        assert r.active == {} and r.renew() == 0
         server.stop()
         # Redis gone: the follower's poll and the index fall back; routing goes on
         d, pl, dl = r.choose("b", 12, hashes, 20, ["p0", "p1"], ["d0"])

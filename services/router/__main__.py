@@ -63,7 +63,7 @@ def main(
     try:
         routing = RoutingOptions(
             policy, cost_model, block_tokens, redis_url, namespace, index_mode, index_max_entries, index_ttl,
-            balance_abs, balance_rel, lease_ttl_s=request_timeout + 60.0,
+            balance_abs, balance_rel,
         )  # fmt: skip
         from swaserve.routing.cost import preset
         from swaserve.routing.policy import make_policy

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,9 +210,14 @@ class ClusterEngine:
         self.workers = []
 
     async def _poll(self) -> None:
+        renew_s = self.routing.opts.lease_ttl_s / 3
+        last_renew = time.monotonic()
         while True:
             self.index_entries = await self._routing(self.routing.index_size)
-            await asyncio.sleep(self.poll_s)
+            if time.monotonic() - last_renew >= renew_s:
+                last_renew = time.monotonic()
+                await self._routing(self.routing.renew)
+            await asyncio.sleep(min(self.poll_s, renew_s))
 
     async def _poll_worker(self, w: WorkerHandle) -> None:
         """One worker's poll loop (a hung worker delays only its own polls)."""

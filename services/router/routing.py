@@ -39,7 +39,8 @@ class RoutingOptions:
     """Router routing settings (``python -m services.router --help`` documents each).
 
     ``block_tokens`` must equal the prefill workers' ``--index-block-tokens`` in precise mode.
-    ``lease_ttl_s``: a lease outlives the request deadline, so a live request's work stays counted.
+    ``lease_ttl_s``: a lease lives this long unless its router renews it (every third of it while the
+    work runs), so a dead router's load is gone within it.
     """
 
     policy: str = "cache_aware"
@@ -52,7 +53,7 @@ class RoutingOptions:
     index_ttl_s: float = IndexConfig().ttl_s
     balance_abs_s: float | None = None
     balance_rel: float | None = None
-    lease_ttl_s: float = 660.0
+    lease_ttl_s: float = 30.0
     redis_retry_s: float = 1.0
     policy_args: dict[str, float] = field(default_factory=dict)
 
@@ -110,6 +111,7 @@ class RouterRouting:
         )
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-routing")
         self._gone: set[str] = set()  # prefill workers seen down (entries dropped)
+        self.active: dict[str, Lease] = {}  # leases of this router's running work (renewed)
         self._warned: set[str] = set()  # block-size mismatches reported
         self.decisions: collections.Counter[str] = collections.Counter()
         self.dispatches: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, instance)
@@ -143,6 +145,8 @@ class RouterRouting:
         except BaseException:
             self.dispatcher.release(route.lease)
             raise
+        self.active[route.lease.lease_id] = route.lease
+        self.active[d_lease.lease_id] = d_lease
         d = route.decision
         self.decisions[d.reason + ("_fallback" if d.fallback else "")] += 1
         self.dispatches[("prefill", d.instance)] += 1
@@ -151,7 +155,12 @@ class RouterRouting:
 
     def release(self, *leases: Lease) -> None:
         for lease in leases:
+            self.active.pop(lease.lease_id, None)
             self.dispatcher.release(lease)
+
+    def renew(self) -> int:
+        """Renew the leases of this router's running work (blocking: run on ``executor``)."""
+        return self.dispatcher.renew(list(self.active.values()))
 
     def observe(self, address: str, role: str, load: pb.Load | None, healthy: bool) -> None:
         """One poll result (blocking: run on ``executor``). A prefill worker seen down has its

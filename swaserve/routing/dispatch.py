@@ -129,3 +129,9 @@ class Dispatcher:
     def release(self, lease: Lease) -> None:
         """The leased work left the instance (done, failed or aborted)."""
         self.book.release(lease.instance, lease.lease_id)
+
+    def renew(self, leases: list[Lease]) -> int:
+        """Extend the leases of work still running by ``lease_ttl_s`` from now; returns how many
+        were still there."""
+        until = self.clock() + self.lease_ttl_s
+        return sum(self.book.renew(x.instance, x.lease_id, until) for x in leases)

@@ -77,6 +77,12 @@ class LoadBook(ABC):
         """Remove a lease (no error if it already expired or is unknown)."""
 
     @abstractmethod
+    def renew(self, instance: str, lease_id: str, expires_at: float) -> bool:
+        """Move a live lease's expiry to ``expires_at`` (its holder is alive and the work not
+        done); False if it is gone. Short leases renewed by their router make a dead router's
+        load drain within one lease TTL."""
+
+    @abstractmethod
     def heartbeat(self, instance: str, report: WorkerReport, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
         """Store ``instance``'s report; it counts as live until ``report.at + ttl_s``."""
 
@@ -135,6 +141,15 @@ class InMemoryLoadBook(LoadBook):
             s = self._get(instance)
             if s.leases.pop(lease_id, None) is not None:
                 s.version += 1
+
+    def renew(self, instance: str, lease_id: str, expires_at: float) -> bool:
+        with self._lock:
+            s = self._get(instance)
+            old = s.leases.get(lease_id)
+            if old is None:
+                return False
+            s.leases[lease_id] = Lease(old.lease_id, old.instance, old.work_s, old.tokens, expires_at)
+            return True
 
     def heartbeat(self, instance: str, report: WorkerReport, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
         with self._lock:

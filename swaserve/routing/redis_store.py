@@ -145,6 +145,15 @@ redis.call('INCR', ns .. ':ver:' .. inst)
 return 1
 """
 
+_RENEW = """
+local key = ARGV[1] .. ':lease:' .. ARGV[2]
+local v = redis.call('HGET', key, ARGV[3])
+if not v then return 0 end
+local w, t = string.match(v, '^(%S+) (%S+) ')
+redis.call('HSET', key, ARGV[3], w .. ' ' .. t .. ' ' .. ARGV[4])
+return 1
+"""
+
 _RELEASE = """
 local ns, inst, id = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('HDEL', ns .. ':lease:' .. inst, id) == 1 then redis.call('INCR', ns .. ':ver:' .. inst) end
@@ -221,6 +230,7 @@ class RedisLoadBook(LoadBook):
         self._loads = client.register_script(_LOADS)
         self._reserve = client.register_script(_RESERVE)
         self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
 
     def loads(self, instances: Collection[str], now: float) -> dict[str, InstanceLoad]:
         if not instances:
@@ -238,6 +248,9 @@ class RedisLoadBook(LoadBook):
 
     def release(self, instance: str, lease_id: str) -> None:
         self._release(args=[self.ns, instance, lease_id])
+
+    def renew(self, instance: str, lease_id: str, expires_at: float) -> bool:
+        return bool(self._renew(args=[self.ns, instance, lease_id, repr(expires_at)]))
 
     def heartbeat(self, instance: str, report: WorkerReport, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
         fields = {k: str(getattr(report, k)) for k in _REPORT_FIELDS}

@@ -158,6 +158,10 @@ class FallbackBook(LoadBook):
         self.local.release(instance, lease_id)
         self.state.call(lambda: self.shared.release(instance, lease_id), lambda: None)
 
+    def renew(self, instance: str, lease_id: str, expires_at: float) -> bool:
+        ok = self.local.renew(instance, lease_id, expires_at)
+        return self.state.call(lambda: self.shared.renew(instance, lease_id, expires_at), lambda: ok)
+
     def heartbeat(self, instance: str, report: WorkerReport, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
         self.local.heartbeat(instance, report, ttl_s)
         self.state.call(lambda: self.shared.heartbeat(instance, report, ttl_s), lambda: None)
