@@ -627,6 +627,10 @@ def sim(
     copies: Annotated[
         int, typer.Option(min=1, help="Agent sessions: run this many unrelated copies (closed loop).")
     ] = 1,
+    index_mode: Annotated[
+        Literal["approximate", "precise"],
+        typer.Option(help="Router index: record dispatches, or follow the prefill caches' block events."),
+    ] = "approximate",
     max_wait: Annotated[float | None, typer.Option(min=0.0, help="compute priority: max wait (s).")] = None,
     wait_weight: Annotated[
         float | None, typer.Option(min=0.0, help="compute priority: aging weight.")
@@ -643,7 +647,7 @@ def sim(
         work = wl.load(trace, limit, copies)
         row = simulate(
             work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,
-            host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight,
+            host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight, index_mode=index_mode,
         )  # fmt: skip
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)

@@ -126,3 +126,27 @@ def test_requests_over_the_context_are_refused_and_sessions_go_on() -> None:
     res = sim.run(work)
     assert res.too_long == 1 and res.requests == 2
     assert {j.req.rid for j in sim.finished} == {"0", "2"}
+
+
+def test_precise_index_tracks_evictions_that_approximate_misses() -> None:
+    """Many distinct 2k-token prefixes, each asked twice far apart, through one small cache: the
+    approximate index still promises prefixes the cache evicted; the precise one (the caches'
+    block events) does not."""
+    rng = random.Random(7)
+    stems = [[rng.randrange(10, 250) for _ in range(2048)] for _ in range(12)]
+    reqs = []
+    for k in range(24):
+        p = [*stems[k % 12], *(rng.randrange(10, 250) for _ in range(32))]
+        reqs.append(SimRequest(str(k), 0.5 * k, len(p), 1, block_hashes(p, 64), functools.partial(list, p)))
+    work = Workload("evict", reqs, 64)
+    err = {}
+    for mode in ("approximate", "precise"):
+        sim = Simulator(
+            SimConfig(2, 1, "cache_aware", COST, FLASH, device_bytes=3 * 10**8, index_mode=mode, page_size=64)
+        )
+        sim.run(work)
+        err[mode] = sum(abs(j.est_cached - j.cached) for j in sim.finished)
+        assert all(j.est_cached <= j.req.prompt_len for j in sim.finished)
+    assert err["approximate"] > 0 and err["precise"] < err["approximate"], err
+    with pytest.raises(ValueError, match="index mode"):
+        Simulator(config(1, "cache_aware", index_mode="exact"))

@@ -24,6 +24,8 @@ from swaserve.config import ModelConfig
 from swaserve.routing.buckets import LengthBuckets
 from swaserve.routing.cost import CostModel
 from swaserve.routing.dispatch import Dispatcher
+from swaserve.routing.events import apply_events
+from swaserve.routing.hashing import block_hashes
 from swaserve.routing.index import IndexConfig, InMemoryPrefixIndex
 from swaserve.routing.load import InMemoryLoadBook, WorkerReport
 from swaserve.routing.policy import make_policy
@@ -66,6 +68,7 @@ class SimConfig:
     policy_args: dict[str, float] = field(default_factory=dict)
     index: IndexConfig = field(default_factory=IndexConfig)
     max_model_len: int | None = None  # longer requests (prompt + output) are refused, as the API does
+    index_mode: str = "approximate"  # or "precise": the index follows the prefill caches' block events
 
 
 @dataclass
@@ -124,6 +127,9 @@ class Simulator:
         )
         if cfg.priority not in ("fcfs", "compute"):
             raise ValueError(f"priority must be 'fcfs' or 'compute', got {cfg.priority!r}")
+        if cfg.index_mode not in ("approximate", "precise"):
+            raise ValueError(f"index mode must be 'approximate' or 'precise', got {cfg.index_mode!r}")
+        self.precise = cfg.index_mode == "precise"
         self.prefill = {
             f"p{i}": PrefillSim(
                 f"p{i}", cfg.model, cfg.cost, cfg.device_bytes, cfg.host_bytes, prio, cfg.page_size, cfg.chunk
@@ -164,6 +170,9 @@ class Simulator:
         """Simulate every request of ``work``; returns the result (``summary()`` for JSON)."""
         wall = time.perf_counter()
         self.dispatcher.block_tokens = work.block_tokens
+        if self.precise:  # the workers' events, at the index's block size, over their real tokens
+            for p in self.prefill.values():
+                p.kv.enable_cache_events(work.block_tokens)
         t0 = min(r.arrival for r in work.requests)
         for r in work.requests:
             self._at((r.arrival - t0) * self.cfg.time_scale, functools.partial(self._arrive_request, r))
@@ -196,7 +205,13 @@ class Simulator:
                 self._at(self.now, functools.partial(self._arrive_request, nxt))
             return
         job = Job(r, self.now)
-        route = self.dispatcher.route_prefill(r.rid, r.prompt_len, r.hashes, self.prefill.keys())
+        job.prompt = r.prompt()
+        # precise: the keys the workers' events carry (chains of the real tokens); approximate:
+        # the workload's own chains (trace hash ids: the same identity, no hashing of tokens)
+        hashes = block_hashes(job.prompt, self.dispatcher.block_tokens) if self.precise else r.hashes
+        route = self.dispatcher.route_prefill(
+            r.rid, r.prompt_len, hashes, self.prefill.keys(), record=not self.precise
+        )
         d = route.decision
         self.decisions[d.reason + ("+fallback" if d.fallback else "")] += 1
         job.prefill, job.lease, job.est_cached = d.instance, route.lease, d.cached_tokens
@@ -204,7 +219,6 @@ class Simulator:
             r.rid, r.prompt_len + r.output_len, self.decode.keys()
         )
         job.decode = job.decode_lease.instance
-        job.prompt = r.prompt()
         p = self.prefill[d.instance]
         p.enqueue(job)
         self._heartbeat(p)
@@ -212,6 +226,8 @@ class Simulator:
 
     def _kick_prefill(self, p: PrefillSim) -> None:
         end = p.start_next(self.now)
+        if self.precise:  # what its cache stored and evicted while admitting and running it
+            apply_events(self.dispatcher.index, p.name, p.kv.drain_cache_events(), self.now)
         if end is not None:
             self._at(end, lambda: self._prefill_done(p))
 

@@ -88,6 +88,7 @@ def simulate(
     policy_args: dict[str, float] | None = None,
     max_wait_s: float | None = None,
     wait_weight: float | None = None,
+    index_mode: str = "approximate",
 ) -> dict[str, object]:
     """Simulate ``work`` on one deployment; returns the ``SimResult.summary()`` plus the setup.
 
@@ -102,6 +103,7 @@ def simulate(
         dep.host_bytes if host_bytes is None else host_bytes, priority, dep.decode_batch,
         dep.decode_kv_tokens, scale, dep.page_size, dep.chunk, buckets,
         policy_args=policy_args or {}, index=IndexConfig(), max_model_len=dep.max_model_len,
+        index_mode=index_mode,
     )  # fmt: skip
     if max_wait_s is not None:
         cfg = replace(cfg, max_wait_s=max_wait_s)
@@ -109,7 +111,7 @@ def simulate(
         cfg = replace(cfg, wait_weight=wait_weight)
     out = Simulator(cfg).run(work).summary()
     out.update(
-        trace=work.name, prefill=prefill, decode=decode, deployment=dep.name, time_scale=round(scale, 6),
+        index_mode=index_mode, trace=work.name, prefill=prefill, decode=decode, deployment=dep.name, time_scale=round(scale, 6),
         load=load if time_scale is None else None,
     )  # fmt: skip
     return out
