@@ -46,6 +46,8 @@ def test_block_hashes_chain() -> None:
     assert block_hashes(list(range(128)), 64, salt="other")[0] != a[0]
     assert all(0 <= h < 2**64 for h in a)
     assert chain_ids([5, 6]) != chain_ids([6, 5]) and root_hash() == root_hash("")
+    # continuing a chain from its last key gives the same keys as hashing the whole prefix
+    assert block_hashes(list(range(64, 200)), 64, parent=a[0]) == a[1:]
     with pytest.raises(ValueError, match="block_tokens"):
         block_hashes([1], 0)
     with pytest.raises(ValueError, match="token ids"):

@@ -59,6 +59,21 @@ class BlockEventLog:
             )
         self.block_tokens, self.salt = block_tokens, salt
         self.pending: list[BlockEvent] = []
+        # the last chain hashed and its tokens: consecutive chunks of one prefill extend it, so
+        # only their new blocks are hashed (a token compare, in C, replaces re-hashing the path)
+        self._memo_tokens: list[int] = []
+        self._memo_hashes: list[int] = []
+
+    def _chain(self, tokens: Sequence[int], n: int) -> list[int]:
+        """Keys of the first ``n`` whole blocks of ``tokens``."""
+        B = self.block_tokens
+        m = min(len(self._memo_hashes), n)
+        if m and list(tokens[: m * B]) != self._memo_tokens[: m * B]:
+            m = 0
+        new = block_hashes(tokens[m * B : n * B], B, self.salt, self._memo_hashes[m - 1] if m else None)
+        hashes = self._memo_hashes[:m] + new
+        self._memo_tokens, self._memo_hashes = list(tokens[: n * B]), hashes
+        return hashes
 
     def stored(self, tokens: Sequence[int], new_from: int) -> None:
         """The tree now holds ``tokens`` (a whole path from the root) and did not hold its part
@@ -69,7 +84,7 @@ class BlockEventLog:
         n = len(tokens) // B
         if n * B <= new_from:
             return  # no block became whole
-        hashes = tuple(block_hashes(tokens[: n * B], B, self.salt))
+        hashes = tuple(self._chain(tokens, n))
         last = self.pending[-1] if self.pending else None
         k = len(last.hashes) if last is not None else 0
         if last is not None and last.op == "stored" and k <= n and hashes[k - 1] == last.hashes[-1]:

@@ -32,7 +32,7 @@ def root_hash(salt: str = "") -> int:
 
 
 def block_hashes(
-    tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS, salt: str = ""
+    tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS, salt: str = "", parent: int | None = None
 ) -> list[int]:
     """Chain keys of the whole blocks of ``tokens``.
 
@@ -40,6 +40,7 @@ def block_hashes(
         tokens: token ids (``int`` in ``[0, 2**32)``).
         block_tokens: tokens per block, >= 1.
         salt: see ``root_hash``.
+        parent: continue a chain: the key of the block just before ``tokens`` (default: the root).
 
     Returns:
         ``len(tokens) // block_tokens`` keys, 64-bit unsigned ints.
@@ -57,7 +58,7 @@ def block_hashes(
         raise ValueError("token ids must be in [0, 2**32)")
     raw = arr.astype("<u4").tobytes()
     step = 4 * block_tokens
-    out, h = [], root_hash(salt)
+    out, h = [], root_hash(salt) if parent is None else parent
     for i in range(n):
         h = _h(h, raw[i * step : (i + 1) * step])
         out.append(h)
