@@ -71,7 +71,7 @@ def read_mooncake(
     """Read a Mooncake trace (JSON lines) in file order.
 
     Args:
-        path: The ``.jsonl`` file; default: the committed conversation trace.
+        path: The ``.jsonl`` (or gzipped ``.jsonl.gz``) file; default: the committed conversation trace.
         limit: Read at most this many requests (None = all).
 
     Returns:
@@ -92,7 +92,7 @@ def _iter_mooncake(path: Path, limit: int | None) -> Iterator[MooncakeRequest]:
         return
     count = 0
     prev_ts = 0
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:  # plain or gzipped JSON lines
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -248,9 +248,9 @@ def detect_kind(path: Path) -> str:
         TraceError: neither format.
     """
     with open_text(path) as f:
-        for line in f:
+        for lineno, line in enumerate(f, start=1):
             if line.strip():
-                rec = json.loads(line)
+                rec = json_object(line, f"{path}:{lineno}")
                 if isinstance(rec, dict) and "hash_ids" in rec:
                     return "mooncake"
                 if isinstance(rec, dict) and "messages" in rec:

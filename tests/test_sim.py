@@ -150,3 +150,22 @@ def test_precise_index_tracks_evictions_that_approximate_misses() -> None:
     assert err["approximate"] > 0 and err["precise"] < err["approximate"], err
     with pytest.raises(ValueError, match="index mode"):
         Simulator(config(1, "cache_aware", index_mode="exact"))
+
+
+def test_workload_loading_errors_and_gzip(tmp_path: Path) -> None:
+    import gzip
+
+    from swaserve.sim.workload import load
+    from swaserve.traces import TraceError
+
+    lines = TRACE.read_text().splitlines()[:20]
+    gz = tmp_path / "slice.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    assert len(load(gz).requests) == 20  # a gzipped Mooncake trace reads like the plain one
+    with pytest.raises(ValueError, match="copies"):
+        load(TRACE, limit=5, copies=2)
+    bad = tmp_path / "notes.md"
+    bad.write_text("# not a trace\n")
+    with pytest.raises(TraceError, match=r"notes\.md:1"):
+        load(bad)

@@ -119,8 +119,17 @@ def agent(path: str | Path, limit: int | None = None, copies: int = 1) -> Worklo
 
 
 def load(path: str | Path, limit: int | None = None, copies: int = 1) -> Workload:
-    """Mooncake or agent sessions (``copies``: see ``agent``), by the first record's fields."""
-    return mooncake(path, limit) if detect_kind(Path(path)) == "mooncake" else agent(path, limit, copies)
+    """Mooncake or agent sessions (``copies``: see ``agent``), by the first record's fields.
+
+    Raises:
+        TraceError: neither format, or a bad record. ValueError: ``copies`` > 1 for a Mooncake
+            trace (its requests are not sessions that can be replayed as unrelated copies).
+    """
+    if detect_kind(Path(path)) == "mooncake":
+        if copies != 1:
+            raise ValueError("--copies applies to agent sessions only, not to a Mooncake trace")
+        return mooncake(path, limit)
+    return agent(path, limit, copies)
 
 
 def ideal_work_s(reqs: Sequence[SimRequest], block_tokens: int, cost: CostModel) -> float:
