@@ -24,7 +24,7 @@ work after swapping the ``vllm:`` prefix for ``swaserve:``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,43 +263,46 @@ class EngineStatsCollector(Collector):
         if r is not None:
             yield from self._router_families(r)
 
+    def _counter(
+        self, name: str, doc: str, labels: list[str], values: Iterable[tuple[tuple[str, ...], int]]
+    ) -> Metric:
+        """One counter family over ``(label values, count)`` pairs (``model_name`` added first)."""
+        fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", *labels])
+        for key, n in values:
+            fam.add_metric([self._model, *key], n)
+        return fam
+
     def _router_families(self, r: RouterStats) -> Iterator[Metric]:
-        requests = CounterMetricFamily(
-            PREFIX + "router_requests",
+        yield self._counter(
+            "router_requests",
             "Requests the router finished, by status (ok, invalid, unavailable, failed, cancelled).",
-            labels=["model_name", "status"],
+            ["status"],
+            (((s,), r.requests.get(s, 0)) for s in ROUTER_STATUSES),
         )
-        for status in ROUTER_STATUSES:
-            requests.add_metric([self._model, status], r.requests.get(status, 0))
-        retries = CounterMetricFamily(
-            PREFIX + "router_retries",
+        yield self._counter(
+            "router_retries",
             "Re-dispatches of a request to other workers, by reason (overloaded, unavailable, error).",
-            labels=["model_name", "reason"],
+            ["reason"],
+            (((x,), r.retries.get(x, 0)) for x in RETRY_REASONS),
         )
-        for reason in RETRY_REASONS:
-            retries.add_metric([self._model, reason], r.retries.get(reason, 0))
-        yield requests
-        yield retries
-        decisions = CounterMetricFamily(
-            PREFIX + "router_decisions",
+        yield self._counter(
+            "router_decisions",
             "Prefill choices by reason: affinity (cache hit), load, balance (guard overrode the cache), "
             "round_robin; _fallback when no worker's length bucket held the prompt.",
-            labels=["model_name", "reason"],
+            ["reason"],
+            (((x,), n) for x, n in sorted(r.decisions.items())),
         )
-        for reason, n in sorted(r.decisions.items()):
-            decisions.add_metric([self._model, reason], n)
-        dispatches = CounterMetricFamily(
-            PREFIX + "router_dispatches",
+        yield self._counter(
+            "router_dispatches",
             "Attempts sent to each worker by this router.",
-            labels=["model_name", "role", "instance"],
+            ["role", "instance"],
+            sorted(r.dispatches.items()),
         )
-        for (role, inst), n in sorted(r.dispatches.items()):
-            dispatches.add_metric([self._model, role, inst], n)
         index = GaugeMetricFamily(
             PREFIX + "router_index_entries", "Prefix index entries (block, instance).", labels=["model_name"]
         )
         index.add_metric([self._model], r.index_entries)
-        yield from (decisions, dispatches, index)
+        yield index
         if r.shared_state_up is not None:
             up = GaugeMetricFamily(
                 PREFIX + "router_shared_state_up",
