@@ -3,6 +3,7 @@ with the starvation bound, and outputs unchanged by the order."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
+from swaserve.kvcache import invariants
 
 
 def run(
@@ -61,3 +63,52 @@ def test_bad_schedule_policy_is_refused(tiny_dir: Path) -> None:
         LLMEngine(tiny_dir, EngineConfig(schedule_policy="lifo"))
     with pytest.raises(ValueError, match="cost model"):
         LLMEngine(tiny_dir, EngineConfig(schedule_policy="compute", cost_model="nope"))
+
+
+def test_compute_priority_with_imported_kv_and_an_aborted_waiting_request(tiny_dir: Path) -> None:
+    """Decode role: prefilled requests are ordered by their whole prompt (nothing is looked up in
+    the cache for them), mixed with a local request; aborting a waiting one takes it out of the
+    order. Tokens equal FCFS's."""
+    cfg = EngineConfig(page_size=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20, max_num_seqs=1)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    pre = LLMEngine(tiny_dir, cfg)
+    prompts = {"long": list(range(40, 100)), "short": list(range(200, 208)), "mid": list(range(300, 330))}
+    prefilled = {}
+    for rid, p in prompts.items():
+        pre.add_request(rid, p, params, export_kv=True)
+    while pre.has_unfinished():
+        for o in pre.step():
+            assert o.finished and o.kv_payload is not None
+            prefilled[o.request_id] = (o.new_token_ids[0], o.kv_payload)
+
+    def decode(policy: str) -> tuple[list[str], dict[str, list[int]]]:
+        t = [0.0]
+        eng = LLMEngine(tiny_dir, dataclasses.replace(cfg, schedule_policy=policy), clock=lambda: t[0])
+        eng.add_request("local", list(range(10, 30)), params)  # 20 tokens
+        for rid in ("long", "short", "mid"):
+            first, payload = prefilled[rid]
+            eng.add_prefilled(rid, prompts[rid], first, params, payload)
+        eng.add_request("gone", list(range(400, 500)), params)  # the longest: waits in both orders
+        order: list[str] = []
+        out: dict[str, list[int]] = {}
+        for o in eng.step():  # admits one request; "gone" still waits
+            order.append(o.request_id)
+            out[o.request_id] = list(o.new_token_ids)
+        assert [r.request_id for r in eng.scheduler.waiting if r.request_id == "gone"] == ["gone"]
+        aborted = eng.abort_request("gone")
+        assert aborted is not None and aborted.finished
+        assert "gone" not in [r.request_id for r in eng.scheduler.waiting]
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.request_id not in out:
+                    order.append(o.request_id)
+                    out[o.request_id] = []
+                out[o.request_id] += o.new_token_ids
+        invariants.check(eng.kv)
+        return order, out
+
+    fcfs_order, fcfs_out = decode("fcfs")
+    assert fcfs_order == ["local", "long", "short", "mid"]
+    order, out = decode("compute")
+    assert order == ["short", "local", "mid", "long"]  # by prompt length; imported: all uncached
+    assert out == fcfs_out

@@ -5,18 +5,25 @@ requests still prefilling, in admission order (each gets the next chunk that fit
 budget and the pools), then waiting requests are admitted, in arrival order (FCFS) or by
 ``routing.priority.ComputeAwarePriority`` (fewest uncached tokens first, aged by waiting time,
 with a hard bound on waiting; the uncached count is the prefix cache's match when the request
-arrived), while both pools can reserve their guaranteed pages and fewer than ``max_num_seqs`` run. A request that does not fit yet (e.g. a chat whose default max_tokens fills
-the context) does not block smaller ones behind it, but only ``max_bypass`` requests may overtake
-the head of the queue; then admission waits for the head, so it cannot starve. Prefill and decode
-share a step (Sarathi-Serve, Agrawal et al. OSDI'24, "stall-free batching"); requests join and
-leave between steps.
+arrived; none for a request that arrives with its KV), while both pools can reserve their
+guaranteed pages and fewer than ``max_num_seqs`` run. A request that does not fit yet (e.g. a chat
+whose default max_tokens fills the context) does not block smaller ones behind it, but only
+``max_bypass`` requests may overtake the head of the queue; then admission waits for the head, so
+it cannot starve. Prefill and decode share a step (Sarathi-Serve, Agrawal et al. OSDI'24,
+"stall-free batching"); requests join and leave between steps.
+
+The waiting order is kept incrementally (``WaitingQueue``), not sorted each step: with n waiting,
+``add`` and admission cost O(log n) comparisons (plus a list memmove), and a step O(m log n) for
+the m requests that became overdue since the previous one; the full sort it replaces cost
+O(n log n) key evaluations per step.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain, islice
 
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.kvcache.manager import KVCacheManager
@@ -36,6 +43,135 @@ class ScheduledChunk:
         return self.start + self.n == self.req.num_tokens
 
 
+_Entry = tuple[float, int, Request]  # (sort key, sequence number of add: unique, breaks ties, request)
+
+
+def _find(entries: list[_Entry], e: _Entry) -> int:
+    """Index of ``e`` in the sorted ``entries`` (O(log n))."""
+    i = bisect_left(entries, e)
+    if i == len(entries) or entries[i][1] != e[1]:
+        raise RuntimeError("waiting queue entry not found (internal error)")
+    return i
+
+
+class WaitingQueue:
+    """Waiting requests in admission order, kept sorted as requests come and go.
+
+    FCFS (``priority`` None): order of ``add``. ``ComputeAwarePriority``: the order of sorting by
+    ``(priority.key(arrival, uncached, cached, now), sequence of add)`` at the ``now`` of the last
+    ``order(now)``, i.e. overdue requests first in (arrival, sequence) order, then the others in
+    (``priority.static_key``, sequence) order: their key is the static key minus
+    ``wait_weight * now``, a term common to all, so their relative order never changes with time;
+    only the overdue set grows, and it is a prefix in arrival order (``priority.overdue``).
+
+    Invariant: ``_by_arrival`` holds every waiting request sorted by (arrival, sequence) (FCFS:
+    (0, sequence)); ``_by_key`` holds exactly those not among the first ``_n_overdue`` of them,
+    sorted by (static key, sequence); the queue is ``_by_arrival[:_n_overdue] + _by_key``.
+    ``order(now)`` moves the boundary ``_n_overdue`` to the end of the requests overdue at ``now``
+    (backwards too, if the clock went back). FCFS: everything is in the first part.
+
+    Cost, n waiting: ``add``, ``pop``, ``remove`` O(log n) comparisons plus a list insert/delete
+    (a memmove); ``order(now)`` O((m + 1) log n) for the m requests whose class changed; ``q[i]``
+    O(1). In exact arithmetic the order equals the full sort's; in floating point the two forms of
+    the key round differently, so two requests whose keys differ by a rounding error only may be
+    taken either way (the full sort itself could swap such a pair from one step to the next).
+    """
+
+    def __init__(self, priority: ComputeAwarePriority | None = None) -> None:
+        self.priority = priority
+        self._by_arrival: list[_Entry] = []
+        self._by_key: list[_Entry] = []
+        self._n_overdue = 0
+        self._entries: dict[Request, tuple[_Entry, _Entry | None]] = {}  # (arrival, key) entries
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._by_arrival)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The requests in admission order (as of the last ``order``)."""
+        for e in chain(islice(self._by_arrival, self._n_overdue), self._by_key):
+            yield e[2]
+
+    def __contains__(self, req: object) -> bool:
+        return req in self._entries
+
+    def __getitem__(self, i: int) -> Request:
+        """The ``i``-th request in admission order, 0 <= i < len."""
+        if not 0 <= i < len(self._by_arrival):
+            raise IndexError(i)
+        k = self._n_overdue
+        return self._by_arrival[i][2] if i < k else self._by_key[i - k][2]
+
+    def add(self, req: Request, uncached: int = 0, cached: int = 0) -> None:
+        """Queue ``req`` (``uncached``/``cached`` prompt tokens: its priority; unused for FCFS)."""
+        if req in self._entries:
+            raise ValueError(f"request {req.request_id!r} is already waiting")
+        self._seq += 1
+        p = self.priority
+        if p is None:
+            a: _Entry = (0.0, self._seq, req)
+            self._by_arrival.append(a)
+            self._n_overdue += 1
+            self._entries[req] = (a, None)
+            return
+        a = (req.arrival_time, self._seq, req)
+        k: _Entry = (p.static_key(req.arrival_time, uncached, cached), self._seq, req)
+        i = bisect_left(self._by_arrival, a)
+        self._by_arrival.insert(i, a)
+        if i < self._n_overdue:  # arrived before an overdue request: overdue too
+            self._n_overdue += 1
+        else:  # not overdue, or found so by the next ``order``
+            insort(self._by_key, k)
+        self._entries[req] = (a, k)
+
+    def pop(self, i: int) -> Request:
+        """Remove and return the ``i``-th request in admission order."""
+        req = self[i]
+        k = self._n_overdue
+        if i < k:
+            del self._by_arrival[i]
+            self._n_overdue = k - 1
+        else:
+            del self._by_key[i - k]
+            del self._by_arrival[_find(self._by_arrival, self._entries[req][0])]
+        del self._entries[req]
+        return req
+
+    def remove(self, req: Request) -> bool:
+        """Remove ``req`` if it is waiting; returns whether it was."""
+        got = self._entries.pop(req, None)
+        if got is None:
+            return False
+        a, key = got
+        j = _find(self._by_arrival, a)
+        del self._by_arrival[j]
+        if j < self._n_overdue:
+            self._n_overdue -= 1
+        else:
+            assert key is not None
+            del self._by_key[_find(self._by_key, key)]
+        return True
+
+    def order(self, now: float) -> None:
+        """Bring the order to ``now``: move the requests overdue at ``now`` to the front."""
+        p = self.priority
+        if p is None:
+            return
+        arr, n = self._by_arrival, self._n_overdue
+        while n > 0 and not p.overdue(arr[n - 1][0], now):  # the clock went back
+            n -= 1
+            key = self._entries[arr[n][2]][1]
+            assert key is not None
+            insort(self._by_key, key)
+        while n < len(arr) and p.overdue(arr[n][0], now):
+            key = self._entries[arr[n][2]][1]
+            assert key is not None
+            del self._by_key[_find(self._by_key, key)]
+            n += 1
+        self._n_overdue = n
+
+
 class Scheduler:
     def __init__(
         self,
@@ -50,38 +186,20 @@ class Scheduler:
         ``req.kv_payload``) is admitted; it allocates the pages, copies the KV in and sets
         ``num_computed``. ``priority``: admission order of waiting requests (None: FCFS)."""
         self.priority = priority
-        self._uncached: dict[str, tuple[int, int, int]] = {}  # rid -> (uncached, cached, arrival seq)
-        self._seq = 0
         self.kv = kv
         self.on_import = on_import
         self.max_bypass = max_bypass
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(priority)
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
-        if self.priority is not None:
-            cached = 0
-            if self.kv.cache is not None and req.kv_payload is None:
-                P = self.kv.page_size
-                cached = self.kv.cache.match_length(req.prompt_token_ids, (req.num_prompt - 1) // P * P)[0]
-            self._seq += 1
-            self._uncached[req.request_id] = (req.num_prompt - cached, cached, self._seq)
-
-    def _order_waiting(self, now: float) -> None:
-        """Sort the waiting queue by the priority key at ``now``, arrival order among equals."""
-        p = self.priority
-        if p is None or len(self.waiting) < 2:
-            return
-        u = self._uncached
-
-        def key(r: Request) -> tuple[tuple[int, float], int]:
-            unc, cached, seq = u.get(r.request_id, (r.num_prompt, 0, 0))
-            return p.key(r.arrival_time, unc, cached, now), seq
-
-        self.waiting = deque(sorted(self.waiting, key=key))
+        cached = 0
+        if self.priority is not None and self.kv.cache is not None and req.kv_payload is None:
+            P = self.kv.page_size
+            cached = self.kv.cache.match_length(req.prompt_token_ids, (req.num_prompt - 1) // P * P)[0]
+        self.waiting.add(req, req.num_prompt - cached, cached)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,7 +217,7 @@ class Scheduler:
             if c is not None:
                 chunks.append(c)
                 budget -= c.n
-        self._order_waiting(now)
+        self.waiting.order(now)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if i > 0 and self.waiting[0].bypassed >= self.max_bypass:
@@ -116,8 +234,7 @@ class Scheduler:
                 self.on_import(req)
             else:
                 req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
-            del self.waiting[i]
-            self._uncached.pop(req.request_id, None)
+            self.waiting.pop(i)
             if i > 0:
                 self.waiting[0].bypassed += 1
             req.status = RequestStatus.RUNNING
@@ -145,9 +262,8 @@ class Scheduler:
         """Remove a running or waiting request and free its pages."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        else:
             self.waiting.remove(req)
-            self._uncached.pop(req.request_id, None)
         was_running = req.status == RequestStatus.RUNNING
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id, req.token_slice(0, req.num_computed) if was_running else None)

@@ -53,10 +53,24 @@ class ComputeAwarePriority:
 
     def key(self, arrival: float, uncached: int, cached: int, now: float) -> tuple[int, float]:
         """Sort key at ``now`` (seconds, same clock as ``arrival``); smaller runs first."""
-        waited = now - arrival
-        if waited >= self.max_wait_s:
+        if self.overdue(arrival, now):
             return (0, arrival)
-        return (1, self.cost.prefill_s(uncached, cached) - self.wait_weight * waited)
+        return (1, self.cost.prefill_s(uncached, cached) - self.wait_weight * (now - arrival))
+
+    def overdue(self, arrival: float, now: float) -> bool:
+        """Whether a request that arrived at ``arrival`` has waited ``max_wait_s`` at ``now``.
+
+        Monotone (float subtraction rounds monotonically): if it holds for ``arrival`` it holds for
+        every earlier arrival and every later ``now``, so the overdue requests are a prefix of the
+        queue in arrival order."""
+        return now - arrival >= self.max_wait_s
+
+    def static_key(self, arrival: float, uncached: int, cached: int) -> float:
+        """Time-independent form of the key of a request that is not overdue: ``key(...)[1] ==
+        static_key(...) - wait_weight * now`` in exact arithmetic, and the ``now`` term is common
+        to all requests, so sorting by it gives ``key``'s order at any ``now``. (In floating point
+        two keys within a rounding error of each other may compare either way, in either form.)"""
+        return self.cost.prefill_s(uncached, cached) + self.wait_weight * arrival
 
 
 class PriorityQueue(Generic[T]):
@@ -64,9 +78,10 @@ class PriorityQueue(Generic[T]):
     O(log n) push and pop.
 
     Between requests that are not overdue the key's order never changes with time:
-    ``prefill_s - w * (now - arrival)`` orders as ``prefill_s + w * arrival``. So one heap holds that
-    static key and a second one arrival order; ``pop(now)`` takes the oldest request if it is
-    overdue, else the top of the first heap. Removed entries are skipped lazily.
+    ``prefill_s - w * (now - arrival)`` orders as ``prefill_s + w * arrival``
+    (``ComputeAwarePriority.static_key``). So one heap holds that static key and a second one
+    arrival order; ``pop(now)`` takes the oldest request if it is overdue, else the top of the first
+    heap. Removed entries are skipped lazily.
     """
 
     def __init__(self, priority: ComputeAwarePriority | None = None) -> None:
@@ -86,10 +101,7 @@ class PriorityQueue(Generic[T]):
         self._arrival[h] = arrival
         heapq.heappush(self._by_arrival, (arrival, h, item))
         if self.priority is not None:
-            p = self.priority
-            heapq.heappush(
-                self._by_key, (p.cost.prefill_s(uncached, cached) + p.wait_weight * arrival, h, item)
-            )
+            heapq.heappush(self._by_key, (self.priority.static_key(arrival, uncached, cached), h, item))
         return h
 
     def remove(self, handle: int) -> None:
@@ -109,7 +121,7 @@ class PriorityQueue(Generic[T]):
         oldest = self._top(self._by_arrival)
         if oldest is None:
             return None
-        if self.priority is None or now - oldest[0] >= self.priority.max_wait_s:
+        if self.priority is None or self.priority.overdue(oldest[0], now):
             return self._by_arrival, oldest
         best = self._top(self._by_key)
         assert best is not None
