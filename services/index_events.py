@@ -1,12 +1,24 @@
 """A prefill worker's side of the precise-mode prefix index: its prefix cache's block events go to
-the cluster's Redis stream (``routing.events``) without ever holding up the engine.
+the cluster's Redis stream (``routing.events``) without ever holding up the engine, and whatever
+is lost on the way is repaired by re-publishing the cache's whole state.
 
 The engine loop runs on the event-loop thread; ``EventPump.run`` (a task on the same loop) drains
 the engine's events every ``interval_s`` (so a drain never interleaves with a step) and hands each
 batch to one publishing thread through a bounded queue. Redis being slow, down or failing costs
 events, never requests: a full queue drops the batch, a failed publish drops it; both are counted
-and logged (once per outage, not per batch). Dropped events leave the index stale until its TTL
-ages the entries out or later events of the same blocks correct it.
+and logged (once per outage, not per batch).
+
+Loss and re-send. Batches are numbered by *generation*: each snapshot (``drain(resync=True)``:
+``cleared`` + the whole cache, taken on the loop like a drain) starts a new one. After a loss in
+the current generation, the loop stops queueing (it drains and discards: the snapshot will cover
+it) and the thread skips what is queued of it; once Redis answers again (``publisher.check`` every
+``check_s`` s) the thread asks the loop for a snapshot, which is queued behind nothing of the lost
+generation, so events drained after it are published after it. The thread also asks for one when
+``check`` says so (a router saw a gap in this instance's events, or Redis restarted empty: see
+``routing.events``), and the first pump always sends one: a new process clears what a previous
+one under the same name left in the index. A snapshot that fails to publish is retried after a
+doubling pause (``check_s`` up to 30 s): a Redis that answers but refuses writes does not make the
+loop walk the whole cache every second.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -22,46 +35,89 @@ from swaserve.routing.events import BlockEvent
 
 log = logging.getLogger("swaserve.worker.index")
 
+Batch = tuple[int, bool, list[BlockEvent]]  # (generation, is a snapshot, events)
+
+
+class Drain(Protocol):
+    """``LLMEngine.drain_cache_events``: pending events, or with ``resync`` a snapshot."""
+
+    def __call__(self, resync: bool = False) -> list[BlockEvent]: ...
+
 
 class Publisher(Protocol):
+    """``RedisEventPublisher``: ``publish`` a batch (returns entries added), ``check`` whether the
+    whole state must be re-sent; both raise on Redis errors."""
+
     def publish(self, events: list[BlockEvent]) -> int: ...
+
+    def check(self) -> bool: ...
 
 
 class EventPump:
     """Args:
-    drain: returns the engine's pending events (``LLMEngine.drain_cache_events``; loop thread only).
+    drain: the engine's events (``LLMEngine.drain_cache_events``; loop thread only).
     publisher: sends a batch (``RedisEventPublisher``); may block, runs on the pump's thread.
     interval_s: seconds between drains. max_batches: queued batches before new ones are dropped.
     on_count: called with ``("published" | "dropped", events)`` (metrics; any thread).
+    check_s: seconds between ``publisher.check`` calls (also how soon a re-send follows an outage).
+
+    Attributes:
+        published, dropped: events so far. snapshots: snapshots queued so far (the first included).
     """
 
     def __init__(
         self,
-        drain: Callable[[], list[BlockEvent]],
+        drain: Drain,
         publisher: Publisher,
         interval_s: float = 0.02,
         max_batches: int = 1000,
         on_count: Callable[[str, int], None] | None = None,
+        check_s: float = 1.0,
     ) -> None:
-        self.drain, self.publisher, self.interval_s = drain, publisher, interval_s
+        self.drain, self.publisher, self.interval_s, self.check_s = drain, publisher, interval_s, check_s
         self.on_count = on_count or (lambda what, n: None)
-        self.published = self.dropped = 0
+        self.published = self.dropped = self.snapshots = 0
         self._failing = False
-        self._q: queue.Queue[list[BlockEvent] | None] = queue.Queue(maxsize=max_batches)
+        self._lock = threading.Lock()
+        self._gen = 0  # the loop's generation, bumped by each snapshot it queues
+        self._lost_gen = -1  # newest generation that lost events
+        self._snapshot_due = True  # the loop takes a snapshot at its next pump
+        self._snapshot_open = True  # one is due or queued: the thread asks for no other
+        self._retry_s = 0.0  # a failed snapshot waits this long before the next (doubles, <= 30 s)
+        self._retry_at = 0.0  # monotonic seconds
+        self._q: queue.Queue[Batch | None] = queue.Queue(maxsize=max_batches)
         self._thread = threading.Thread(target=self._publish_loop, name="swaserve-index-events", daemon=True)
         self._thread.start()
 
     def pump(self) -> int:
-        """Drain the engine once and queue the batch; returns the events queued (0 if dropped)."""
+        """Drain the engine once (or take the snapshot asked for) and queue the batch; returns
+        the events queued (0 if none, dropped, or discarded while a re-send is awaited)."""
+        with self._lock:
+            resync, self._snapshot_due = self._snapshot_due, False
+            gen, lost = self._gen, self._lost_gen >= self._gen
+        if resync:
+            events = self.drain(resync=True)
+            with self._lock:
+                self._gen += 1
+                gen = self._gen
+            self.snapshots += 1
+            return self._put((gen, True, events))
         events = self.drain()
         if not events:
             return 0
-        try:
-            self._q.put_nowait(events)
-        except queue.Full:
-            self._drop(len(events), "publisher queue full (Redis slow or down)")
+        if lost:  # the snapshot after the outage covers them
+            self._drop(len(events), "waiting to re-send the whole cache")
             return 0
-        return len(events)
+        return self._put((gen, False, events))
+
+    def _put(self, batch: Batch) -> int:
+        try:
+            self._q.put_nowait(batch)
+        except queue.Full:
+            self._lose(batch)
+            self._drop(len(batch[2]), "publisher queue full (Redis slow or down)")
+            return 0
+        return len(batch[2])
 
     async def run(self) -> None:
         """Pump every ``interval_s`` until cancelled."""
@@ -78,22 +134,72 @@ class EventPump:
             return  # the daemon thread dies with the process
         self._thread.join(timeout_s)
 
+    def _lose(self, batch: Batch) -> None:
+        gen, snapshot, _ = batch
+        with self._lock:
+            self._lost_gen = max(self._lost_gen, gen)
+            if snapshot:  # Redis answers checks but refuses writes (OOM, replica): back off
+                self._snapshot_open = False
+                self._retry_s = min(30.0, max(self.check_s, 2 * self._retry_s))
+                self._retry_at = time.monotonic() + self._retry_s
+
     def _drop(self, n: int, why: str, exc: BaseException | None = None) -> None:
-        self.dropped += n
+        with self._lock:  # both threads drop
+            self.dropped += n
+            first, self._failing = not self._failing, True
         self.on_count("dropped", n)
-        if not self._failing:
-            self._failing = True
+        if first:
             log.warning("dropping index events: %s%s", why, f": {exc}" if exc else "")
 
     def _publish_loop(self) -> None:
-        while (batch := self._q.get()) is not None:
+        next_check = 0.0
+        while True:
             try:
-                n = self.publisher.publish(batch)
-            except Exception as e:  # Redis errors of every kind: the index is best effort
-                self._drop(len(batch), "publish failed", e)
-                continue
+                item = self._q.get(timeout=max(0.0, next_check - time.monotonic()))
+            except queue.Empty:  # idle: time to check
+                pass
+            else:
+                if item is None:
+                    return
+                self._publish(item)
+            if time.monotonic() >= next_check:
+                self._check()
+                next_check = time.monotonic() + self.check_s
+
+    def _publish(self, batch: Batch) -> None:
+        gen, snapshot, events = batch
+        with self._lock:
+            stale = gen <= self._lost_gen or gen < self._gen  # lost, or a later snapshot follows
+        if stale:
+            if snapshot:
+                self._lose(batch)
+            self._drop(len(events), "superseded by a re-send of the whole cache")
+            return
+        try:
+            n = self.publisher.publish(events)
+        except Exception as e:  # Redis errors of every kind: re-sent whole once Redis answers
+            self._lose(batch)
+            self._drop(len(events), "publish failed", e)
+            return
+        with self._lock:
+            if snapshot:
+                self._snapshot_open, self._retry_s = False, 0.0
             self.published += n
-            self.on_count("published", n)
-            if self._failing:
-                self._failing = False
-                log.info("publishing index events again (%d dropped so far)", self.dropped)
+            back, self._failing = self._failing, False
+        self.on_count("published", n)
+        if back:
+            log.info("publishing index events again (%d dropped so far)", self.dropped)
+
+    def _check(self) -> None:
+        try:
+            wanted = self.publisher.check()
+        except Exception:  # Redis down: a loss is repaired when it answers again
+            return
+        with self._lock:
+            if self._snapshot_open or time.monotonic() < self._retry_at:
+                return
+            if wanted or self._lost_gen >= self._gen:
+                self._snapshot_due = self._snapshot_open = True
+                log.info(
+                    "re-sending the whole cache to the index (%s)", "asked" if wanted else "after a loss"
+                )

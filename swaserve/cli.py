@@ -635,6 +635,12 @@ def sim(
     wait_weight: Annotated[
         float | None, typer.Option(min=0.0, help="compute priority: aging weight.")
     ] = None,
+    queue_order: Annotated[
+        Literal["auto", "fcfs", "compute"],
+        typer.Option(
+            help="cache_aware: the prefill queue order its wait estimate assumes (auto: the instances')."
+        ),
+    ] = "auto",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result here as JSON.")] = None,
 ) -> None:
     """Simulate the cluster on a trace: the real routing and radix-cache code in simulated time."""
@@ -648,6 +654,7 @@ def sim(
         row = simulate(
             work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,
             host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight, index_mode=index_mode,
+            policy_args={"queue_order": queue_order} if policy == "cache_aware" else None,
         )  # fmt: skip
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)

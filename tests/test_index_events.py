@@ -23,6 +23,7 @@ from swaserve.routing.events import (
     IndexFollower,
     RedisEventPublisher,
     apply_events,
+    resync_key,
     stream_key,
 )
 from swaserve.routing.hashing import block_hashes
@@ -58,27 +59,52 @@ def cached_blocks(tree: RadixTree, prompt: list[int], B: int) -> int:
 
 
 class EventChecker:
-    """Drains the cache's events after every operation into an in-memory index and compares."""
+    """Drains the cache's events after every operation into an in-memory index and compares.
+    With ``rng``: the drain clock advances by random steps (so stored events are linked or whole
+    chains, ``BlockEventLog.refresh_s``), and now and then a snapshot replaces the drain, applied
+    over stale claims it must clear (another instance's entries must survive it)."""
 
-    def __init__(self, h: PrefixHarness, B: int) -> None:
+    def __init__(self, h: PrefixHarness, B: int, rng: random.Random | None = None) -> None:
         assert h.kv.cache is not None
-        self.h, self.B, self.tree = h, B, h.kv.cache.tree
+        self.h, self.B, self.tree, self.rng = h, B, h.kv.cache.tree, rng
         h.kv.enable_cache_events(B)
         self.index = InMemoryPrefixIndex()
+        self.index.record("other", [1, 2, 3], 0.0)
         self.prompts: list[list[int]] = []
-        self.stored = self.removed = 0
+        self.stored = self.removed = self.linked = self.snapshots = 0
+        self.clock = 0.0
 
     def check(self) -> None:
         self.h.check()
-        events = self.h.kv.drain_cache_events()
+        resync = False
+        if self.rng is not None:
+            self.clock += self.rng.choice([0.0, 1.0, 4.0, 12.0])
+            resync = self.rng.random() < 0.1
+        events = self.h.kv.drain_cache_events(self.clock, resync=resync)
+        if resync:
+            check_snapshot(events)
+            self.index.record(INST, [12345, 678], self.clock)  # stale claims: the snapshot clears them
+            self.snapshots += 1
         self.stored += sum(e.op == "stored" for e in events)
+        self.linked += sum(e.op == "stored" and e.parent is not None for e in events)
         self.removed += sum(e.op == "removed" for e in events)
-        apply_events(self.index, INST, events, now=0.0)
+        apply_events(self.index, INST, events, now=self.clock)
         have = {h for h, _ in self.index.entries(INST)}
         assert have == tree_blocks(self.tree, self.B)
+        assert sorted(h for h, _ in self.index.entries("other")) == [1, 2, 3]
         for p in self.prompts:
             want = cached_blocks(self.tree, p, self.B)
-            assert self.index.match(block_hashes(p, self.B), 0.0).get(INST, 0) == want
+            assert self.index.match(block_hashes(p, self.B), self.clock).get(INST, 0) == want
+
+
+def check_snapshot(events: list[BlockEvent]) -> None:
+    """``cleared`` first, then stored chains, each block once, each link to a block sent before."""
+    assert events[0] == BlockEvent("cleared", ())
+    seen: set[int] = set()
+    for e in events[1:]:
+        assert e.op == "stored" and e.hashes and not seen & set(e.hashes)
+        assert (e.parent is None) == (e.depth == 0) and (e.parent is None or e.parent in seen)
+        seen.update(e.hashes)
 
 
 def run_stream(cfg: dict, seed: int, n_ops: int) -> EventChecker:
@@ -89,7 +115,7 @@ def run_stream(cfg: dict, seed: int, n_ops: int) -> EventChecker:
         PAGE, window, cfg["full_pages"], max(cfg["swa_pages"], swa_need), cfg["layout"], cfg["host"],
         cfg["policy"],
     )  # fmt: skip
-    c = EventChecker(h, cfg["B"])
+    c = EventChecker(h, cfg["B"], random.Random(seed + 1))
     stems = [[rng.randrange(1, 30) for _ in range(rng.randrange(1, 3 * PAGE + 6))] for _ in range(4)]
     done: list[list[int]] = []
     n = 0
@@ -121,7 +147,7 @@ def run_stream(cfg: dict, seed: int, n_ops: int) -> EventChecker:
     c.check()
     h.kv.flush_cache()
     c.check()
-    assert c.index.size() == 0
+    assert c.index.entries(INST) == []
     return c
 
 
@@ -150,7 +176,7 @@ def test_streams_store_and_remove_through_every_tier() -> None:
         cfg = {"B": B, "window": 4, "full_pages": 14, "swa_pages": 10, "layout": "hybrid",
                "host": host, "policy": "on_evict"}  # fmt: skip
         c = run_stream(cfg, 7, 150)
-        assert c.stored > 10 and c.removed > 5
+        assert c.stored > 10 and c.removed > 5 and c.linked > 3 and c.snapshots > 3
 
 
 def test_swa_only_changes_and_splits_emit_nothing() -> None:
@@ -180,6 +206,42 @@ def test_swa_only_changes_and_splits_emit_nothing() -> None:
     assert sorted(x for e in events for x in e.hashes) == sorted(ev.hashes)
 
 
+def test_chunks_send_only_new_blocks_and_the_chain_is_refreshed() -> None:
+    """A chunked prefill drained after every chunk (as the worker's pump does) sends each block
+    once: the first chunk's chain from the root, then the new blocks linked to their parent. A
+    continuation more than ``refresh_s`` after the chain was sent whole sends it whole again."""
+    h = PrefixHarness(PAGE, 4, 80, 40)
+    h.kv.enable_cache_events(8)
+    prompt = list(range(1, 66))  # 65 tokens: 8 whole blocks of 8
+    keys = block_hashes(prompt, 8)
+    h.admit("a", prompt, 1)
+    events: list[BlockEvent] = []
+    for t in range(4):  # chunks of 16 tokens, one second apart
+        h.advance("a", 16, 5)
+        events += h.kv.drain_cache_events(float(t))
+    assert events == [
+        BlockEvent("stored", tuple(keys[:2])),
+        *(BlockEvent("stored", tuple(keys[d : d + 2]), keys[d - 1], d) for d in (2, 4, 6)),
+    ]
+    h.advance("a", 1, 5)
+    h.finish("a")
+    index = InMemoryPrefixIndex()
+    apply_events(index, INST, events, now=3.0)
+    assert index.match(keys, 3.0) == {INST: 8} and {t for _, t in index.entries(INST)} == {3.0}
+    # the next turn of a conversation: within refresh_s linked, after it the chain whole again
+    for rid, now, whole, t0 in (("b", 5.0, False, 100), ("c", 20.0, True, 200)):
+        turn = [*prompt[:64], *range(t0, t0 + 17)]
+        h.kv.drain_cache_events(now)
+        h.admit(rid, turn, 1)
+        assert h.kv.hit_tokens(rid) == 64
+        h.advance(rid, 16, 5)
+        (ev,) = h.kv.drain_cache_events(now)
+        tk = block_hashes(turn, 8)
+        want = BlockEvent("stored", tuple(tk)) if whole else BlockEvent("stored", tuple(tk[8:]), tk[7], 8)
+        assert ev == want
+        h.finish(rid)
+
+
 def test_block_tokens_must_be_a_multiple_of_the_page() -> None:
     with pytest.raises(ValueError, match="multiple of the page size"):
         BlockEventLog(6, 4)
@@ -204,21 +266,25 @@ def test_publish_follow_round_trip_and_resume(rc: redis.Redis) -> None:
     ns = f"t-{uuid.uuid4().hex}"
     a, b = chain(1, 6), chain(2, 3)
     pa, pb = RedisEventPublisher(rc, ns, "A"), RedisEventPublisher(rc, ns, "B")
-    assert pa.publish([BlockEvent("stored", tuple(a)), BlockEvent("stored", ())]) == 1
-    assert pb.publish([BlockEvent("stored", tuple(a[:2]))]) == 1
+    assert (
+        pa.publish([BlockEvent("cleared", ()), BlockEvent("stored", tuple(a)), BlockEvent("stored", ())]) == 2
+    )
+    assert pb.publish([BlockEvent("cleared", ()), BlockEvent("stored", tuple(a[:2]))]) == 2
     raw = rc.xrange(stream_key(ns))
-    assert raw[0][1] == {"instance": "A", "op": "stored", "hashes": ",".join(map(str, a))}
+    assert raw[1][1] == {"instance": "A", "op": "stored", "hashes": ",".join(map(str, a)), "seq": "1"}
 
     index = RedisPrefixIndex(rc, namespace=ns)
     follower = IndexFollower(index, rc, ns, clock=lambda: 100.0)
     late = IndexFollower(InMemoryPrefixIndex(), rc, ns, clock=lambda: 100.0, from_start=False)
-    assert follower.poll() == 2
+    assert follower.poll() == 4
     assert index.match(a, 100.0) == {"A": 6, "B": 2}
     assert follower.poll() == 0  # nothing new: resumes after its last id
 
     pa.publish([BlockEvent("removed", tuple(a[3:])), BlockEvent("stored", tuple(b))])
     assert late.poll() == 2  # only what came after it was made
     assert late.index.match(a, 100.0) == {}  # its index never saw A's stored chain
+    assert late.gaps == 1 and rc.smembers(resync_key(ns)) == {"A"}  # so it asked A for a snapshot
+    assert pa.check() and not pb.check()  # A takes the request; B's marker is its own
     assert follower.poll(count=1) == 1  # one at a time
     assert index.match(a, 100.0) == {"A": 3, "B": 2}
     assert follower.poll(block_ms=50) == 1
@@ -227,7 +293,7 @@ def test_publish_follow_round_trip_and_resume(rc: redis.Redis) -> None:
     again = IndexFollower(InMemoryPrefixIndex(), rc, ns, clock=lambda: 5.0, last_id=follower.last_id)
     assert again.poll() == 0
     fresh = IndexFollower(InMemoryPrefixIndex(), rc, ns, clock=lambda: 5.0)  # a new router: backlog
-    assert fresh.poll() == 4
+    assert fresh.poll() == 6 and fresh.gaps == 0  # every instance's backlog starts with its snapshot
     assert fresh.index.match(a, 5.0) == {"A": 3, "B": 2}
     assert fresh.index.entries("A") and {h for h, t in fresh.index.entries("A")} == set(a[:3] + b)
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 import uuid
 
@@ -95,44 +94,58 @@ def test_ttl_and_global_cap(kind: str, rclient: redis.Redis) -> None:
     assert [x for x, _ in idx.entries("e")] == [h[0]]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["record", "evict", "remove"]),
+            st.sampled_from(["record", "extend", "evict", "remove"]),
             st.sampled_from(["a", "b", "c"]),
             st.integers(0, 3),  # which chain
+            st.integers(0, 5),  # extend: where the new blocks start (their parent is the block before)
             st.integers(1, 6),  # how many blocks
+            st.integers(0, 1),  # clock step: 0 gives ties with the previous call's last use
         ),
-        max_size=25,
-    )
+        max_size=30,
+    ),
+    ttl=st.sampled_from([1e9, 3.0]),
 )
-def test_backends_agree_with_reference(ops: list[tuple[str, str, int, int]], redis_url: str) -> None:
-    """Random record/evict/remove sequences under a small cap: both backends equal a reference
-    that keeps entries in a dict in LRU order (a chain's deepest blocks first)."""
+def test_backends_agree_with_reference(
+    ops: list[tuple[str, str, int, int, int, int]], ttl: float, redis_url: str
+) -> None:
+    """Random record (whole chains, or new blocks linked to a parent) / evict / remove sequences
+    under a small cap and TTL, with ties in last use across calls: both backends equal a reference
+    that keeps (last use, depth) per entry and evicts by (last use, deepest first, instance, hash)."""
+    from swaserve.routing.index import member
+
     rc = redis.Redis.from_url(redis_url, decode_responses=True)
     cap = 12
     chains = [chain_ids([c * 100 + i for i in range(3)]) + chain_ids(range(3, 6)) for c in range(4)]
     chains[3] = chains[0][:3] + chain_ids([7, 8, 9])  # shares a prefix with chain 0
-    idxs = [make_index(k, rc, max_entries=cap, ttl_s=1e9) for k in BACKENDS]
-    ref: dict[tuple[int, str], float] = {}
-    clock = itertools.count(1)
-    for op, inst, c, n in ops:
-        hs = chains[c][:n]
-        now = float(next(clock))
+    idxs = [make_index(k, rc, max_entries=cap, ttl_s=ttl) for k in BACKENDS]
+    ref: dict[tuple[int, str], tuple[float, int]] = {}  # (hash, instance) -> (last use, depth)
+    now = 0.0
+    for op, inst, c, start, n, step in ops:
+        now += step
+        hs, depth, parent = chains[c][:n], 0, None
+        if op == "extend":
+            hs, depth, parent = chains[c][start : start + n], start, (chains[c][start - 1] if start else None)
         for idx in idxs:
-            if op == "record":
-                idx.record(inst, hs, now)
+            if op in ("record", "extend"):
+                idx.record(inst, hs, now, depth=depth, parent=parent)
             elif op == "evict":
                 idx.evict(inst, hs)
             else:
                 idx.remove_instance(inst)
-        if op == "record":
-            for h in reversed(hs):  # deepest first: evicted first among equal last uses
-                ref.pop((h, inst), None)
-                ref[(h, inst)] = now
+        if op in ("record", "extend"):
+            t = now
+            if parent is not None and (parent, inst) in ref and ref[(parent, inst)][0] >= now - ttl:
+                t = ref[(parent, inst)][0]  # linked blocks take their parent's last use
+            for k, h in enumerate(hs):
+                ref[(h, inst)] = (t, depth + k)
+            for key in [k for k, (t0, _) in ref.items() if t0 < now - ttl]:
+                del ref[key]
             while len(ref) > cap:
-                del ref[next(iter(ref))]
+                del ref[min(ref, key=lambda k: (ref[k][0], member(ref[k][1], k[1], k[0])))]
         elif op == "evict":
             for h in hs:
                 ref.pop((h, inst), None)
@@ -143,12 +156,38 @@ def test_backends_agree_with_reference(ops: list[tuple[str, str, int, int]], red
             want = {}
             for i in "abc":
                 k = 0
-                while k < len(ch) and (ch[k], i) in ref:
+                while k < len(ch) and (ch[k], i) in ref and ref[(ch[k], i)][0] >= now - ttl:
                     k += 1
                 if k:
                     want[i] = k
             assert [idx.match(ch, now) for idx in idxs] == [want, want]
         assert [idx.size() for idx in idxs] == [len(ref)] * 2
+        for i in "abc":
+            got = [sorted(idx.entries(i)) for idx in idxs]
+            assert got == [sorted((h, t) for (h, j), (t, _) in ref.items() if j == i)] * 2
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_linked_blocks_take_their_parents_last_use(kind: str, rclient: redis.Redis) -> None:
+    """A chain recorded in pieces (a chunked prefill's events) ages as one: its later pieces take
+    the head's last use, so under the cap its deepest blocks go first, never its head."""
+    idx = make_index(kind, rclient, max_entries=6, ttl_s=100.0)
+    h = chain_ids(range(6))
+    idx.record("a", h[:2], now=1.0)
+    idx.record("a", h[2:4], now=2.0, depth=2, parent=h[1])
+    idx.record("a", h[4:6], now=3.0, depth=4, parent=h[3])
+    assert sorted(t for _, t in idx.entries("a")) == [1.0] * 6
+    idx.record("b", h[:1], now=4.0)  # over the cap by one: a's deepest block goes
+    assert idx.match(h, now=4.0) == {"a": 5, "b": 1}
+    # a parent that is missing or expired links nothing: the blocks are recorded at now
+    idx.record("c", h[3:5], now=5.0, depth=3, parent=h[2])
+    assert sorted(t for _, t in idx.entries("c")) == [5.0, 5.0]
+    idx.record("a", h[5:6], now=150.0, depth=5, parent=h[4])  # h[4] last used at 1.0: expired
+    assert idx.entries("a") == [(h[5], 150.0)]
+    with pytest.raises(ValueError, match="no parent"):
+        idx.record("a", h[:1], now=1.0, parent=h[0])
+    with pytest.raises(ValueError, match="depth"):
+        idx.record("a", h[:1], now=1.0, depth=-1)
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

@@ -13,8 +13,16 @@ from swaserve.routing.cost import MIMO_V2_FLASH_H200, CostModel, preset
 from swaserve.routing.dispatch import Dispatcher, NoInstanceError
 from swaserve.routing.hashing import chain_ids
 from swaserve.routing.index import InMemoryPrefixIndex
-from swaserve.routing.load import InMemoryLoadBook, InstanceLoad, WorkerReport
-from swaserve.routing.policy import CacheAware, Candidate, LeastLoad, RoundRobin, choose_decode, make_policy
+from swaserve.routing.load import InMemoryLoadBook, InstanceLoad, Lease, WorkerReport
+from swaserve.routing.policy import (
+    CacheAware,
+    Candidate,
+    LeastLoad,
+    RoundRobin,
+    choose_decode,
+    make_policy,
+    wait_s,
+)
 from swaserve.routing.priority import ComputeAwarePriority
 from swaserve.routing.redis_store import RedisLoadBook, RedisPrefixIndex
 
@@ -62,6 +70,33 @@ def test_balance_guard_overrides_a_hot_prefix() -> None:
     # both busy but within the guard: affinity stays
     d = p.choose(100_000, [cand("a", 99_000, reserved_s=3.0), cand("b", reserved_s=2.5)], COST)
     assert (d.instance, d.reason) == ("a", "affinity")
+
+
+def test_wait_estimate_follows_the_queue_order() -> None:
+    """FCFS: a request waits for every lease. Compute order: shorter leases in full, each longer
+    one up to the request's own seconds (it may be running); the heartbeat counts up to the same."""
+    fcfs = InstanceLoad(2, 5.1, report=WorkerReport(queue_order="fcfs"), lease_work_s=(0.1, 5.0))
+    comp = InstanceLoad(2, 5.1, report=WorkerReport(queue_order="compute"), lease_work_s=(0.1, 5.0))
+    assert wait_s(fcfs, COST, 0.5) == pytest.approx(5.1)
+    assert wait_s(comp, COST, 0.5) == pytest.approx(0.1 + 0.5)
+    assert wait_s(comp, COST, 9.0) == pytest.approx(5.1)  # longer than all: waits for all
+    assert wait_s(comp, COST, 0.5, order="fcfs") == pytest.approx(5.1)  # forced
+    assert wait_s(fcfs, COST, 0.5, order="compute") == pytest.approx(0.6)
+    assert wait_s(InstanceLoad(reserved_s=2.0), COST, 0.5) == pytest.approx(2.0)  # no report: FCFS
+    lost = InstanceLoad(report=WorkerReport(queued_tokens=3000, queue_order="compute"))  # 3 s reported
+    assert wait_s(lost, COST, 0.5) == pytest.approx(0.5) and wait_s(lost, COST, 4.0) == pytest.approx(3.0)
+    # a short request whose prefix is cached on an instance busy with long work: compute-ordered
+    # queues let it go there (it runs before the long ones); FCFS queues send it to the idle one
+    p = CacheAware(balance_abs_s=100.0)
+    busy = dict(leases=2, reserved_s=8.0, lease_work_s=(4.0, 4.0))
+    a_comp = Candidate("a", 900, InstanceLoad(**busy, report=WorkerReport(queue_order="compute")))  # type: ignore[arg-type]
+    a_fcfs = Candidate("a", 900, InstanceLoad(**busy, report=WorkerReport(queue_order="fcfs")))  # type: ignore[arg-type]
+    b = Candidate("b", 0, InstanceLoad(reserved_s=0.9, lease_work_s=(0.9,)))
+    assert p.choose(1000, [a_comp, b], COST).instance == "a"  # 2 x 0.1 + 0.1 < 0.9 + 1.0
+    assert p.choose(1000, [a_fcfs, b], COST).instance == "b"
+    assert CacheAware(balance_abs_s=100.0, queue_order="fcfs").choose(1000, [a_comp, b], COST).instance == "b"
+    with pytest.raises(ValueError, match="queue_order"):
+        CacheAware(queue_order="sjf")
 
 
 def test_round_robin_and_least_load() -> None:
@@ -155,6 +190,20 @@ def test_dispatcher_affinity_load_and_release(dispatcher_parts) -> None:  # type
         d.route_prefill("x", 10, [], [])
     dl = d.route_decode("r1", 2000, ["d0", "d1"])
     assert d.route_decode("r2", 10, ["d0", "d1"]).instance != dl.instance
+
+
+def test_lease_seconds_and_queue_order_round_trip(dispatcher_parts) -> None:  # type: ignore[no-untyped-def]
+    """Both backends return each live lease's seconds (ascending) and the reported queue order."""
+    _, book = dispatcher_parts
+    for i, w in enumerate((3.0, 0.25, 1.5)):
+        assert book.reserve(Lease(f"l{i}", "p0", w, 10, expires_at=100.0), now=0.0)
+    assert book.reserve(Lease("old", "p0", 7.0, 10, expires_at=5.0), now=0.0)  # expires first
+    book.heartbeat("p0", WorkerReport(queued_tokens=7, queue_order="compute", at=1.0), ttl_s=60.0)
+    ld = book.loads(["p0", "p1"], 10.0)
+    assert ld["p0"].lease_work_s == (0.25, 1.5, 3.0) and ld["p0"].reserved_s == pytest.approx(4.75)
+    assert ld["p0"].report is not None and ld["p0"].report.queue_order == "compute"
+    assert ld["p0"].report.queued_tokens == 7
+    assert ld["p1"].lease_work_s == () and ld["p1"].report is None
 
 
 def test_leases_of_a_dead_router_expire() -> None:

@@ -344,10 +344,12 @@ class LLMEngine:
             cache_pages=self.kv.cached_pages() if self.kv.cache is not None else {},
         )
 
-    def drain_cache_events(self) -> list[BlockEvent]:
+    def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:
         """Prefix-cache block events since the last call, oldest first (``config.index_block_tokens``;
-        empty when off). The caller publishes them (``routing.events``)."""
-        return self.kv.drain_cache_events()
+        empty when off). The caller publishes them (``routing.events``). With ``resync``: a snapshot
+        of the whole cache instead (``cleared`` + stored chains of every cached block), for a
+        publisher that lost events; later calls return what happens after it."""
+        return self.kv.drain_cache_events(self.clock(), resync)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Offline helper: run prompts to completion, return output token ids in order."""

@@ -5,8 +5,7 @@ A block ``b`` of a token sequence (tokens ``[b*B, (b+1)*B)``) is *cached* while 
 holds a path for all of ``[0, (b+1)*B)``, i.e. while the full-attention KV of the block and of
 everything before it is on device or host. The rule is about full-attention KV only:
 
-* a node created by an insert stores the blocks ending inside it: ``stored`` event with the chain
-  from the root block to the deepest whole block of the inserted path;
+* a node created by an insert stores the blocks ending inside it: a ``stored`` event;
 * a node unlinked from the tree (device eviction without a host copy, host-tier drop, subtree
   deletion, flush) removes the blocks ending inside it and inside its descendants: ``removed``;
 * splits and merges only reshape nodes, host <-> device moves and SWA trimming / tombstoning /
@@ -16,18 +15,34 @@ everything before it is on device or host. The rule is about full-attention KV o
 A block ending inside a node is owned by that node alone (its end position lies in exactly one
 node's span ``(start, end]`` on the path), so each block is stored and removed exactly once per
 stay in the tree, and applying the events in order to an index yields the tree's block set.
-Blocks only partly covered by the tree are not cached. Chain keys are
-``routing.hashing.block_hashes`` over the node's path tokens from the root (a node's ``key`` holds
-only its own tokens): O(path) per event; nothing at all is done while the log is disabled.
+Blocks only partly covered by the tree are not cached.
+
+A stored event carries only the new blocks, linked to the block before them (``parent``, ``depth``),
+when the path continues a chain this log sent whole less than ``refresh_s`` seconds before (the
+next chunk of a chunked prefill, the next turn of a conversation): the index gives them the
+parent's last use, so a long prompt costs O(blocks) index writes, not O(blocks^2). Otherwise the
+event carries the whole chain from the root block, which refreshes the ancestors' last use in the
+index, so a chain in use is never older there than ``refresh_s`` plus a drain interval. Time is the
+caller's clock at the last ``drain(now)`` (before the first one: the first one's; no clock ever
+given: time stands still, every continuation is linked). Consecutive stored events of one chain between two drains merge into one.
+
+Chain keys are ``routing.hashing.block_hashes`` over the path tokens from the root; the last few
+chains are remembered (tokens compared in C, not re-hashed), so a chunk costs O(chunk) hashing.
+``snapshot`` walks the whole tree into ``cleared`` + stored chains (one per leaf, each linked to
+its branch point): the re-send after lost events. Nothing at all is done while the log is disabled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from swaserve.kvcache.radix import RadixNode
 from swaserve.routing.events import BlockEvent
 from swaserve.routing.hashing import block_hashes
+
+REFRESH_S = 10.0  # seconds a whole-chain event stays the base of linked ones (index TTL: 1 h)
+MEMO_CHAINS = 16  # chains remembered for linking and hashing (interleaved chunked prefills)
 
 
 def path_tokens(x: RadixNode | None) -> list[int]:
@@ -39,6 +54,13 @@ def path_tokens(x: RadixNode | None) -> list[int]:
     return [t for key in reversed(parts) for t in key]
 
 
+@dataclass
+class _Chain:
+    tokens: list[int]  # the first len(hashes) * B tokens of the path
+    hashes: list[int]
+    whole_at: float | None  # log time of its last whole (root) stored event; None: the next drain's
+
+
 class BlockEventLog:
     """Pending ``BlockEvent``s of one cache, in the order they happened.
 
@@ -46,51 +68,72 @@ class BlockEventLog:
         block_tokens: tokens per block (``B``), a positive multiple of ``page_size``.
         page_size: the tree's tokens per page.
         salt: chain seed (``routing.hashing.root_hash``); the router must hash with the same.
+        refresh_s: seconds (of the drain clock) a chain sent whole stays the base of linked events.
 
     Raises:
         ValueError: ``block_tokens`` is not a positive multiple of ``page_size``.
     """
 
-    def __init__(self, block_tokens: int, page_size: int, salt: str = "") -> None:
+    def __init__(
+        self, block_tokens: int, page_size: int, salt: str = "", refresh_s: float = REFRESH_S
+    ) -> None:
         if block_tokens < 1 or block_tokens % page_size:
             raise ValueError(
                 f"index block_tokens must be a positive multiple of the page size {page_size}, "
                 f"got {block_tokens}"
             )
-        self.block_tokens, self.salt = block_tokens, salt
+        self.block_tokens, self.salt, self.refresh_s = block_tokens, salt, refresh_s
         self.pending: list[BlockEvent] = []
-        # the last chain hashed and its tokens: consecutive chunks of one prefill extend it, so
-        # only their new blocks are hashed (a token compare, in C, replaces re-hashing the path)
-        self._memo_tokens: list[int] = []
-        self._memo_hashes: list[int] = []
+        self.now: float | None = None  # the caller's clock at the last drain (seconds; None: none yet)
+        self._chains: list[_Chain] = []  # most recent first
 
-    def _chain(self, tokens: Sequence[int], n: int) -> list[int]:
-        """Keys of the first ``n`` whole blocks of ``tokens``."""
-        B = self.block_tokens
-        m = min(len(self._memo_hashes), n)
-        if m and list(tokens[: m * B]) != self._memo_tokens[: m * B]:
-            m = 0
-        new = block_hashes(tokens[m * B : n * B], B, self.salt, self._memo_hashes[m - 1] if m else None)
-        hashes = self._memo_hashes[:m] + new
-        self._memo_tokens, self._memo_hashes = list(tokens[: n * B]), hashes
-        return hashes
+    def _find(self, tokens: Sequence[int], j: int) -> _Chain | None:
+        """A remembered chain holding the first ``j`` whole blocks of ``tokens`` (j >= 1)."""
+        B, head = self.block_tokens, list(tokens[: j * self.block_tokens])
+        for c in self._chains:  # the block before the new part first: cheap, and rarely equal by chance
+            if (
+                len(c.hashes) >= j
+                and c.tokens[(j - 1) * B : j * B] == head[-B:]
+                and c.tokens[: j * B] == head
+            ):
+                return c
+        return None
 
     def stored(self, tokens: Sequence[int], new_from: int) -> None:
         """The tree now holds ``tokens`` (a whole path from the root) and did not hold its part
-        from ``new_from`` on. Emits the root chain to the last whole block if a block ends after
-        ``new_from``. A pending stored event this one extends (same chain, shorter: consecutive
-        chunks of one prefill) is replaced by it."""
+        from ``new_from`` on. Emits the blocks ending after ``new_from``, if any: linked to the
+        block before them when the path continues a chain sent whole less than ``refresh_s`` ago,
+        else the chain from the root (module docstring)."""
         B = self.block_tokens
         n = len(tokens) // B
         if n * B <= new_from:
             return  # no block became whole
-        hashes = tuple(self._chain(tokens, n))
-        last = self.pending[-1] if self.pending else None
-        k = len(last.hashes) if last is not None else 0
-        if last is not None and last.op == "stored" and k <= n and hashes[k - 1] == last.hashes[-1]:
-            self.pending[-1] = BlockEvent("stored", hashes)  # same chain key = same prefix
+        j = new_from // B  # blocks [0, j) were cached before: whole inside [0, new_from)
+        c = self._find(tokens, j) if j else None
+        if c is None:
+            hashes = block_hashes(tokens[: n * B], B, self.salt)
         else:
-            self.pending.append(BlockEvent("stored", hashes))
+            hashes = c.hashes[:j] + block_hashes(tokens[j * B : n * B], B, self.salt, c.hashes[j - 1])
+        if c is not None and (
+            c.whole_at is None or self.now is None or self.now - c.whole_at <= self.refresh_s
+        ):
+            ev, whole_at = BlockEvent("stored", tuple(hashes[j:]), hashes[j - 1], j), c.whole_at
+        else:
+            ev, whole_at = BlockEvent("stored", tuple(hashes)), self.now
+        last = self.pending[-1] if self.pending else None
+        if last is not None and last.op == "stored":
+            end = last.depth + len(last.hashes)  # ``last`` covers blocks [last.depth, end)
+            if end <= n and hashes[end - 1] == last.hashes[-1]:  # same chain key = same prefix
+                if ev.depth == 0:
+                    self.pending.pop()  # the whole chain covers ``last``
+                elif last.depth <= ev.depth <= end:
+                    self.pending.pop()
+                    ev = BlockEvent("stored", last.hashes + tuple(hashes[end:]), last.parent, last.depth)
+        self.pending.append(ev)
+        if c is not None and len(c.hashes) <= n and hashes[len(c.hashes) - 1] == c.hashes[-1]:
+            self._chains.remove(c)  # a prefix of the new chain: superseded
+        del self._chains[MEMO_CHAINS - 1 :]
+        self._chains.insert(0, _Chain(list(tokens[: n * B]), hashes, whole_at))
 
     def removed(self, x: RadixNode) -> None:
         """``x`` and its subtree are about to leave the tree (``x.parent`` still set): emit the keys
@@ -107,7 +150,56 @@ class BlockEventLog:
         if out:
             self.pending.append(BlockEvent("removed", tuple(out)))
 
-    def drain(self) -> list[BlockEvent]:
-        """Return the pending events, oldest first, and clear them."""
+    def drain(self, now: float | None = None) -> list[BlockEvent]:
+        """Return the pending events, oldest first, and clear them.
+
+        Args:
+            now: the caller's clock (seconds, monotonic); the log's time until the next drain
+                (None: unchanged).
+        """
+        if now is not None:
+            self.now = now
+            for c in self._chains:
+                if c.whole_at is None:
+                    c.whole_at = now  # sent in the interval this drain ends
         out, self.pending = self.pending, []
+        return out
+
+    def snapshot(self, root: RadixNode, now: float | None = None) -> list[BlockEvent]:
+        """The whole state under ``root`` (the tree's root): ``cleared``, then stored chains
+        covering every cached block once, each chain before the chains linked to it. Pending
+        events are dropped: the snapshot supersedes them, and later events follow it.
+
+        Args:
+            now: as for ``drain``.
+
+        Returns:
+            ``[cleared, stored...]``: one stored chain per leaf path with a block of its own
+            (parent: its branch point's last block; the first child of a node continues the
+            node's chain).
+        """
+        self.drain(now)
+        B = self.block_tokens
+        segs: list[tuple[int | None, int, list[int]]] = []  # (parent, depth, hashes), in order
+        # (node, tokens after the last whole block before it, that block's key, blocks before it,
+        #  the chain it extends: an index into segs, or None to start one)
+        stack: list[tuple[RadixNode, list[int], int | None, int, int | None]] = [(root, [], None, 0, None)]
+        while stack:
+            x, rest, last, nb, seg = stack.pop()
+            toks = rest + x.key
+            k = len(toks) // B
+            if k:
+                new = block_hashes(toks[: k * B], B, self.salt, last)
+                if seg is None:
+                    segs.append((last, nb, new))
+                    seg = len(segs) - 1
+                else:
+                    segs[seg][2].extend(new)
+                last, nb, rest = new[-1], nb + k, toks[k * B :]
+            else:
+                rest = toks
+            for i, child in enumerate(x.children.values()):
+                stack.append((child, rest, last, nb, seg if i == 0 else None))
+        out = [BlockEvent("cleared", ())]
+        out += [BlockEvent("stored", tuple(hs), parent, depth) for parent, depth, hs in segs]
         return out

@@ -463,9 +463,14 @@ class KVCacheManager:
             raise ValueError("cache events need prefix caching")
         self.cache.enable_events(block_tokens)
 
-    def drain_cache_events(self) -> list[BlockEvent]:
-        """The prefix cache's block events since the last drain, oldest first (empty if off)."""
-        return self.cache.drain_events() if self.cache is not None else []
+    def drain_cache_events(self, now: float | None = None, resync: bool = False) -> list[BlockEvent]:
+        """The prefix cache's block events since the last drain, oldest first (empty if off).
+        ``now``: the caller's clock in seconds (``BlockEventLog.drain``; None keeps the log's).
+        ``resync``: a snapshot of the whole cache instead (``BlockEventLog.snapshot``)."""
+        if self.cache is None or self.cache.tree.events is None:
+            return []
+        log = self.cache.tree.events
+        return log.snapshot(self.cache.tree.root, now) if resync else log.drain(now)
 
     def flush_cache(self) -> None:
         """Drop every unlocked page the prefix cache holds (device and host)."""

@@ -1,23 +1,30 @@
 """The router's prefix index: which prefill instance holds which prefix blocks.
 
 Keys are block hash chains (``routing.hashing``). An entry is one (block, instance) pair with its
-last use. Two ways to fill it:
+last use and its depth (the block's position in its chain, 0 = the root block). Two ways to fill it:
 
 * *Approximate* (default): at dispatch, the router records the request's chain on the instance it
   chose (``record``), on the assumption that the worker will cache what it computed.
-* *Precise*: workers publish the blocks they store and evict; ``record`` / ``evict`` follow them.
+* *Precise*: workers publish the blocks they store and evict (``routing.events``); ``record`` /
+  ``evict`` / ``remove_instance`` follow them. A stored event may carry only the new blocks of a
+  chain with a link to the block before them (``record(..., depth=d, parent=p)``): they take the
+  parent entry's last use, so a chain recorded chunk by chunk costs O(new blocks) per chunk and
+  still ages as one chain (its deepest blocks go first).
 
 Bounds: at most ``max_entries`` entries in all (one global LRU over every instance's entries: a
 per-instance cap would let the index grow with the number of instances), and an entry unused for
-``ttl_s`` seconds no longer matches and is dropped. ``remove_instance`` drops an instance's entries
-when it leaves. Backends: ``InMemoryPrefixIndex`` here, ``routing.redis_store.RedisPrefixIndex``
-(shared by stateless router replicas). Times are the caller's clock (seconds), injected.
+``ttl_s`` seconds no longer matches and is dropped. Eviction order is total and the same in every
+backend: least recent last use first; among equal last uses the deepest block first (a chain that
+lost its head matches nothing), then by ``member`` (instance, then hash, as text): exactly the order
+of the Redis backend's sorted set. ``remove_instance`` drops an instance's entries when it leaves.
+Backends: ``InMemoryPrefixIndex`` here, ``routing.redis_store.RedisPrefixIndex`` (shared by
+stateless router replicas). Times are the caller's clock (seconds), injected.
 """
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 # minutes), so an entry that old points at KV that is gone.
 DEFAULT_MAX_ENTRIES = 4_000_000
 DEFAULT_TTL_S = 3600.0
+MAX_DEPTH = 999_999_999  # deepest block position an entry may have (9 digits in ``member``)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,21 @@ class IndexConfig:
     def __post_init__(self) -> None:
         if self.max_entries < 1 or self.ttl_s <= 0:
             raise ValueError(f"need max_entries >= 1 and ttl_s > 0, got {self.max_entries}, {self.ttl_s}")
+
+
+def member(depth: int, instance: str, h: int) -> str:
+    """An entry's tie-break key among equal last uses (its member in Redis' LRU sorted set):
+    ``"<MAX_DEPTH - depth, 9 digits>|<instance>|<hash>"``, so deeper blocks sort first."""
+    return f"{MAX_DEPTH - depth:09d}|{instance}|{h}"
+
+
+def check_chain(hashes: Sequence[int], depth: int, parent: int | None) -> None:
+    """Validate ``record``'s arguments. Raises ValueError: a negative depth, a depth past
+    ``MAX_DEPTH``, or a parent link on a chain that starts at the root (depth 0)."""
+    if depth < 0 or depth + len(hashes) > MAX_DEPTH:
+        raise ValueError(f"block depth must be in [0, {MAX_DEPTH}], got {depth} + {len(hashes)} blocks")
+    if parent is not None and depth == 0:
+        raise ValueError("a chain from the root block (depth 0) has no parent")
 
 
 class PrefixIndex(ABC):
@@ -60,11 +83,19 @@ class PrefixIndex(ABC):
         """
 
     @abstractmethod
-    def record(self, instance: str, hashes: Sequence[int], now: float) -> None:
-        """Mark ``hashes`` (a chain from its root block) as held by ``instance``, last used ``now``
-        (dispatch, or a store event); then drop expired entries and enforce the cap, least recently
-        used first, and among entries used at the same time the deepest blocks first (a chain
-        that lost its head matches nothing)."""
+    def record(
+        self, instance: str, hashes: Sequence[int], now: float, depth: int = 0, parent: int | None = None
+    ) -> None:
+        """Mark ``hashes`` as held by ``instance``: blocks ``depth, depth + 1, ...`` of one chain
+        (``depth`` 0: the chain from its root block). Their last use is ``now`` (dispatch, or a
+        store event); with ``parent`` (the key of block ``depth - 1``: the blocks continue a chain
+        recorded before) it is the parent entry's last use instead when ``instance`` holds it fresh
+        (else ``now``). Then drop expired entries and enforce the cap in eviction order (module
+        docstring).
+
+        Raises:
+            ValueError: see ``check_chain``.
+        """
 
     @abstractmethod
     def evict(self, instance: str, hashes: Sequence[int]) -> None:
@@ -84,12 +115,15 @@ class PrefixIndex(ABC):
 
 
 class InMemoryPrefixIndex(PrefixIndex):
-    """The index in this process: an ordered dict of entries in LRU order plus per-hash and
-    per-instance sets. ``record`` is O(blocks + dropped), ``match`` O(blocks x holders)."""
+    """The index in this process: entries in a dict, per-hash and per-instance sets, and the
+    eviction order as a lazy min-heap of ``(last use, member)`` (an entry re-recorded leaves a
+    dead heap item behind, skipped when it reaches the top; the heap is rebuilt when dead items
+    outnumber live ones). ``record`` is O(blocks log n + dropped), ``match`` O(blocks x holders)."""
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
-        self._lru: OrderedDict[tuple[int, str], float] = OrderedDict()
+        self._entries: dict[tuple[int, str], tuple[float, str]] = {}  # (hash, inst) -> (t, member)
+        self._heap: list[tuple[float, str, int, str]] = []  # (t, member, hash, inst)
         self._by_hash: dict[int, set[str]] = {}
         self._by_inst: dict[str, set[int]] = {}
 
@@ -100,7 +134,7 @@ class InMemoryPrefixIndex(PrefixIndex):
         out: dict[str, int] = {}
         alive: set[str] | None = None
         for k, h in enumerate(hashes):
-            holders = {i for i in self._by_hash.get(h, ()) if self._lru[(h, i)] >= oldest}
+            holders = {i for i in self._by_hash.get(h, ()) if self._entries[(h, i)][0] >= oldest}
             if alive is None:
                 alive = holders if instances is None else holders & set(instances)
             else:
@@ -113,24 +147,38 @@ class InMemoryPrefixIndex(PrefixIndex):
             out[i] = len(hashes)
         return out
 
-    def record(self, instance: str, hashes: Sequence[int], now: float) -> None:
+    def record(
+        self, instance: str, hashes: Sequence[int], now: float, depth: int = 0, parent: int | None = None
+    ) -> None:
+        check_chain(hashes, depth, parent)
+        oldest = now - self.config.ttl_s
+        t = now
+        if parent is not None:
+            got = self._entries.get((parent, instance))
+            if got is not None and got[0] >= oldest:
+                t = got[0]
         mine = self._by_inst.setdefault(instance, set())
-        for h in reversed(hashes):  # deepest first: among equal last uses, evicted first
-            key = (h, instance)
-            if key in self._lru:
-                self._lru.move_to_end(key)
-            self._lru[key] = now
+        for k, h in enumerate(hashes):
+            m = member(depth + k, instance, h)
+            self._entries[(h, instance)] = (t, m)
+            heapq.heappush(self._heap, (t, m, h, instance))
             self._by_hash.setdefault(h, set()).add(instance)
             mine.add(h)
-        oldest = now - self.config.ttl_s
-        while self._lru:
-            key, t = next(iter(self._lru.items()))
-            if t >= oldest and len(self._lru) <= self.config.max_entries:
+        while self._heap:
+            t0, m0, h0, i0 = self._heap[0]
+            if self._entries.get((h0, i0)) != (t0, m0):
+                heapq.heappop(self._heap)  # dead: re-recorded or dropped since
+            elif t0 < oldest or len(self._entries) > self.config.max_entries:
+                heapq.heappop(self._heap)
+                self._drop(h0, i0)
+            else:
                 break
-            self._drop(*key)
+        if len(self._heap) > 2 * len(self._entries) + 1024:
+            self._heap = [(t, m, h, i) for (h, i), (t, m) in self._entries.items()]
+            heapq.heapify(self._heap)
 
     def _drop(self, h: int, instance: str) -> None:
-        del self._lru[(h, instance)]
+        del self._entries[(h, instance)]
         holders = self._by_hash[h]
         holders.discard(instance)
         if not holders:
@@ -139,13 +187,13 @@ class InMemoryPrefixIndex(PrefixIndex):
 
     def evict(self, instance: str, hashes: Sequence[int]) -> None:
         for h in hashes:
-            if (h, instance) in self._lru:
+            if (h, instance) in self._entries:
                 self._drop(h, instance)
 
     def remove_instance(self, instance: str) -> int:
         hs = self._by_inst.pop(instance, set())
         for h in hs:
-            del self._lru[(h, instance)]
+            del self._entries[(h, instance)]
             holders = self._by_hash[h]
             holders.discard(instance)
             if not holders:
@@ -153,10 +201,18 @@ class InMemoryPrefixIndex(PrefixIndex):
         return len(hs)
 
     def size(self) -> int:
-        return len(self._lru)
+        return len(self._entries)
 
     def entries(self, instance: str) -> list[tuple[int, float]]:
-        return [(h, self._lru[(h, instance)]) for h in self._by_inst.get(instance, ())]
+        return [(h, self._entries[(h, instance)][0]) for h in self._by_inst.get(instance, ())]
+
+    def dump(self, instance: str) -> list[tuple[int, float, int]]:
+        """``(hash, last_use, depth)`` of one instance's entries (re-sync keeps depths)."""
+        out = []
+        for h in self._by_inst.get(instance, ()):
+            t, m = self._entries[(h, instance)]
+            out.append((h, t, MAX_DEPTH - int(m[:9])))
+        return out
 
     def instances(self) -> list[str]:
         """Instances with at least one entry."""

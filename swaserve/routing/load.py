@@ -7,8 +7,9 @@ request leaves the instance. A lease carries the estimated work (seconds, tokens
 ``expires_at``, so the load of a router that died holding leases drains by itself. Counting load
 only when a worker reports it lets a burst pile onto one instance (every request sees it idle).
 
-Workers report by heartbeat: queued and running tokens, running requests and KV usage. A
-heartbeat older than ``ttl_s`` means the instance is gone (``live``).
+Workers report by heartbeat: queued and running tokens, running requests, KV usage and the order
+their queue serves requests in (``queue_order``). A heartbeat older than ``ttl_s`` means the
+instance is gone (``live``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class Lease:
 class WorkerReport:
     """A worker's heartbeat. Tokens: ``queued_tokens`` waiting to be prefilled (uncached),
     ``running_tokens`` in running requests; ``kv_usage``: fraction of KV pages in use (0..1),
-    the fuller pool for hybrid layouts; ``at``: when it was sent (s)."""
+    the fuller pool for hybrid layouts; ``at``: when it was sent (s); ``queue_order``: how its
+    prefill queue admits requests, ``"fcfs"`` or ``"compute"`` (``routing.priority``; it changes
+    how long a new request waits there, ``routing.policy.wait_s``)."""
 
     queued_tokens: int = 0
     running_tokens: int = 0
@@ -46,18 +49,21 @@ class WorkerReport:
     waiting_requests: int = 0
     kv_usage: float = 0.0
     at: float = 0.0
+    queue_order: str = "fcfs"
 
 
 @dataclass(frozen=True)
 class InstanceLoad:
     """What selection sees of one instance: live leases (count, seconds, tokens), the last
-    heartbeat (None if none is fresh) and ``version``, bumped by every reserve and release."""
+    heartbeat (None if none is fresh), ``version``, bumped by every reserve and release, and
+    ``lease_work_s``, the seconds of each live lease, ascending (they sum to ``reserved_s``)."""
 
     leases: int = 0
     reserved_s: float = 0.0
     reserved_tokens: int = 0
     report: WorkerReport | None = None
     version: int = 0
+    lease_work_s: tuple[float, ...] = ()
 
 
 class LoadBook(ABC):
@@ -122,8 +128,9 @@ class InMemoryLoadBook(LoadBook):
                     del s.leases[lid]
                 live = s.leases.values()
                 report = s.report if s.report is not None and now < s.report_until else None
+                work = tuple(sorted(x.work_s for x in live))
                 out[name] = InstanceLoad(
-                    len(live), sum(x.work_s for x in live), sum(x.tokens for x in live), report, s.version
+                    len(live), sum(work), sum(x.tokens for x in live), report, s.version, work
                 )
             return out
 

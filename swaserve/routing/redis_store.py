@@ -7,13 +7,16 @@ Keys (``{ns}`` is a hash tag, so a Redis Cluster keeps them in one slot)::
     {ns}:lru             ZSET "<rdepth>|<instance>|<hash>" -> last use   global LRU (cap, TTL)
     {ns}:i:<instance>    HASH hash -> its member in {ns}:lru          an instance's entries
 
-``rdepth`` is ``999999999 - position in the chain`` zero-padded, so among entries last used at the
-same time the deepest blocks sort (and are evicted) first, as in the in-memory backend: a chain
-that lost its head matches nothing.
     {ns}:lease:<inst>    HASH lease id -> "work_s tokens expires"  live leases
     {ns}:ver:<inst>      INT  bumped by every reserve / release    compare-and-reserve
     {ns}:hb:<inst>       HASH heartbeat fields                     last report
     {ns}:live            ZSET instance -> heartbeat expiry (s)
+
+``rdepth`` is ``999999999 - depth`` (the block's position in its chain) zero-padded, so among
+entries last used at the same time the deepest blocks sort (and are evicted) first: a chain that
+lost its head matches nothing. The in-memory backend keeps exactly this order (``index.member``).
+``record`` with a ``parent`` reads the parent's last use from ``{ns}:b:<parent>`` in the same script,
+so a chain recorded chunk by chunk writes only its new blocks' keys.
 
 Hashes travel as decimal strings (Lua numbers are doubles and would round 64-bit values); times
 and seconds of work as strings too (a Lua number returned to Redis is truncated to an integer).
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from swaserve.routing.index import IndexConfig, PrefixIndex
+from swaserve.routing.index import IndexConfig, PrefixIndex, check_chain
 from swaserve.routing.load import DEFAULT_HEARTBEAT_TTL_S, InstanceLoad, Lease, LoadBook, WorkerReport
 
 _DROP = """
@@ -40,13 +43,18 @@ _RECORD = (
     _DROP
     + """
 local ns, inst, now, cap, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-for k = 6, #ARGV do
+local depth, t = tonumber(ARGV[6]), ARGV[3]
+if ARGV[7] ~= '' then
+  local pt = redis.call('HGET', ns .. ':b:' .. ARGV[7], inst)
+  if pt and tonumber(pt) >= now - ttl then t = pt end
+end
+for k = 8, #ARGV do
   local h = ARGV[k]
-  local member = string.format('%09d', 999999999 - (k - 6)) .. '|' .. inst .. '|' .. h
+  local member = string.format('%09d', 999999999 - depth - (k - 8)) .. '|' .. inst .. '|' .. h
   local prev = redis.call('HGET', ns .. ':i:' .. inst, h)
   if prev and prev ~= member then redis.call('ZREM', ns .. ':lru', prev) end
-  redis.call('HSET', ns .. ':b:' .. h, inst, ARGV[3])
-  redis.call('ZADD', ns .. ':lru', now, member)
+  redis.call('HSET', ns .. ':b:' .. h, inst, t)
+  redis.call('ZADD', ns .. ':lru', t, member)
   redis.call('HSET', ns .. ':i:' .. inst, h, member)
 end
 local old = redis.call('ZRANGEBYSCORE', ns .. ':lru', '-inf', '(' .. tostring(now - ttl), 'LIMIT', 0, 100000)
@@ -116,20 +124,20 @@ for k = 3, #ARGV do
   local inst = ARGV[k]
   local key = ns .. ':lease:' .. inst
   local f = redis.call('HGETALL', key)
-  local n, work, tokens = 0, 0, 0
+  local n, work, tokens, each = 0, 0, 0, {}
   for j = 1, #f, 2 do
     local w, t, exp = string.match(f[j + 1], '^(%S+) (%S+) (%S+)$')
     if tonumber(exp) <= now then
       redis.call('HDEL', key, f[j])
     else
-      n = n + 1; work = work + tonumber(w); tokens = tokens + tonumber(t)
+      n = n + 1; work = work + tonumber(w); tokens = tokens + tonumber(t); each[#each + 1] = w
     end
   end
   local ver = redis.call('GET', ns .. ':ver:' .. inst) or '0'
   local until_ = redis.call('ZSCORE', ns .. ':live', inst)
   local hb = {}
   if until_ and tonumber(until_) > now then hb = redis.call('HGETALL', ns .. ':hb:' .. inst) end
-  out[#out + 1] = {inst, n, tostring(work), tokens, ver, hb}
+  out[#out + 1] = {inst, n, tostring(work), tokens, ver, hb, each}
 end
 return out
 """
@@ -187,9 +195,13 @@ class RedisPrefixIndex(PrefixIndex):
         keep = set(instances) if instances is not None else None
         return {i: n for i, n in got.items() if n > 0 and (keep is None or i in keep)}
 
-    def record(self, instance: str, hashes: Sequence[int], now: float) -> None:
+    def record(
+        self, instance: str, hashes: Sequence[int], now: float, depth: int = 0, parent: int | None = None
+    ) -> None:
+        check_chain(hashes, depth, parent)
         args = [self.ns, instance, repr(now), str(self.config.max_entries), repr(self.config.ttl_s)]
-        self._record(args=[*args, *map(str, hashes)])
+        link = [str(depth), "" if parent is None else str(parent)]
+        self._record(args=[*args, *link, *map(str, hashes)])
 
     def evict(self, instance: str, hashes: Sequence[int]) -> None:
         if hashes:
@@ -219,7 +231,10 @@ def _report(fields: Sequence[str] | Mapping[str, str]) -> WorkerReport | None:
     if not d:
         return None
     ints = {k: int(d.get(k, 0)) for k in _REPORT_FIELDS}
-    return WorkerReport(**ints, kv_usage=float(d.get("kv_usage", 0.0)), at=float(d.get("at", 0.0)))
+    return WorkerReport(
+        **ints, kv_usage=float(d.get("kv_usage", 0.0)), at=float(d.get("at", 0.0)),
+        queue_order=str(d.get("queue_order", "fcfs")),
+    )  # fmt: skip
 
 
 class RedisLoadBook(LoadBook):
@@ -237,8 +252,10 @@ class RedisLoadBook(LoadBook):
             return {}
         rows = self._loads(args=[self.ns, repr(now), *instances])
         return {
-            inst: InstanceLoad(int(n), float(work), int(tokens), _report(hb), int(ver))
-            for inst, n, work, tokens, ver, hb in rows
+            inst: InstanceLoad(
+                int(n), float(work), int(tokens), _report(hb), int(ver), tuple(sorted(float(w) for w in each))
+            )
+            for inst, n, work, tokens, ver, hb, each in rows
         }
 
     def reserve(self, lease: Lease, now: float, expect: Mapping[str, int] | None = None) -> bool:
@@ -254,7 +271,11 @@ class RedisLoadBook(LoadBook):
 
     def heartbeat(self, instance: str, report: WorkerReport, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
         fields = {k: str(getattr(report, k)) for k in _REPORT_FIELDS}
-        fields |= {"kv_usage": repr(report.kv_usage), "at": repr(report.at)}
+        fields |= {
+            "kv_usage": repr(report.kv_usage),
+            "at": repr(report.at),
+            "queue_order": report.queue_order,
+        }
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(f"{self.ns}:hb:{instance}", mapping=fields)
         pipe.zadd(f"{self.ns}:live", {instance: report.at + ttl_s})

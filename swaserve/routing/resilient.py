@@ -5,9 +5,11 @@ in-memory one. Every write goes to the local copy too, so the local copy always 
 router did. While the shared backend answers, reads come from it; on an error (``errors``), the
 wrapper marks it down and reads and writes go to the local copy only. Every ``retry_s`` seconds
 a call probes the shared backend again (``probe``); when it answers, every index entry of the
-local copy is written back to it (re-sync: a Redis restarted without persistence is empty, and
-other routers see this router's dispatches again; entries already there just get their last use
-refreshed to the local one) and reads go to it again. Leases are not re-synced: those reserved while it was down are released
+local copy is written back to it with its last use and depth (re-sync: a Redis restarted without
+persistence is empty, and other routers see this router's dispatches again; entries already there
+just get their last use refreshed to the local one) and reads go to it again. In precise mode the
+workers re-publish their whole state after such a restart too (``routing.events``); this router's
+follower applies that after the re-sync (both run inside the same ``SharedState.call``). Leases are not re-synced: those reserved while it was down are released
 locally, and those it held before an outage are gone with a restarted Redis (without
 persistence) or expire by their TTL.
 """
@@ -98,11 +100,20 @@ class FallbackIndex(PrefixIndex):
 
     def _resync(self) -> None:
         for inst in sorted(self.local.instances()):
-            by_time: dict[float, list[int]] = {}
-            for h, t in self.local.entries(inst):
-                by_time.setdefault(t, []).append(h)
-            for t in sorted(by_time):
-                self.shared.record(inst, by_time[t], t)
+            by_time: dict[float, list[tuple[int, int]]] = {}
+            for h, t, depth in self.local.dump(inst):
+                by_time.setdefault(t, []).append((depth, h))
+            for t in sorted(by_time):  # one record per run of consecutive depths: depths are kept
+                run: list[int] = []
+                start = 0
+                for depth, h in sorted(by_time[t]):
+                    if run and depth != start + len(run):
+                        self.shared.record(inst, run, t, depth=start)
+                        run = []
+                    if not run:
+                        start = depth
+                    run.append(h)
+                self.shared.record(inst, run, t, depth=start)
 
     def match(
         self, hashes: Sequence[int], now: float, instances: Collection[str] | None = None
@@ -112,9 +123,11 @@ class FallbackIndex(PrefixIndex):
             lambda: self.local.match(hashes, now, instances),
         )
 
-    def record(self, instance: str, hashes: Sequence[int], now: float) -> None:
-        self.local.record(instance, hashes, now)
-        self.state.call(lambda: self.shared.record(instance, hashes, now), lambda: None)
+    def record(
+        self, instance: str, hashes: Sequence[int], now: float, depth: int = 0, parent: int | None = None
+    ) -> None:
+        self.local.record(instance, hashes, now, depth, parent)
+        self.state.call(lambda: self.shared.record(instance, hashes, now, depth, parent), lambda: None)
 
     def evict(self, instance: str, hashes: Sequence[int]) -> None:
         self.local.evict(instance, hashes)

@@ -65,7 +65,7 @@ class SimConfig:
     buckets: tuple[tuple[int, int], ...] | None = None
     max_wait_s: float = 30.0
     wait_weight: float = 0.1
-    policy_args: dict[str, float] = field(default_factory=dict)
+    policy_args: dict[str, float | str] = field(default_factory=dict)
     index: IndexConfig = field(default_factory=IndexConfig)
     max_model_len: int | None = None  # longer requests (prompt + output) are refused, as the API does
     index_mode: str = "approximate"  # or "precise": the index follows the prefill caches' block events
@@ -163,7 +163,10 @@ class Simulator:
 
     def _heartbeat(self, p: PrefillSim) -> None:
         running = p.current.req.prompt_len if p.current else 0
-        rep = WorkerReport(p.queued_tokens, running, int(p.current is not None), len(p.queue), at=self.now)
+        rep = WorkerReport(
+            p.queued_tokens, running, int(p.current is not None), len(p.queue), at=self.now,
+            queue_order=self.cfg.priority,
+        )  # fmt: skip
         self.book.heartbeat(p.name, rep, ttl_s=1e18)
 
     def run(self, work: Workload) -> SimResult:
@@ -227,7 +230,7 @@ class Simulator:
     def _kick_prefill(self, p: PrefillSim) -> None:
         end = p.start_next(self.now)
         if self.precise:  # what its cache stored and evicted while admitting and running it
-            apply_events(self.dispatcher.index, p.name, p.kv.drain_cache_events(), self.now)
+            apply_events(self.dispatcher.index, p.name, p.kv.drain_cache_events(self.now), self.now)
         if end is not None:
             self._at(end, lambda: self._prefill_done(p))
 

@@ -85,7 +85,7 @@ def simulate(
     time_scale: float | None = None,
     host_bytes: int | None = None,
     buckets: tuple[tuple[int, int], ...] | None = None,
-    policy_args: dict[str, float] | None = None,
+    policy_args: dict[str, float | str] | None = None,
     max_wait_s: float | None = None,
     wait_weight: float | None = None,
     index_mode: str = "approximate",
@@ -121,11 +121,11 @@ COLUMNS = ("policy", "priority", "hit_rate", "host_hit_rate", "ttft_p50", "ttft_
            "itl_p50", "prefill_utilization", "wall_s")  # fmt: skip
 
 
-def print_table(rows: list[dict[str, object]]) -> None:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
-    print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)))
+def print_table(rows: list[dict[str, object]], columns: tuple[str, ...] = COLUMNS) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(COLUMNS, widths, strict=True)))
+        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)))
 
 
 def write_json(path: Path, payload: object) -> None:
