@@ -266,6 +266,7 @@ class WorkerService(wgrpc.WorkerServicer):
             min_prompt_tokens=lo,
             max_prompt_tokens=0 if hi >= ALL_LENGTHS[1] else hi,
             index_block_tokens=eng.config.index_block_tokens or 0,
+            queue_order=eng.config.schedule_policy,
         )
 
     async def expire_staging(self) -> None:

@@ -111,9 +111,10 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 ROUTER_STATUSES = ("ok", "invalid", "unavailable", "failed", "cancelled")
 """Outcomes of a request at the router: finished; refused as invalid (4xx); no capacity or no
 worker (503); failed otherwise (500 or an error event); the client went away first."""
-RETRY_REASONS = ("overloaded", "unavailable", "error")
+RETRY_REASONS = ("overloaded", "unavailable", "worker_down", "error")
 """Why the router re-dispatched a request: a decode worker's staging was full; a worker could not
-be reached; another retryable failure."""
+be reached; the router marked a worker down (refused or missed polls) while the request was on it
+and cancelled it there; another retryable failure."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class WorkerStats:
         role: ``prefill`` or ``decode``. instance: the worker's ``host:port``.
         up: reachable at the last poll or call.
         pools: page counts per pool (``full``, ``swa``); ``page_bytes`` is 0 (not reported).
+        draining: removed at runtime; its requests in flight finish, no new ones go there.
     """
 
     role: str
@@ -134,6 +136,7 @@ class WorkerStats:
     outstanding_tokens: int = 0
     staged_bytes: int = 0
     pools: dict[str, PoolStats] = field(default_factory=dict)
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -281,7 +284,8 @@ class EngineStatsCollector(Collector):
         )
         yield self._counter(
             "router_retries",
-            "Re-dispatches of a request to other workers, by reason (overloaded, unavailable, error).",
+            "Re-dispatches of a request to other workers, by reason (overloaded, unavailable, worker_down, "
+            "error).",
             ["reason"],
             (((x,), r.retries.get(x, 0)) for x in RETRY_REASONS),
         )
@@ -316,6 +320,11 @@ class EngineStatsCollector(Collector):
             "up": GaugeMetricFamily(
                 PREFIX + "worker_up", "1 if the worker was reachable at the last poll.", labels=labels
             ),
+            "draining": GaugeMetricFamily(
+                PREFIX + "worker_draining",
+                "1 while a removed worker finishes its requests (no new ones go there).",
+                labels=labels,
+            ),
             "running": GaugeMetricFamily(
                 PREFIX + "worker_num_requests_running", "Requests in the worker's batches.", labels=labels
             ),
@@ -336,6 +345,7 @@ class EngineStatsCollector(Collector):
         for w in r.workers:
             values = {
                 "up": int(w.up),
+                "draining": int(w.draining),
                 "running": w.running,
                 "waiting": w.waiting,
                 "outstanding_tokens": w.outstanding_tokens,

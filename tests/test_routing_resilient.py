@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from swaserve.redis_server import RedisServer
@@ -93,6 +94,17 @@ def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers(
         assert set(r.active) == {pl.lease_id, dl.lease_id} and r.renew() == 2  # running work renewed
         r.release(pl, dl)
         assert r.active == {} and r.renew() == 0
+        # a prefill worker seen back after it was down is asked to re-publish its cache (its
+        # entries were dropped, its cache may have survived); its queue order reaches the book
+        from swaserve.routing.events import resync_key
+
+        r.observe("p1", "prefill", None, False)
+        r.observe("p1", "prefill", pb.Load(role="prefill", queue_order="compute"), True)
+        assert redis.Redis.from_url(server.url, decode_responses=True).smembers(resync_key("swaserve")) == {
+            "p1"
+        }
+        rep = r.book.loads(["p1"], r.dispatcher.clock())["p1"].report
+        assert rep is not None and rep.queue_order == "compute"
         server.stop()
         # Redis gone: the follower's poll and the index fall back; routing goes on
         d, pl, dl = r.choose("b", 12, hashes, 20, ["p0", "p1"], ["d0"])
@@ -104,4 +116,50 @@ def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers(
         r.observe("p0", "prefill", pb.Load(role="prefill"), True)
         assert "p0" not in r._gone
     finally:
+        server.stop()
+
+
+def test_precise_follower_over_fallback_index_across_a_redis_restart() -> None:
+    """The router's precise-mode stack (``IndexFollower`` -> ``FallbackIndex`` over Redis) and a
+    worker's publisher, through a Redis restart: the router re-syncs its local copy (linked
+    entries keep their depths), then applies the worker's snapshot, which clears the blocks the
+    worker evicted while its events could not be published."""
+    from swaserve.routing.events import BlockEvent, IndexFollower, RedisEventPublisher
+    from swaserve.routing.index import MAX_DEPTH
+
+    server = RedisServer().start()
+    again: RedisServer | None = None
+    try:
+        client = redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=1.0)
+        t = [0.0]
+        state = SharedState(client.ping, (redis.exceptions.RedisError, OSError), lambda: t[0], retry_s=0.5)
+        index = FallbackIndex(RedisPrefixIndex(client, namespace="ns"), state)
+        follower = IndexFollower(index, client, "ns", lambda: t[0])
+        pub = RedisEventPublisher(redis.Redis.from_url(server.url, decode_responses=True), "ns", "p0")
+        a, b, c = chain_ids(range(4)), chain_ids(range(10, 14)), chain_ids(range(20, 24))
+        assert pub.check()  # no snapshot yet: a new worker sends one first
+        pub.publish([BlockEvent("cleared", ()), BlockEvent("stored", tuple(a[:2]))])
+        pub.publish([BlockEvent("stored", tuple(a[2:]), a[1], 2)])  # the next chunk: linked
+        assert state.call(follower.poll, lambda: 0) == 3 and not pub.check()
+        assert index.match(a, 0.0) == {"p0": 4}
+        server.stop()
+        assert state.call(follower.poll, lambda: 0) == 0 and not state.up
+        # meanwhile p0 evicts a and stores b (lost), and this router dispatches c to p1 (local)
+        with pytest.raises(redis.exceptions.ConnectionError):
+            pub.publish([BlockEvent("removed", tuple(a)), BlockEvent("stored", tuple(b))])
+        index.record("p1", c[:2], 0.5)
+        index.record("p1", c[2:], 0.5, depth=2, parent=c[1])
+        again = RedisServer(port=server.port).start()  # empty
+        t[0] = 1.0
+        assert pub.check()  # its marker is gone: p0 re-sends its whole cache
+        pub.publish([BlockEvent("cleared", ()), BlockEvent("stored", tuple(b))])
+        assert state.call(follower.poll, lambda: 0) == 2 and state.up  # re-sync, then the snapshot
+        assert follower.gaps == 0
+        for idx in (index, index.local, RedisPrefixIndex(client, namespace="ns")):
+            assert idx.match(a, 1.0) == {} and idx.match(b, 1.0) == {"p0": 4}
+            assert idx.match(c, 1.0) == {"p1": 4}
+        assert client.hget("{ns}:i:p1", str(c[3])).startswith(f"{MAX_DEPTH - 3:09d}|")  # type: ignore[union-attr]
+    finally:
+        if again is not None:
+            again.stop()
         server.stop()

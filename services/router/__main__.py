@@ -1,4 +1,5 @@
-"""``python -m services.router --help``: the OpenAI HTTP API over prefill and decode workers."""
+"""``python -m services.router --help``: the OpenAI HTTP API over prefill and decode workers, plus
+``GET/POST/DELETE /workers`` (``swaserve.api.workers``) to list, add and remove workers at runtime."""
 
 from __future__ import annotations
 
@@ -23,8 +24,27 @@ def main(
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Per-request deadline, seconds.")] = 600.0,
     max_retries: Annotated[int, typer.Option(min=0, help="Re-dispatches before the first decode token.")] = 2,
     poll_interval: Annotated[
-        float, typer.Option(min=0.05, help="Seconds between GetLoad polls (worker health, load, /metrics).")
+        float,
+        typer.Option(
+            min=0.05, help="Seconds between GetLoad polls (worker health, load, /metrics) and registry syncs."
+        ),
     ] = 1.0,
+    poll_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.05,
+            help="GetLoad deadline, seconds: a worker answers between engine steps, so keep it above the "
+            "longest step.",
+        ),
+    ] = 10.0,
+    hung_polls: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Poll deadlines missed in a row that mark a worker down (its requests in flight are "
+            "cancelled and retried elsewhere when no decode output was sent yet).",
+        ),
+    ] = 3,
     policy: Annotated[
         str,
         typer.Option(help="Prefill choice: cache_aware, least_load, round_robin (swaserve.routing.policy)."),
@@ -51,25 +71,33 @@ def main(
     balance_rel: Annotated[
         float | None, typer.Option(min=1.0, help="cache_aware guard: queue ratio over the shortest.")
     ] = None,
+    queue_order: Annotated[
+        str,
+        typer.Option(
+            help="cache_aware: the prefill queue order its wait estimate assumes: auto (each worker's "
+            "reported --schedule-policy), fcfs, compute (swaserve.routing.policy.wait_s)."
+        ),
+    ] = "auto",
 ) -> None:
     import uvicorn
 
     from services.router.cluster import ClusterEngine
     from services.router.routing import RoutingOptions
     from swaserve.api.server import build_app
+    from swaserve.api.workers import install_worker_routes
     from swaserve.model.checkpoint import default_model_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     try:
         routing = RoutingOptions(
             policy, cost_model, block_tokens, redis_url, namespace, index_mode, index_max_entries, index_ttl,
-            balance_abs, balance_rel,
+            balance_abs, balance_rel, queue_order=queue_order,
         )  # fmt: skip
         from swaserve.routing.cost import preset
         from swaserve.routing.policy import make_policy
 
         preset(cost_model)
-        make_policy(policy)
+        make_policy(policy, **({"queue_order": queue_order} if policy == "cache_aware" else {}))
         if redis_url:
             import redis
 
@@ -85,8 +113,11 @@ def main(
         max_retries,
         poll_interval,
         routing,
+        poll_timeout,
+        hung_polls,
     )
     fastapi_app = build_app(engine)  # type: ignore[arg-type]
+    install_worker_routes(fastapi_app, engine.admin)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(fastapi_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 

@@ -7,17 +7,17 @@ yielding ``RequestOutput`` deltas, ``tokenizer``, ``model_config``, ``max_model_
 
 One request: pick a prefill and a decode worker among the reachable ones (``routing.RouterRouting``:
 length bucket, prefix-cache affinity and load, with leases counted at dispatch, shared between
-router replicas through Redis), ``Generate`` on the prefill worker with ``kv_target`` = the decode
-worker (it streams the first token, pushes the KV, completes with ``handoff``), then ``Generate``
-on the decode worker with ``first_token`` and relay its stream. A failure before the decode worker
-produced anything (prefill worker down, KV transfer refused, decode worker down at the call) is
-retried on other workers: the prefill runs again (a prefix-cache hit) and its first token must equal
-the one already sent, else the client gets an error event. A failure after that ends the stream with
-an error event. Closing the stream (client gone) cancels the calls and aborts on both workers.
+router replicas through Redis), then run an attempt on them (``attempt.AttemptRunner``: prefill
+with ``kv_target`` = the decode worker, then decode, relaying its stream). A failure before the
+decode worker produced anything (prefill worker down or marked down while the request was on it,
+KV transfer refused, decode worker down at the call) is retried on other workers under a new
+attempt id: the prefill runs again (a prefix-cache hit) and its first token must equal the one
+already sent, else the client gets an error event. A failure after that ends the stream with an
+error event. Closing the stream (client gone) cancels the calls and aborts on both workers.
 
-The workers mark the chunk of a request's last token with its finish reason; that chunk becomes the
-final ``RequestOutput`` (tokens and finish reason together, as ``AsyncLLMEngine`` yields it), so
-the API's responses and SSE chunks have the same shape as ``swaserve serve``'s.
+Workers come from the command line and from the runtime worker registry (``admin.WorkerAdmin``,
+``POST/DELETE/GET /workers``), polled with the routing state; ``workers.WorkerPool`` keeps their
+handles, polls them, cancels the requests on a worker marked down and drains removed ones.
 
 When the retries run out on capacity or reachability (a decode worker's KV staging full:
 ``Overloaded``; no worker reachable: ``NoWorkerAvailable``) ``generate`` raises an ``Unavailable``
@@ -31,117 +31,53 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from services.router.admin import WorkerAdmin
+from services.router.attempt import AttemptRunner, DispatchError, NoWorkerAvailable, Overloaded
 from services.router.routing import RouterRouting, RoutingOptions
+from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
 from swaserve.api.server import Unavailable
 from swaserve.config import ModelConfig
-from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
-from swaserve.engine.stats import EngineStats, PoolStats
-from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.engine.stats import EngineStats
+from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
-from swaserve.metrics import RouterStats, WorkerStats
+from swaserve.metrics import RouterStats
 from swaserve.routing.dispatch import NoInstanceError
 from swaserve.routing.load import Lease
 from swaserve.v1 import worker_pb2 as pb
-from swaserve.v1 import worker_pb2_grpc as wgrpc
 
+__all__ = [
+    "HUNG_POLLS",
+    "POLL_TIMEOUT_S",
+    "ClusterEngine",
+    "DispatchError",
+    "NoWorkerAvailable",
+    "Overloaded",
+    "WorkerHandle",
+]
 log = logging.getLogger("swaserve.router")
-POLL_TIMEOUT_S = 10.0  # GetLoad deadline: a CPU engine step can take seconds
-HUNG_POLLS = 3  # deadlines in a row before a worker that accepts connections counts as down
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class Overloaded(Unavailable):
-    """No decode worker had room for the request's KV (staging full) in any attempt."""
-
-    code = "overloaded"
-
-
-class NoWorkerAvailable(Unavailable):
-    """No worker of a role could be reached for the request."""
-
-    code = "no_worker_available"
-
-
-class DispatchError(RuntimeError):
-    """A worker failed a request; ``worker`` is the one to avoid on a retry; ``code`` the gRPC
-    status of the failure (RESOURCE_EXHAUSTED: no room; UNAVAILABLE: not reachable)."""
-
-    def __init__(
-        self, message: str, worker: WorkerHandle | None, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
-    ) -> None:
-        super().__init__(message)
-        self.worker = worker
-        self.code = code
-
-    @property
-    def reason(self) -> str:
-        """The retry reason it counts under (``swaserve.metrics.RETRY_REASONS``)."""
-        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return "overloaded"
-        return "unavailable" if self.code == grpc.StatusCode.UNAVAILABLE else "error"
-
-    def final(self) -> Exception:
-        """What ``generate`` raises when this was the last attempt's failure."""
-        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return Overloaded(f"no decode worker has room for the request's KV now, retry later ({self})")
-        if self.code == grpc.StatusCode.UNAVAILABLE:
-            role = self.worker.role if self.worker is not None else "a"
-            return NoWorkerAvailable(f"no {role} worker available, retry later ({self})")
-        return RuntimeError(f"request failed: {self}")
-
-
-@dataclass(eq=False)
-class WorkerHandle:
-    """A worker as the router sees it."""
-
-    address: str
-    role: str
-    stub: wgrpc.WorkerStub
-    channel: grpc.aio.Channel
-    outstanding: int = 0  # tokens of requests this router dispatched and that are not done
-    healthy: bool = True
-    missed: int = 0  # GetLoad polls in a row that failed
-    load: pb.Load | None = field(default=None, repr=False)
-
-    def stats(self) -> WorkerStats:
-        """The last ``GetLoad`` as ``/metrics`` shows it."""
-        ld = self.load
-        if ld is None:
-            return WorkerStats(self.role, self.address, self.healthy)
-        pools = {
-            name: PoolStats(
-                total_pages=p.total_pages,
-                used_pages=p.used_pages,
-                peak_used_pages=p.peak_used_pages,
-                page_bytes=0,
-                num_layers=0,
-                cached_pages=p.cached_pages,
-            )
-            for name, p in ld.pools.items()
-        }
-        return WorkerStats(
-            self.role, self.address, self.healthy, ld.running, ld.waiting, ld.outstanding_tokens,
-            ld.staged_bytes, pools,
-        )  # fmt: skip
 
 
 class ClusterEngine:
     """Args:
     model_dir: checkpoint dir (tokenizer, config: the workers must serve the same one).
-    prefill, decode: worker addresses ``host:port``.
+    prefill, decode: worker addresses ``host:port`` (more can be added at runtime).
     model_name: served model name. request_timeout_s: per-request deadline (seconds).
     max_retries: re-dispatches of a request that failed before its decode output started.
-    poll_s: seconds between ``GetLoad`` polls (worker health and load).
+    poll_s: seconds between ``GetLoad`` polls (worker health and load) and registry syncs.
     routing: worker selection and shared state (default: cache-aware, in this process).
+    poll_timeout_s: a poll's deadline (seconds); hung_polls: deadlines missed in a row that mark
+    a worker down (``workers`` module docstring).
+
+    Raises:
+        ValueError: no prefill or no decode worker, or bad poll settings.
     """
 
     def __init__(
@@ -154,6 +90,8 @@ class ClusterEngine:
         max_retries: int = 2,
         poll_s: float = 1.0,
         routing: RoutingOptions | None = None,
+        poll_timeout_s: float = POLL_TIMEOUT_S,
+        hung_polls: int = HUNG_POLLS,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -164,14 +102,18 @@ class ClusterEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.max_model_len = self.model_config.max_position_embeddings
-        self.addresses = {"prefill": list(prefill), "decode": list(decode)}
         self.request_timeout_s, self.max_retries, self.poll_s = request_timeout_s, max_retries, poll_s
-        self.workers: list[WorkerHandle] = []
         self.routing = RouterRouting(routing or RoutingOptions())
+        self.pool = WorkerPool(self.routing, poll_s, poll_timeout_s, hung_polls)
+        flags = {a: "decode" for a in decode} | {a: "prefill" for a in prefill}
+        self.admin = WorkerAdmin(self.pool, self.routing, flags)
+        self.runner = AttemptRunner(self.pool, self._release, request_timeout_s)
         self.in_flight = 0
         self.index_entries = 0  # last poll's prefix index size (/metrics)
+        self._started = False
         self._poller: asyncio.Task[None] | None = None
-        self._pollers: list[asyncio.Task[None]] = []
+        self._current: dict[str, tuple[WorkerHandle, WorkerHandle, str]] = {}  # request -> attempt
+        self._background: set[asyncio.Task[Any]] = set()
         # counters since start, for /metrics (stats, router_stats)
         self.prompt_tokens_total = 0  # prompts of requests that got their first token
         self.generation_tokens_total = 0  # tokens relayed to clients
@@ -179,74 +121,49 @@ class ClusterEngine:
         self.requests_by_status: collections.Counter[str] = collections.Counter()
         self.retries: collections.Counter[str] = collections.Counter()
 
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        """Every worker handle (draining ones included)."""
+        return list(self.pool.handles.values())
+
     # -- lifecycle ----------------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        """Started, and some prefill and some decode worker look reachable (else the API answers
-        503 on /health and on requests)."""
-        return all(any(w.role == r and w.healthy for w in self.workers) for r in ("prefill", "decode"))
+        """Started, and some prefill and some decode worker in use look reachable (else the API
+        answers 503 on /health and on requests)."""
+        return self._started and self.pool.up("prefill") and self.pool.up("decode")
 
     async def start(self) -> None:
-        if self.workers:
+        if self._started:
             return
-        for role, addrs in self.addresses.items():
-            for a in addrs:
-                ch = grpc.aio.insecure_channel(a)
-                self.workers.append(WorkerHandle(a, role, wgrpc.WorkerStub(ch), ch))
-        self._poller = asyncio.create_task(self._poll(), name="router-load-poll")
-        self._pollers = [
-            asyncio.create_task(self._poll_worker(w), name=f"poll-{w.address}") for w in self.workers
-        ]
+        await self.admin.sync()  # the command line's workers with the registry's changes
+        self._started = True
+        self._poller = asyncio.create_task(self._poll(), name="router-poll")
 
     async def stop(self) -> None:
-        for t in [self._poller, *self._pollers]:
-            if t is not None:
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-        self._pollers = []
-        for w in self.workers:
-            await w.channel.close()
-        self.workers = []
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        await self.pool.close()
+        self._started = False
 
     async def _poll(self) -> None:
+        """Index size, lease renewal and the worker registry (each worker's load has its own
+        loop in ``WorkerPool``)."""
         renew_s = self.routing.opts.lease_ttl_s / 3
         last_renew = time.monotonic()
         while True:
-            self.index_entries = await self._routing(self.routing.index_size)
+            self.index_entries = await in_routing(self.routing, self.routing.index_size)
             if time.monotonic() - last_renew >= renew_s:
                 last_renew = time.monotonic()
-                await self._routing(self.routing.renew)
+                await in_routing(self.routing, self.routing.renew)
+            try:
+                await self.admin.sync()
+            except Exception:  # never let the registry stop lease renewal
+                log.exception("worker registry sync failed")
             await asyncio.sleep(min(self.poll_s, renew_s))
-
-    async def _poll_worker(self, w: WorkerHandle) -> None:
-        """One worker's poll loop (a hung worker delays only its own polls)."""
-        while True:
-            await self._poll_one(w)
-            await asyncio.sleep(self.poll_s)
-
-    async def _poll_one(self, w: WorkerHandle) -> None:
-        """A refused connection marks the worker down at once; a busy worker answers between
-        engine steps, so only ``HUNG_POLLS`` polls in a row past ``POLL_TIMEOUT_S`` (a stopped or
-        wedged process) do."""
-        try:
-            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=POLL_TIMEOUT_S)
-            if not w.healthy:
-                log.info("%s worker %s is back", w.role, w.address)
-            w.healthy, w.missed = True, 0
-        except grpc.aio.AioRpcError as e:
-            w.missed += 1
-            hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.missed >= HUNG_POLLS
-            if e.code() == grpc.StatusCode.UNAVAILABLE or hung:
-                if w.healthy:
-                    what = "unreachable" if not hung else f"not answering for {w.missed} polls"
-                    log.warning("%s worker %s %s", w.role, w.address, what)
-                w.healthy = False
-        await self._routing(self.routing.observe, w.address, w.role, w.load, w.healthy)
-
-    async def _routing(self, fn, *args):  # type: ignore[no-untyped-def]
-        """Run a (blocking: Redis) routing call on the routing thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.routing.executor, fn, *args)
 
     def stats(self) -> EngineStats:
         """Requests in flight through the router (``num_running``) and the token counters of the
@@ -276,18 +193,14 @@ class ClusterEngine:
         """Every worker's current ``GetLoad`` (address -> load); unreachable ones are left out."""
         out = {}
         for w in self.workers:
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 out[w.address] = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=5.0)
         return out
 
     # -- selection ----------------------------------------------------------------------------
     def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
-        """Workers of ``role`` a request may go to: reachable ones not in ``avoid`` if any is
-        left, else reachable ones, else all (a worker that failed this request or looks
-        unreachable is still tried when it is the only one)."""
-        mine = [w for w in self.workers if w.role == role]
-        pool = [w for w in mine if w.healthy and w not in avoid] or [w for w in mine if w.healthy] or mine
-        return {w.address: w for w in pool}
+        """Workers of ``role`` a request may go to (``WorkerPool.candidates``)."""
+        return self.pool.candidates(role, avoid)
 
     async def _choose(
         self, rid: str, prompt: list[int], hashes: list[int], params: SamplingParams, avoid: set[WorkerHandle]
@@ -295,8 +208,8 @@ class ClusterEngine:
         ps, ds = self.candidates("prefill", avoid), self.candidates("decode", avoid)
         total = len(prompt) + params.max_tokens
         try:
-            d, p_lease, d_lease = await self._routing(
-                self.routing.choose, rid, len(prompt), hashes, total, ps, ds
+            d, p_lease, d_lease = await in_routing(
+                self.routing, self.routing.choose, rid, len(prompt), hashes, total, ps, ds
             )
         except NoInstanceError as e:
             raise NoWorkerAvailable(str(e)) from e
@@ -317,7 +230,6 @@ class ClusterEngine:
             RuntimeError: it failed otherwise and could not be retried.
         """
         avoid: set[WorkerHandle] = set()
-        touched: set[WorkerHandle] = set()  # workers some attempt sent this request (or its KV) to
         first: int | None = None  # the first token, once sent to the client
         attempt = 0
         finished = False
@@ -333,14 +245,17 @@ class ClusterEngine:
             hashes = self.routing.hashes(prompt_token_ids)
             while True:
                 attempt += 1
-                p, d, leases = await self._choose(
-                    f"{request_id}#{attempt}", prompt_token_ids, hashes, params, avoid
-                )
+                wire_id = f"{request_id}#{attempt}"  # the request id on the workers, per attempt
+                p, d, leases = await self._choose(wire_id, prompt_token_ids, hashes, params, avoid)
+                if p.draining or d.draining:  # removed while the choice was made: choose again
+                    self._release(*leases)
+                    attempt -= 1
+                    continue
                 started = [False]  # decode output reached the client
-                touched |= {p, d}
+                self._current[request_id] = (p, d, wire_id)
                 try:
-                    async for out in self._dispatch(
-                        p, d, prompt_token_ids, params, request_id, first, started, leases
+                    async for out in self.runner.run(
+                        p, d, wire_id, request_id, prompt_token_ids, params, first, started, leases
                     ):
                         if first is None and out.new_token_ids:
                             first = out.new_token_ids[0]
@@ -362,6 +277,7 @@ class ClusterEngine:
                         raise e.final() from e
                     log.warning("retrying %s (attempt %d): %s", request_id, attempt + 1, e)
                     self.retries[e.reason] += 1
+                    self._abort_attempt(p, d, wire_id)  # whatever it left (staged KV) goes
                     if e.worker is not None:
                         avoid.add(e.worker)
         except ValueError:
@@ -376,140 +292,24 @@ class ClusterEngine:
         finally:
             self.in_flight -= 1
             self.requests_by_status[status] += 1
-            if not finished:  # client gone or failed: drop it everywhere, staged KV included
-                for w in touched:
-                    asyncio.get_running_loop().create_task(self._abort(w, request_id))
+            current = self._current.pop(request_id, None)
+            if not finished and current is not None:  # client gone or failed: drop it everywhere
+                self._abort_attempt(*current)
 
-    async def _dispatch(
-        self,
-        p: WorkerHandle,
-        d: WorkerHandle,
-        prompt: list[int],
-        params: SamplingParams,
-        rid: str,
-        first_sent: int | None,
-        started: list[bool],
-        leases: list[Lease],
-    ) -> AsyncIterator[RequestOutput]:
-        """One attempt on ``p`` then ``d``; ``leases`` (prefill, decode) are released as each
-        worker's part ends."""
-        sampling = params_to_proto(params)
-        timeout = self.request_timeout_s
-        n = len(prompt)
-        p.outstanding += n
-        d.outstanding += params.max_tokens
-        active: list[tuple[WorkerHandle, grpc.aio.UnaryStreamCall]] = []
-        done = False
-        try:
-            call = p.stub.Generate(
-                pb.GenerateRequest(
-                    request_id=rid, prompt_token_ids=prompt, sampling=sampling, kv_target=d.address
-                ),
-                timeout=timeout,
-            )
-            active.append((p, call))
-            first, reason, usage = None, "", pb.Usage()
-            async for m in self._messages(call, p, d):
-                kind = m.WhichOneof("kind")
-                if kind == "chunk":
-                    out = _output(rid, m)
-                    first = out.new_token_ids[0] if out.new_token_ids else first
-                    if first_sent is not None and first != first_sent:
-                        raise RuntimeError("a retried prefill sampled another first token")
-                    done = out.finished  # ended at its first token: the last chunk
-                    if first_sent is None:
-                        yield out
-                    elif done:  # its tokens were sent already
-                        yield dataclasses.replace(out, new_token_ids=[], new_text="", new_logprobs=[])
-                    if done:
-                        return
-                elif kind == "complete":
-                    reason, usage = m.complete.finish_reason, m.usage
-            p.outstanding -= n
-            n = 0
-            self._release(leases.pop(0))  # the prefill's work is done
-            if reason != FinishReason.HANDOFF.value:
-                done = True
-                yield RequestOutput(
-                    rid, finished=True, finish_reason=finish_reason(reason), prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
-                )  # fmt: skip
-                return
-            if first is None:
-                raise DispatchError(f"prefill worker {p.address} handed off without a first token", p)
-            cached = usage.cached_tokens
-            call = d.stub.Generate(
-                pb.GenerateRequest(
-                    request_id=rid, prompt_token_ids=prompt, sampling=sampling, first_token=first
-                ),
-                timeout=timeout,
-            )
-            active.append((d, call))
-            async for m in self._messages(call, d, d):
-                kind = m.WhichOneof("kind")
-                if kind == "chunk":
-                    out = _output(rid, m)
-                    out.cached_tokens = cached
-                    started[0] = True
-                    done = out.finished
-                    yield out
-                    if done:
-                        return
-                elif kind == "complete":
-                    done = True
-                    yield RequestOutput(
-                        rid, finished=True, finish_reason=finish_reason(m.complete.finish_reason),
-                        prompt_tokens=m.usage.prompt_tokens, completion_tokens=m.usage.completion_tokens,
-                        cached_tokens=cached,
-                    )  # fmt: skip
-                    return
-            raise DispatchError(f"decode worker {d.address} ended the stream without completing", d)
-        finally:
-            p.outstanding -= n
-            d.outstanding -= params.max_tokens
-            self._release(*leases)
-            for _, c in active:  # not done: the worker's stream ends and its engine aborts the
-                c.cancel()  # request; done: only the `complete` after the last chunk is left
+    def _abort_attempt(self, p: WorkerHandle, d: WorkerHandle, wire_id: str) -> None:
+        """Abort an attempt on both its workers, in the background (staged KV included)."""
+        for w in (p, d):
+            task = asyncio.get_running_loop().create_task(self._abort(w, wire_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
-    async def _messages(
-        self, call: grpc.aio.UnaryStreamCall, worker: WorkerHandle, decode: WorkerHandle
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """A worker's stream; gRPC failures and error envelopes become DispatchError (ValueError
-        for a request the worker refused as invalid)."""
-        try:
-            async for m in call:
-                if m.WhichOneof("kind") == "error":
-                    msg = m.error.message
-                    if not m.error.retryable:
-                        raise ValueError(msg)  # the worker refused the request itself
-                    code = _CODES.get(m.error.code, grpc.StatusCode.UNKNOWN)
-                    if msg.startswith("KV transfer"):
-                        if code == grpc.StatusCode.UNAVAILABLE:
-                            decode.healthy = False
-                        raise DispatchError(msg, decode, code)
-                    raise DispatchError(f"{worker.role} worker {worker.address}: {msg}", worker, code)
-                yield m
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(e.details()) from e
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                worker.healthy = False
-            raise DispatchError(
-                f"{worker.role} worker {worker.address}: {e.code().name} {e.details()}", worker, e.code()
-            ) from e
-
-    async def _abort(self, w: WorkerHandle, rid: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await w.stub.Abort(pb.AbortRequest(request_id=rid), timeout=5.0)
+    async def _abort(self, w: WorkerHandle, wire_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: it left
+            await w.stub.Abort(pb.AbortRequest(request_id=wire_id), timeout=5.0)
 
     async def abort(self, request_id: str) -> None:
-        for w in self.workers:
-            await self._abort(w, request_id)
-
-
-def _output(rid: str, m: pb.GenerateResponse) -> RequestOutput:
-    """A chunk as a delta; the chunk a worker marked as the last one is the final output."""
-    out = output_from_chunk(rid, m)
-    if m.chunk.finish_reason:
-        out.finished, out.finish_reason = True, finish_reason(m.chunk.finish_reason)
-    return out
+        """Abort a request's current attempt on its workers (closing its stream does it too)."""
+        current = self._current.get(request_id)
+        if current is not None:
+            p, d, wire_id = current
+            await asyncio.gather(self._abort(p, wire_id), self._abort(d, wire_id))

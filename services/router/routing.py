@@ -9,7 +9,8 @@ bucket, and drops a worker's index entries when it becomes unreachable (its cach
 Redis calls are blocking: the async router runs them on one thread (``executor``), which also
 serializes the in-memory backend. In ``precise`` index mode an ``IndexFollower`` applies the
 prefill workers' stored/removed block events from Redis before each decision instead of recording
-dispatches.
+dispatches. The worker registry (``swaserve.routing.registry``: workers added or removed at runtime)
+lives in the same Redis; ``sync_workers`` merges this router's copy with it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from swaserve.routing.hashing import block_hashes
 from swaserve.routing.index import IndexConfig, InMemoryPrefixIndex, PrefixIndex
 from swaserve.routing.load import InMemoryLoadBook, Lease, LoadBook, WorkerReport
 from swaserve.routing.policy import Decision, make_policy
+from swaserve.routing.registry import RedisWorkerRegistry, RegistryReplica, WorkerRegistry
 from swaserve.v1 import worker_pb2 as pb
 
 log = logging.getLogger("swaserve.router")
@@ -53,9 +55,10 @@ class RoutingOptions:
     index_ttl_s: float = IndexConfig().ttl_s
     balance_abs_s: float | None = None
     balance_rel: float | None = None
+    queue_order: str = "auto"  # cache_aware: routing.policy.wait_s
     lease_ttl_s: float = 30.0
     redis_retry_s: float = 1.0
-    policy_args: dict[str, float] = field(default_factory=dict)
+    policy_args: dict[str, float | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.index_mode not in ("approximate", "precise"):
@@ -76,10 +79,12 @@ class RouterRouting:
                 kwargs["balance_abs_s"] = opts.balance_abs_s
             if opts.balance_rel is not None:
                 kwargs["balance_rel"] = opts.balance_rel
+            kwargs["queue_order"] = opts.queue_order
         policy = make_policy(opts.policy, **kwargs)
         cfg = IndexConfig(opts.index_max_entries, opts.index_ttl_s)
         self.state = None
         self.follower = None
+        self.registry: WorkerRegistry | None = None  # shared worker registry (None: no Redis)
         index: PrefixIndex
         book: LoadBook
         if opts.redis_url:
@@ -98,6 +103,7 @@ class RouterRouting:
             )
             index = FallbackIndex(RedisPrefixIndex(client, cfg, opts.namespace), self.state)
             book = FallbackBook(RedisLoadBook(client, opts.namespace), self.state)
+            self.registry = RedisWorkerRegistry(client, opts.namespace)
             if opts.index_mode == "precise":
                 from swaserve.routing.events import IndexFollower
 
@@ -165,13 +171,19 @@ class RouterRouting:
     def observe(self, address: str, role: str, load: pb.Load | None, healthy: bool) -> None:
         """One poll result (blocking: run on ``executor``). A prefill worker seen down has its
         index entries dropped once (its cache is gone if it died; a worker that comes back
-        under the same address starts empty)."""
+        under the same address starts empty; in precise mode one that was only unreachable for a
+        while is asked to re-publish its cache)."""
         if not healthy:
             if role == "prefill" and address not in self._gone:
                 self._gone.add(address)
                 dropped = self.index.remove_instance(address)
                 log.info("prefill worker %s left: %d index entries dropped", address, dropped)
             return
+        if address in self._gone and self.follower is not None and self.state is not None:
+            # its cache may have outlived the outage: ask it to re-publish it (Redis down: its
+            # pump re-publishes once Redis is back anyway)
+            follower = self.follower
+            self.state.call(lambda: follower.ask(address), lambda: None)
         self._gone.discard(address)
         if load is None:
             return
@@ -200,8 +212,38 @@ class RouterRouting:
             waiting_requests=load.waiting,
             kv_usage=kv,
             at=self.dispatcher.clock(),
+            queue_order=load.queue_order or "fcfs",
         )
         self.book.heartbeat(address, rep)
+
+    def forget(self, address: str, role: str) -> None:
+        """A worker left this router for good (removed and drained; blocking: run on
+        ``executor``): its index entries, leases, heartbeat and length bucket are dropped."""
+        if role == "prefill":
+            dropped = self.index.remove_instance(address)
+            log.info("prefill worker %s removed: %d index entries dropped", address, dropped)
+        self.book.forget(address)
+        self.buckets.ranges.pop(address, None)
+        self._gone.discard(address)
+        self._warned.discard(address)
+
+    def drop_index(self, address: str) -> int:
+        """Drop a prefill worker's index entries (it is being drained: nothing new goes there)."""
+        return self.index.remove_instance(address)
+
+    def sync_workers(self, replica: RegistryReplica) -> bool:
+        """Merge ``replica`` with the shared worker registry (blocking: run on ``executor``, the
+        only thread that touches ``replica``). Returns False when there is no shared registry or
+        it is unreachable (the replica then holds this router's changes until it is back)."""
+        if self.registry is None or self.state is None:
+            return False
+        registry = self.registry
+
+        def shared() -> bool:
+            replica.sync(registry)
+            return True
+
+        return self.state.call(shared, lambda: False)
 
     @property
     def shared_up(self) -> bool | None:

@@ -153,7 +153,7 @@ class PoolLoad(_message.Message):
     def __init__(self, total_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., request_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("role", "running", "waiting", "outstanding_tokens", "pools", "staged_bytes", "open_requests", "prefill_tokens", "min_prompt_tokens", "max_prompt_tokens", "index_block_tokens")
+    __slots__ = ("role", "running", "waiting", "outstanding_tokens", "pools", "staged_bytes", "open_requests", "prefill_tokens", "min_prompt_tokens", "max_prompt_tokens", "index_block_tokens", "queue_order")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class Load(_message.Message):
     MIN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_ORDER_FIELD_NUMBER: _ClassVar[int]
     role: str
     running: int
     waiting: int
@@ -183,4 +184,5 @@ class Load(_message.Message):
     min_prompt_tokens: int
     max_prompt_tokens: int
     index_block_tokens: int
-    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pools: _Optional[_Mapping[str, PoolLoad]] = ..., staged_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., index_block_tokens: _Optional[int] = ...) -> None: ...
+    queue_order: str
+    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pools: _Optional[_Mapping[str, PoolLoad]] = ..., staged_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., index_block_tokens: _Optional[int] = ..., queue_order: _Optional[str] = ...) -> None: ...

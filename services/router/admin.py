@@ -1,0 +1,195 @@
+"""Runtime worker management of one router: what ``POST/DELETE/GET /workers``
+(``swaserve.api.workers``) call.
+
+A change is an entry of the worker registry (``swaserve.routing.registry``): written to this
+router's copy and applied here at once, then to the shared registry in Redis, which every router
+replica merges at each of its polls (``sync``), so one call reaches all replicas. Without Redis
+(no ``--redis-url``, or Redis unreachable) the change holds on this router only and the response
+says so; an unreachable Redis gets it when it is back.
+
+Adding checks the worker first: the URL must be ``host:port`` (or ``grpc://host:port``), the role
+``prefill`` or ``decode``, and the worker must answer ``GetLoad`` within ``check_timeout_s``
+reporting that role. Removing drains the worker (``workers.WorkerPool.drain``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from services.router.routing import RouterRouting
+from services.router.workers import WorkerHandle, WorkerPool, in_routing, parse_address
+from swaserve.api.protocol import ProtocolError
+from swaserve.routing.buckets import ALL_LENGTHS
+from swaserve.routing.registry import ACTIVE, REMOVED, ROLES, RegistryReplica, WorkerEntry
+from swaserve.v1 import worker_pb2 as pb
+from swaserve.v1 import worker_pb2_grpc as wgrpc
+
+
+class WorkerAdmin:
+    """Args:
+    pool: the router's workers. routing: its routing state (shared registry, buckets).
+    flags: address -> role of the workers on the router's command line.
+    clock: wall-clock seconds (registry stamps; compared across routers).
+    check_timeout_s: deadline of the ``GetLoad`` that checks a worker being added (seconds).
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        routing: RouterRouting,
+        flags: dict[str, str],
+        clock: Callable[[], float] = time.time,
+        check_timeout_s: float = 5.0,
+    ) -> None:
+        self.pool, self.routing, self.clock = pool, routing, clock
+        self.replica = RegistryReplica(flags)  # touched on the routing thread only
+        self.check_timeout_s = check_timeout_s
+        self.shared = False  # the shared registry answered at the last sync
+
+    def _sync_now(self, entry: WorkerEntry | None) -> tuple[dict[str, str], bool]:
+        """(routing thread) apply ``entry``, sync with the shared registry; the effective workers."""
+        if entry is not None:
+            self.replica.set(entry)
+        shared = self.routing.sync_workers(self.replica)
+        return self.replica.effective(), shared
+
+    async def sync(self, entry: WorkerEntry | None = None) -> bool:
+        """Apply ``entry`` (if any), merge with the shared registry and make the pool follow.
+        Returns whether the shared registry answered."""
+        effective, self.shared = await in_routing(self.routing, self._sync_now, entry)
+        self.pool.apply(effective, self.replica.flags)
+        return self.shared
+
+    async def _effective(self) -> dict[str, str]:
+        return await in_routing(self.routing, self.replica.effective)
+
+    def _note(self, shared: bool) -> str | None:
+        if shared:
+            return None
+        if self.routing.registry is None:
+            return "no shared registry (router started without --redis-url): applied on this router only"
+        return (
+            "the shared registry (Redis) is unreachable: applied on this router only; "
+            "written to the registry when Redis is back"
+        )
+
+    # -- the endpoints ------------------------------------------------------------------------
+    async def add_worker(self, url: str, role: str) -> dict[str, Any]:
+        """Add (or re-add) a worker; returns the response body.
+
+        Raises:
+            ProtocolError: bad role or URL (400), the address already serves the other role (409),
+                the worker does not answer or reports another role (400).
+        """
+        if role not in ROLES:
+            raise ProtocolError(
+                f"role must be 'prefill' or 'decode', got {role!r}", param="role", code="invalid_role"
+            )
+        address = self._address(url)
+        w = self.pool.handles.get(address)
+        if w is not None and w.role != role and not w.draining:
+            raise ProtocolError(
+                f"worker {address} is registered as a {w.role} worker; remove it first",
+                param="url", code="worker_exists", status=409,
+            )  # fmt: skip
+        load = await self._check(address, w)
+        if load.role and load.role != role:
+            raise ProtocolError(
+                f"worker {address} is a {load.role} worker, not a {role} worker",
+                param="role", code="role_mismatch",
+            )  # fmt: skip
+        was = w is not None and not w.draining and (await self._effective()).get(address) == role
+        shared = await self.sync(WorkerEntry(address, role, ACTIVE, self.clock()))
+        out = {"status": "already registered" if was else "added", "worker": self.describe(address)}
+        return self._with_note(out, shared)
+
+    async def remove_worker(self, url: str) -> dict[str, Any]:
+        """Remove a worker: it drains (no new requests; those in flight finish); returns the
+        response body.
+
+        Raises:
+            ProtocolError: bad URL (400), no such worker in use on this router (404).
+        """
+        address = self._address(url)
+        role = (await self._effective()).get(address)
+        if role is None:
+            w = self.pool.handles.get(address)
+            if w is not None and w.draining:
+                return self._with_note({"status": "draining", "worker": self.describe(address)}, self.shared)
+            raise ProtocolError(
+                f"no worker {address} is in use on this router",
+                param="url",
+                code="worker_not_found",
+                status=404,
+            )
+        shared = await self.sync(WorkerEntry(address, role, REMOVED, self.clock()))
+        gone = address not in self.pool.handles  # nothing in flight here: it left at once
+        body = {
+            "status": "removed" if gone else "draining",
+            "worker": self.describe(address)
+            or {"url": address, "instance": address, "role": role, "state": "removed"},
+        }
+        return self._with_note(body, shared)
+
+    def list_workers(self) -> dict[str, Any]:
+        """Every worker this router knows (draining ones included) and where changes are kept."""
+        return {
+            "object": "list",
+            "data": [self.describe(a) for a in sorted(self.pool.handles)],
+            "registry": "shared" if self.shared else "local",
+        }
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _with_note(self, body: dict[str, Any], shared: bool) -> dict[str, Any]:
+        body["shared"] = shared
+        note = self._note(shared)
+        if note:
+            body["note"] = note
+        return body
+
+    def _address(self, url: str) -> str:
+        try:
+            return parse_address(url)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="url", code="invalid_worker_url") from None
+
+    async def _check(self, address: str, w: WorkerHandle | None) -> pb.Load:
+        """The worker's ``GetLoad`` (its own channel if the router has one)."""
+        ch = None if w is not None else grpc.aio.insecure_channel(address)
+        stub = w.stub if w is not None else wgrpc.WorkerStub(ch)
+        try:
+            return await stub.GetLoad(pb.GetLoadRequest(), timeout=self.check_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise ProtocolError(
+                f"worker {address} does not answer ({e.code().name}: {e.details()}); is it running and ready?",
+                param="url", code="worker_unreachable",
+            ) from None  # fmt: skip
+        finally:
+            if ch is not None:
+                await ch.close()
+
+    def describe(self, address: str) -> dict[str, Any] | None:
+        """One worker as ``GET /workers`` lists it (None if this router has no such worker)."""
+        w = self.pool.handles.get(address)
+        if w is None:
+            return None
+        bucket: list[int | None] | None = None
+        if w.role == "prefill":
+            lo, hi = self.routing.buckets.range_of(address)
+            bucket = [lo, None if hi >= ALL_LENGTHS[1] else hi]
+        ld = w.load
+        return {
+            "url": address,
+            "instance": address,  # its name in the prefix index, leases and metrics labels
+            "role": w.role,
+            "state": w.state,
+            "source": self.replica.source(address),
+            "bucket": bucket,  # prompt tokens [lo, hi) it serves; hi None: no bound (prefill)
+            "in_flight": len(w.attempts),  # this router's requests on it
+            "running": ld.running if ld is not None else None,
+            "waiting": ld.waiting if ld is not None else None,
+        }

@@ -1,0 +1,245 @@
+"""One attempt of a request: ``Generate`` on a prefill worker with ``kv_target`` = the decode
+worker (it streams the first token, pushes the KV, completes with ``handoff``), then ``Generate``
+on the decode worker with ``first_token``, relaying its stream as ``RequestOutput`` deltas.
+
+Failures become ``DispatchError`` (the worker to avoid on a retry, the gRPC code, the retry reason)
+or ValueError (the worker refused the request as invalid). An attempt is registered on the
+workers it occupies (``workers.WorkerPool.begin``), so a worker marked down cancels it; the
+cancellation surfaces here as a ``DispatchError`` with reason ``worker_down``.
+
+The workers mark the chunk of a request's last token with its finish reason; that chunk becomes the
+final ``RequestOutput`` (tokens and finish reason together, as ``AsyncLLMEngine`` yields it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from services.router.workers import Attempt, WorkerHandle, WorkerPool
+from swaserve.api.server import Unavailable
+from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
+from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.routing.load import Lease
+from swaserve.v1 import worker_pb2 as pb
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class Overloaded(Unavailable):
+    """No decode worker had room for the request's KV (staging full) in any attempt."""
+
+    code = "overloaded"
+
+
+class NoWorkerAvailable(Unavailable):
+    """No worker of a role could be reached for the request."""
+
+    code = "no_worker_available"
+
+
+class DispatchError(RuntimeError):
+    """A worker failed a request; ``worker`` is the one to avoid on a retry; ``code`` the gRPC
+    status of the failure (RESOURCE_EXHAUSTED: no room; UNAVAILABLE: not reachable);
+    ``why`` overrides the retry reason the code implies."""
+
+    def __init__(
+        self,
+        message: str,
+        worker: WorkerHandle | None,
+        code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
+        why: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.code = code
+        self.why = why
+
+    @property
+    def reason(self) -> str:
+        """The retry reason it counts under (``swaserve.metrics.RETRY_REASONS``)."""
+        if self.why is not None:
+            return self.why
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "overloaded"
+        return "unavailable" if self.code == grpc.StatusCode.UNAVAILABLE else "error"
+
+    def final(self) -> Exception:
+        """What ``generate`` raises when this was the last attempt's failure."""
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return Overloaded(f"no decode worker has room for the request's KV now, retry later ({self})")
+        if self.code == grpc.StatusCode.UNAVAILABLE:
+            role = self.worker.role if self.worker is not None else "a"
+            return NoWorkerAvailable(f"no {role} worker available, retry later ({self})")
+        return RuntimeError(f"request failed: {self}")
+
+
+def _lost(att: Attempt) -> DispatchError:
+    w = att.lost
+    assert w is not None
+    return DispatchError(
+        f"{w.role} worker {w.address} stopped answering its load polls and was marked down",
+        w,
+        grpc.StatusCode.UNAVAILABLE,
+        why="worker_down",
+    )
+
+
+class AttemptRunner:
+    """Runs attempts. Args: pool: the router's workers (attempt registration);
+    release: gives leases back (non-blocking); timeout_s: deadline of each worker call (s)."""
+
+    def __init__(self, pool: WorkerPool, release: Callable[..., None], timeout_s: float) -> None:
+        self.pool, self.release, self.timeout_s = pool, release, timeout_s
+
+    async def run(
+        self,
+        p: WorkerHandle,
+        d: WorkerHandle,
+        wire_id: str,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        first_sent: int | None,
+        started: list[bool],
+        leases: list[Lease],
+    ) -> AsyncIterator[RequestOutput]:
+        """One attempt on ``p`` then ``d`` under ``wire_id``, yielding deltas of request ``rid``.
+        ``first_sent``: the first token a previous attempt already sent (this one must sample
+        the same); ``started[0]`` is set once decode output was yielded; ``leases`` (prefill,
+        decode) are released as each worker's part ends.
+
+        Raises:
+            DispatchError: a worker failed or went down (retryable while ``started[0]`` is False).
+            ValueError: a worker refused the request as invalid.
+            RuntimeError: a retried prefill sampled another first token.
+        """
+        sampling = params_to_proto(params)
+        n = len(prompt)
+        p.outstanding += n
+        d.outstanding += params.max_tokens
+        att = self.pool.begin(wire_id, p, d)
+        done = False
+        try:
+            if att.lost is not None:
+                raise _lost(att)
+            att.call = p.stub.Generate(
+                pb.GenerateRequest(
+                    request_id=wire_id, prompt_token_ids=prompt, sampling=sampling, kv_target=d.address
+                ),
+                timeout=self.timeout_s,
+            )
+            first, reason, usage = None, "", pb.Usage()
+            async for m in self._messages(att, p, d):
+                kind = m.WhichOneof("kind")
+                if kind == "chunk":
+                    out = _output(rid, m)
+                    first = out.new_token_ids[0] if out.new_token_ids else first
+                    if first_sent is not None and first != first_sent:
+                        raise RuntimeError("a retried prefill sampled another first token")
+                    done = out.finished  # ended at its first token: the last chunk
+                    if first_sent is None:
+                        yield out
+                    elif done:  # its tokens were sent already
+                        yield dataclasses.replace(out, new_token_ids=[], new_text="", new_logprobs=[])
+                    if done:
+                        return
+                elif kind == "complete":
+                    reason, usage = m.complete.finish_reason, m.usage
+            p.outstanding -= n
+            n = 0
+            self.pool.leave(att, p)  # the prefill's part is done: a decode-side request now
+            self.release(leases.pop(0))
+            if reason != FinishReason.HANDOFF.value:
+                done = True
+                yield RequestOutput(
+                    rid, finished=True, finish_reason=finish_reason(reason), prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
+                )  # fmt: skip
+                return
+            if first is None:
+                raise DispatchError(f"prefill worker {p.address} handed off without a first token", p)
+            cached = usage.cached_tokens
+            if att.lost is not None:
+                raise _lost(att)
+            att.call = d.stub.Generate(
+                pb.GenerateRequest(
+                    request_id=wire_id, prompt_token_ids=prompt, sampling=sampling, first_token=first
+                ),
+                timeout=self.timeout_s,
+            )
+            async for m in self._messages(att, d, d):
+                kind = m.WhichOneof("kind")
+                if kind == "chunk":
+                    out = _output(rid, m)
+                    out.cached_tokens = cached
+                    started[0] = True
+                    done = out.finished
+                    yield out
+                    if done:
+                        return
+                elif kind == "complete":
+                    done = True
+                    yield RequestOutput(
+                        rid, finished=True, finish_reason=finish_reason(m.complete.finish_reason),
+                        prompt_tokens=m.usage.prompt_tokens, completion_tokens=m.usage.completion_tokens,
+                        cached_tokens=cached,
+                    )  # fmt: skip
+                    return
+            raise DispatchError(f"decode worker {d.address} ended the stream without completing", d)
+        finally:
+            p.outstanding -= n
+            d.outstanding -= params.max_tokens
+            self.release(*leases)
+            call = att.call
+            self.pool.end(att)
+            if call is not None:  # not done: the worker's stream ends and its engine aborts the
+                call.cancel()  # request; done: only the `complete` after the last chunk is left
+
+    async def _messages(
+        self, att: Attempt, worker: WorkerHandle, decode: WorkerHandle
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The stream of ``att``'s current call on ``worker``; gRPC failures, error envelopes and
+        a cancellation because a worker went down become DispatchError (ValueError for a request
+        the worker refused as invalid)."""
+        call = att.call
+        assert call is not None
+        try:
+            async for m in call:
+                if m.WhichOneof("kind") == "error":
+                    msg = m.error.message
+                    if not m.error.retryable:
+                        raise ValueError(msg)  # the worker refused the request itself
+                    code = _CODES.get(m.error.code, grpc.StatusCode.UNKNOWN)
+                    if msg.startswith("KV transfer"):
+                        if code == grpc.StatusCode.UNAVAILABLE:
+                            decode.healthy = False
+                        raise DispatchError(msg, decode, code)
+                    raise DispatchError(f"{worker.role} worker {worker.address}: {msg}", worker, code)
+                yield m
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if att.lost is None or (task is not None and task.cancelling()):
+                raise  # the client went away (or the router stops)
+            raise _lost(att) from None  # the call was cancelled because a worker went down
+        except grpc.aio.AioRpcError as e:
+            if att.lost is not None:
+                raise _lost(att) from e
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from e
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                worker.healthy = False
+            raise DispatchError(
+                f"{worker.role} worker {worker.address}: {e.code().name} {e.details()}", worker, e.code()
+            ) from e
+
+
+def _output(rid: str, m: pb.GenerateResponse) -> RequestOutput:
+    """A chunk as a delta; the chunk a worker marked as the last one is the final output."""
+    out = output_from_chunk(rid, m)
+    if m.chunk.finish_reason:
+        out.finished, out.finish_reason = True, finish_reason(m.chunk.finish_reason)
+    return out

@@ -1,0 +1,302 @@
+"""This router's workers: one ``WorkerHandle`` per worker address, one ``GetLoad`` poll loop each,
+hung-worker detection that cancels the calls in flight, and the drain of a removed worker.
+
+Liveness: a poll refused (UNAVAILABLE) marks a worker down at once; a busy worker answers between
+engine steps, so only ``hung_polls`` polls in a row past ``poll_timeout_s`` (a stopped or wedged
+process) do. Detection of a hung worker thus takes about ``hung_polls x (poll_timeout_s +
+poll_s)`` (defaults 3 x (10 + 1) s). It is not shortened for workers with requests in flight:
+their streams are silent during a long engine step exactly as the poll is (a prefill stream says
+nothing until the first token), so they give no earlier evidence of a hang, and marking a busy
+worker down re-runs its requests elsewhere (double work, under load). Deployments with short steps
+(GPU) lower ``--poll-timeout`` instead.
+
+Cancellation: each attempt of a request (``Attempt``) is registered on the workers it occupies:
+the prefill worker until its part is done (first token streamed, KV pushed, ``complete``), the
+decode worker from the start (the prefill pushes the KV to it) to the end. A prefill that handed
+its KV off is a decode-side request: the prefill worker going down no longer concerns it. Every
+poll that finds a worker down cancels the calls of the attempts registered on it; the attempt's
+reader turns the cancellation into a ``DispatchError`` (reason ``worker_down``), which the
+request retries elsewhere if no decode output reached the client yet, or ends with an error event.
+
+Drain: a removed worker gets no new attempts; when the last one this router has on it ends, its
+poll loop stops, its channel closes and its routing state (index entries, leases, bucket) is
+dropped. Its index entries are dropped already when the drain starts (nothing new goes there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from services.router.routing import RouterRouting
+from swaserve.engine.stats import PoolStats
+from swaserve.metrics import WorkerStats
+from swaserve.v1 import worker_pb2 as pb
+from swaserve.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger("swaserve.router")
+POLL_TIMEOUT_S = 10.0  # GetLoad deadline: a CPU engine step can take seconds
+HUNG_POLLS = 3  # deadlines in a row before a worker that accepts connections counts as down
+R = TypeVar("R")
+
+_HOST = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)$")
+
+
+def parse_address(url: str) -> str:
+    """The ``host:port`` of a worker URL: ``host:port`` or ``grpc://host:port`` (IPv6 hosts in
+    brackets, ``[::1]:50051``).
+
+    Raises:
+        ValueError: not of that form (another scheme, a path, no or a bad port), with the reason.
+    """
+    text = url.strip()
+    if "://" in text:
+        scheme, text = text.split("://", 1)
+        if scheme.lower() != "grpc":
+            raise ValueError(f"worker URL {url!r}: workers speak gRPC, use host:port or grpc://host:port")
+    text = text.rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not _HOST.match(host):
+        raise ValueError(f"worker URL {url!r}: expected host:port")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker URL {url!r}: port must be a number in 1..65535")
+    return f"{host}:{int(port)}"
+
+
+async def in_routing(routing: RouterRouting, fn: Callable[..., R], *args: Any) -> R:
+    """Run a (blocking: Redis) routing call on the routing thread."""
+    return await asyncio.get_running_loop().run_in_executor(routing.executor, fn, *args)
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One attempt of a request on a prefill and a decode worker: ``wire_id`` is its request id
+    on the workers (unique per attempt, so a retry never meets an earlier attempt's KV);
+    ``on`` the workers it occupies; ``call`` the gRPC call being read; ``lost`` the worker
+    whose going down cancelled it (None while it runs)."""
+
+    wire_id: str
+    on: set[WorkerHandle] = field(default_factory=set)
+    call: grpc.aio.UnaryStreamCall | None = None
+    lost: WorkerHandle | None = None
+
+    def lose(self, w: WorkerHandle) -> None:
+        """``w`` went down under this attempt: cancel its current call."""
+        if self.lost is None:
+            self.lost = w
+        if self.call is not None:
+            self.call.cancel()
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """A worker as the router sees it."""
+
+    address: str
+    role: str
+    stub: wgrpc.WorkerStub
+    channel: grpc.aio.Channel
+    outstanding: int = 0  # tokens of requests this router dispatched and that are not done
+    healthy: bool = True
+    missed: int = 0  # GetLoad polls in a row that failed
+    draining: bool = False  # removed: no new requests, the ones in flight finish
+    load: pb.Load | None = field(default=None, repr=False)
+    attempts: set[Attempt] = field(default_factory=set, repr=False)  # this router's, in flight
+    poller: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def state(self) -> str:
+        """``draining``, ``up`` or ``down`` (as of the last poll or call)."""
+        return "draining" if self.draining else ("up" if self.healthy else "down")
+
+    def stats(self) -> WorkerStats:
+        """The last ``GetLoad`` as ``/metrics`` shows it."""
+        ld = self.load
+        if ld is None:
+            return WorkerStats(self.role, self.address, self.healthy, draining=self.draining)
+        pools = {
+            name: PoolStats(
+                total_pages=p.total_pages,
+                used_pages=p.used_pages,
+                peak_used_pages=p.peak_used_pages,
+                page_bytes=0,
+                num_layers=0,
+                cached_pages=p.cached_pages,
+            )
+            for name, p in ld.pools.items()
+        }
+        return WorkerStats(
+            self.role, self.address, self.healthy, ld.running, ld.waiting, ld.outstanding_tokens,
+            ld.staged_bytes, pools, self.draining,
+        )  # fmt: skip
+
+
+class WorkerPool:
+    """The workers of one router (module docstring).
+
+    Args:
+        routing: the routing state (heartbeats, buckets, index entries of workers).
+        poll_s: seconds between a worker's polls. poll_timeout_s: a poll's deadline (seconds).
+        hung_polls: deadlines missed in a row that mark a worker down.
+    """
+
+    def __init__(
+        self,
+        routing: RouterRouting,
+        poll_s: float = 1.0,
+        poll_timeout_s: float = POLL_TIMEOUT_S,
+        hung_polls: int = HUNG_POLLS,
+    ) -> None:
+        if poll_timeout_s <= 0 or hung_polls < 1:
+            raise ValueError("poll_timeout_s must be > 0 and hung_polls >= 1")
+        self.routing = routing
+        self.poll_s, self.poll_timeout_s, self.hung_polls = poll_s, poll_timeout_s, hung_polls
+        self.handles: dict[str, WorkerHandle] = {}  # address -> handle, draining ones included
+        self._tasks: set[asyncio.Task[Any]] = set()  # background work (drain ends)
+
+    # -- membership ---------------------------------------------------------------------------
+    def add(self, address: str, role: str, healthy: bool = True) -> WorkerHandle:
+        """Start using a worker (its poll loop starts now; needs a running loop). ``healthy``:
+        whether it counts as up before its first poll."""
+        ch = grpc.aio.insecure_channel(address)
+        w = WorkerHandle(address, role, wgrpc.WorkerStub(ch), ch, healthy=healthy)
+        self.handles[address] = w
+        w.poller = asyncio.create_task(self._poll_worker(w), name=f"poll-{address}")
+        return w
+
+    def apply(self, effective: Mapping[str, str], flags: Mapping[str, str]) -> None:
+        """Make the handles follow ``effective`` (address -> role: the registry over the flags):
+        add new workers (flag workers count as up before their first poll, registry ones not),
+        drain the ones no longer there, take back a draining one that was re-added. A worker
+        re-added under another role is drained first and added once it has left."""
+        for addr, role in effective.items():
+            w = self.handles.get(addr)
+            if w is None:
+                log.info("%s worker %s added", role, addr)
+                self.add(addr, role, healthy=addr in flags)
+            elif w.role != role:
+                self.drain(w)
+            elif w.draining:
+                log.info("%s worker %s is back in use", role, addr)
+                w.draining = False
+        for addr, w in list(self.handles.items()):
+            if addr not in effective:
+                self.drain(w)
+
+    def drain(self, w: WorkerHandle) -> None:
+        """No new requests to ``w``; it leaves when its requests in flight have finished."""
+        if w.draining:
+            return
+        w.draining = True
+        log.info("%s worker %s removed: draining %d requests", w.role, w.address, len(w.attempts))
+        if w.role == "prefill":
+            self._spawn(in_routing(self.routing, self.routing.drop_index, w.address))
+        self._maybe_leave(w)
+
+    def _maybe_leave(self, w: WorkerHandle) -> None:
+        if w.draining and not w.attempts and self.handles.get(w.address) is w:
+            del self.handles[w.address]
+            self._spawn(self._leave(w))
+
+    async def _leave(self, w: WorkerHandle) -> None:
+        if w.poller is not None:
+            w.poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w.poller
+        await in_routing(self.routing, self.routing.forget, w.address, w.role)
+        await w.channel.close()
+        log.info("%s worker %s drained and left", w.role, w.address)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Stop every poll loop and close every channel."""
+        for w in self.handles.values():
+            if w.poller is not None:
+                w.poller.cancel()
+        for w in list(self.handles.values()):
+            if w.poller is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await w.poller
+            await w.channel.close()
+        self.handles = {}
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- selection ----------------------------------------------------------------------------
+    def up(self, role: str) -> bool:
+        """Some worker of ``role`` is in use and looked reachable at its last poll or call."""
+        return any(w.role == role and w.healthy and not w.draining for w in self.handles.values())
+
+    def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
+        """Workers of ``role`` a request may go to: reachable ones not in ``avoid`` if any is
+        left, else reachable ones, else all in use (a worker that failed this request or looks
+        unreachable is still tried when it is the only one). Draining workers never."""
+        mine = [w for w in self.handles.values() if w.role == role and not w.draining]
+        pool = [w for w in mine if w.healthy and w not in avoid] or [w for w in mine if w.healthy] or mine
+        return {w.address: w for w in pool}
+
+    # -- attempts -----------------------------------------------------------------------------
+    def begin(self, wire_id: str, *workers: WorkerHandle) -> Attempt:
+        """Register a new attempt on ``workers``."""
+        att = Attempt(wire_id)
+        for w in workers:
+            att.on.add(w)
+            w.attempts.add(att)
+        return att
+
+    def leave(self, att: Attempt, w: WorkerHandle) -> None:
+        """``att`` no longer occupies ``w`` (a prefill whose part is done)."""
+        att.on.discard(w)
+        w.attempts.discard(att)
+        self._maybe_leave(w)
+
+    def end(self, att: Attempt) -> None:
+        """``att`` is over (finished, failed or cancelled)."""
+        for w in list(att.on):
+            self.leave(att, w)
+        att.call = None
+
+    def mark_down(self, w: WorkerHandle, why: str) -> None:
+        """``w`` is down: cancel the calls of every attempt on it (module docstring)."""
+        if w.healthy:
+            log.warning("%s worker %s %s", w.role, w.address, why)
+        w.healthy = False
+        if w.attempts:
+            log.warning("%s worker %s down: cancelling %d requests on it", w.role, w.address, len(w.attempts))
+        for att in list(w.attempts):
+            att.lose(w)
+
+    # -- polls --------------------------------------------------------------------------------
+    async def _poll_worker(self, w: WorkerHandle) -> None:
+        """One worker's poll loop (a hung worker delays only its own polls)."""
+        while True:
+            await self.poll_one(w)
+            await asyncio.sleep(self.poll_s)
+
+    async def poll_one(self, w: WorkerHandle) -> None:
+        """One ``GetLoad`` of ``w``: load and liveness (module docstring), then the routing
+        state's heartbeat."""
+        try:
+            load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=self.poll_timeout_s)
+            if not w.healthy:
+                back = w.missed or w.load is not None  # else: a new worker's first poll
+                log.info("%s worker %s is %s", w.role, w.address, "back" if back else "up")
+            w.load, w.healthy, w.missed = load, True, 0
+        except grpc.aio.AioRpcError as e:
+            w.missed += 1
+            hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.missed >= self.hung_polls
+            if e.code() == grpc.StatusCode.UNAVAILABLE or hung:
+                self.mark_down(w, "unreachable" if not hung else f"not answering for {w.missed} polls")
+        await in_routing(self.routing, self.routing.observe, w.address, w.role, w.load, w.healthy)

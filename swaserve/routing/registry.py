@@ -1,0 +1,169 @@
+"""The worker registry: prefill and decode workers added or removed at runtime, shared by the
+stateless router replicas of one cluster.
+
+Each router starts with the workers of its command line (``flags``); the registry holds changes
+on top of them, one ``WorkerEntry`` per worker address: ``active`` (use it, with its role) or
+``removed`` (drain it, also when a router's flags name it), stamped with the wall-clock time
+of the change. Entries merge last-writer-wins: the later ``at`` wins, ties broken by
+``(state, role)`` so every replica picks the same one (a removal wins a tie).
+
+A router keeps its own copy (``RegistryReplica``): its own changes are applied to it at once, and
+every poll it ``sync``s the copy with the shared backend: the backend stores each entry unless
+it holds a newer one and returns everything it holds, which the copy merges. So a change made on
+one router reaches the others within a poll; a change made while the backend is unreachable stays
+local and is written when it is back; a backend restarted empty is refilled by the routers' copies.
+Removed entries are kept (tombstones): a router started later with the removed worker in its
+flags must still leave it out. Re-adding the address revives it.
+
+Redis layout (``{ns}`` a hash tag, as in ``redis_store``)::
+
+    {ns}:workers    HASH address -> "<at> <state> <role>"
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = ("prefill", "decode")
+ACTIVE, REMOVED = "active", "removed"
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """One registry change. ``address``: ``host:port`` as routers dial it (and as the worker is
+    named in the prefix index and metrics); ``role``: ``prefill`` or ``decode``; ``state``:
+    ``active`` or ``removed``; ``at``: when the change was made (wall clock, seconds)."""
+
+    address: str
+    role: str
+    state: str
+    at: float
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if self.state not in (ACTIVE, REMOVED):
+            raise ValueError(f"state must be 'active' or 'removed', got {self.state!r}")
+
+    def key(self) -> tuple[float, str, str]:
+        """Merge order: the greater key wins."""
+        return (self.at, self.state, self.role)
+
+    def encode(self) -> str:
+        return f"{self.at!r} {self.state} {self.role}"
+
+    @classmethod
+    def decode(cls, address: str, value: str) -> WorkerEntry:
+        """Raises ValueError on a malformed stored value."""
+        at, state, role = value.split(" ")
+        return cls(address, role, state, float(at))
+
+
+def newest(a: WorkerEntry | None, b: WorkerEntry) -> WorkerEntry:
+    """The entry that wins a merge (``b`` when ``a`` is None)."""
+    return b if a is None or b.key() > a.key() else a
+
+
+class WorkerRegistry(ABC):
+    """The shared registry; one interface for every backend."""
+
+    @abstractmethod
+    def sync(self, entries: Iterable[WorkerEntry]) -> dict[str, WorkerEntry]:
+        """Store each of ``entries`` unless a newer one is stored for its address (one atomic
+        step), then return every stored entry by address. Backend errors propagate."""
+
+
+class InMemoryWorkerRegistry(WorkerRegistry):
+    """The registry in this process (thread-safe); for one router, tests and the simulator."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, WorkerEntry] = {}
+        self._lock = threading.Lock()
+
+    def sync(self, entries: Iterable[WorkerEntry]) -> dict[str, WorkerEntry]:
+        with self._lock:
+            for e in entries:
+                self._entries[e.address] = newest(self._entries.get(e.address), e)
+            return dict(self._entries)
+
+
+_SYNC = """
+local key = ARGV[1] .. ':workers'
+for k = 2, #ARGV, 2 do
+  local addr, val = ARGV[k], ARGV[k + 1]
+  local cur = redis.call('HGET', key, addr)
+  local write = not cur
+  if cur then
+    local na, ca = tonumber(string.match(val, '^(%S+)')), tonumber(string.match(cur, '^(%S+)'))
+    write = (ca == nil) or na > ca or (na == ca and val > cur)
+  end
+  if write then redis.call('HSET', key, addr, val) end
+end
+return redis.call('HGETALL', key)
+"""
+
+
+class RedisWorkerRegistry(WorkerRegistry):
+    """The registry in Redis (module docstring), one Lua script per sync. Args: client: a
+    ``redis.Redis`` with ``decode_responses=True``; namespace: the cluster's key prefix. Redis
+    errors propagate (``routing.resilient.SharedState`` falls back on them); a malformed stored
+    value is skipped."""
+
+    def __init__(self, client: Any, namespace: str = "swaserve") -> None:
+        self.ns = "{" + namespace + "}"
+        self._sync = client.register_script(_SYNC)
+
+    def sync(self, entries: Iterable[WorkerEntry]) -> dict[str, WorkerEntry]:
+        args = [self.ns, *(x for e in entries for x in (e.address, e.encode()))]
+        flat = self._sync(args=args)
+        out = {}
+        for addr, value in zip(flat[::2], flat[1::2], strict=True):
+            try:
+                out[addr] = WorkerEntry.decode(addr, value)
+            except ValueError:
+                continue  # not written by us: ignore it rather than stop every router
+        return out
+
+
+class RegistryReplica:
+    """A router's copy of the registry over its command-line workers.
+
+    Args:
+        flags: address -> role of the workers this router was started with.
+    """
+
+    def __init__(self, flags: Mapping[str, str]) -> None:
+        self.flags = dict(flags)
+        self.entries: dict[str, WorkerEntry] = {}
+
+    def set(self, entry: WorkerEntry) -> None:
+        """Apply one change (made on this router, or read from the shared registry)."""
+        self.entries[entry.address] = newest(self.entries.get(entry.address), entry)
+
+    def merge(self, entries: Mapping[str, WorkerEntry]) -> None:
+        """Merge what the shared registry returned."""
+        for e in entries.values():
+            self.set(e)
+
+    def sync(self, registry: WorkerRegistry) -> None:
+        """Write this copy's entries to ``registry`` and merge back what it holds. Errors of
+        the backend propagate (the copy is unchanged then)."""
+        self.merge(registry.sync(list(self.entries.values())))
+
+    def effective(self) -> dict[str, str]:
+        """address -> role of the workers to route to: the flags, with the entries applied."""
+        out = dict(self.flags)
+        for addr, e in self.entries.items():
+            if e.state == ACTIVE:
+                out[addr] = e.role
+            else:
+                out.pop(addr, None)
+        return out
+
+    def source(self, address: str) -> str:
+        """``registry`` if a change for ``address`` is known, else ``flag``."""
+        return "registry" if address in self.entries else "flag"

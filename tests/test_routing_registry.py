@@ -1,0 +1,165 @@
+"""The worker registry (``swaserve.routing.registry``): last-writer-wins merge, tombstones over
+command-line workers, a change made while the shared backend is away, a backend restarted empty;
+in memory and in a real Redis. The worker URLs the router accepts, and a router without Redis
+(``/workers`` in process: changes applied locally, said in the response; bad input 4xx)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from services.router.workers import parse_address
+from swaserve.redis_server import RedisServer
+from swaserve.routing.registry import (
+    ACTIVE,
+    REMOVED,
+    InMemoryWorkerRegistry,
+    RedisWorkerRegistry,
+    RegistryReplica,
+    WorkerEntry,
+    WorkerRegistry,
+)
+
+
+def test_entries_merge_last_writer_wins_and_ties_are_the_same_everywhere() -> None:
+    reg = InMemoryWorkerRegistry()
+    reg.sync([WorkerEntry("h:1", "prefill", ACTIVE, 10.0)])
+    got = reg.sync([WorkerEntry("h:1", "prefill", REMOVED, 5.0)])  # older: ignored
+    assert got["h:1"].state == ACTIVE
+    got = reg.sync([WorkerEntry("h:1", "prefill", REMOVED, 10.0)])  # a tie: the removal wins
+    assert got["h:1"].state == REMOVED
+    got = reg.sync([WorkerEntry("h:1", "prefill", ACTIVE, 10.0)])
+    assert got["h:1"].state == REMOVED
+    with pytest.raises(ValueError, match="role"):
+        WorkerEntry("h:1", "encoder", ACTIVE, 1.0)
+
+
+def _two_routers(reg: WorkerRegistry) -> None:
+    flags = {"p0:1": "prefill", "d0:1": "decode"}
+    a, b = RegistryReplica(flags), RegistryReplica(flags)
+    a.set(WorkerEntry("p1:1", "prefill", ACTIVE, 1.0))
+    a.sync(reg)
+    b.sync(reg)
+    assert b.effective() == {**flags, "p1:1": "prefill"} and b.source("p1:1") == "registry"
+    b.set(WorkerEntry("p0:1", "prefill", REMOVED, 2.0))  # a command-line worker removed on b
+    b.sync(reg)
+    a.sync(reg)
+    assert a.effective() == {"d0:1": "decode", "p1:1": "prefill"}
+    late = RegistryReplica(flags)  # a router started later with p0 on its command line
+    late.sync(reg)
+    assert "p0:1" not in late.effective()
+    a.set(WorkerEntry("p0:1", "prefill", ACTIVE, 3.0))  # re-added
+    a.sync(reg)
+    late.sync(reg)
+    assert late.effective()["p0:1"] == "prefill"
+
+
+def test_replicas_share_changes_in_memory() -> None:
+    _two_routers(InMemoryWorkerRegistry())
+
+
+def test_replicas_share_changes_in_redis(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    ns = "test-registry"
+    client.delete("{" + ns + "}:workers")
+    _two_routers(RedisWorkerRegistry(client, ns))
+    # stored as plain fields: "<at> <state> <role>"
+    assert client.hget("{" + ns + "}:workers", "p0:1") == "3.0 active prefill"
+    client.hset("{" + ns + "}:workers", "junk", "not an entry")  # skipped, not fatal
+    assert "junk" not in RedisWorkerRegistry(client, ns).sync([])
+
+
+def test_a_restarted_empty_redis_is_refilled_by_the_replicas() -> None:
+    server = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=1.0)
+        reg = RedisWorkerRegistry(client)
+        a = RegistryReplica({"p0:1": "prefill"})
+        a.set(WorkerEntry("p1:1", "prefill", ACTIVE, 1.0))
+        a.sync(reg)
+        server.stop()
+        a.set(WorkerEntry("p0:1", "prefill", REMOVED, 2.0))  # while Redis is away: local only
+        with pytest.raises(redis.exceptions.ConnectionError):
+            a.sync(reg)
+        assert a.effective() == {"p1:1": "prefill"}
+        again = RedisServer(port=server.port).start()
+        try:
+            a.sync(RedisWorkerRegistry(redis.Redis.from_url(again.url, decode_responses=True)))
+            b = RegistryReplica({"p0:1": "prefill"})
+            b.sync(RedisWorkerRegistry(redis.Redis.from_url(again.url, decode_responses=True)))
+            assert b.effective() == {"p1:1": "prefill"}
+        finally:
+            again.stop()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "want"),
+    [
+        ("127.0.0.1:5000", "127.0.0.1:5000"),
+        (" grpc://worker-3.svc:50051/ ", "worker-3.svc:50051"),
+        ("[::1]:7", "[::1]:7"),
+        ("localhost:0080", "localhost:80"),
+    ],
+)
+def test_worker_urls(url: str, want: str) -> None:
+    assert parse_address(url) == want
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://127.0.0.1:5000", "gRPC"),
+        ("127.0.0.1", "host:port"),
+        ("127.0.0.1:http", "port"),
+        ("127.0.0.1:70000", "port"),
+        ("host/path:5", "host:port"),
+        (":5000", "host:port"),
+        ("", "host:port"),
+    ],
+)
+def test_bad_worker_urls(url: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_address(url)
+
+
+def test_a_router_without_redis_applies_changes_locally_and_says_so(tiny_dir: Path) -> None:
+    """The router's app in process (no Redis); nothing listens on its workers' ports, so their
+    handles just poll in vain (and removing needs no answer from the worker)."""
+    from services.router.cluster import ClusterEngine
+    from swaserve.api.server import build_app
+    from swaserve.api.workers import install_worker_routes
+
+    async def run() -> None:
+        engine = ClusterEngine(tiny_dir, ["127.0.0.1:1"], ["127.0.0.1:2"], poll_s=0.05)
+        engine.admin.check_timeout_s = 0.5
+        app = build_app(engine)  # type: ignore[arg-type]
+        install_worker_routes(app, engine.admin)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c,
+        ):
+            listed = (await c.get("/workers")).json()
+            assert [w["url"] for w in listed["data"]] == ["127.0.0.1:1", "127.0.0.1:2"]
+            assert listed["registry"] == "local" and listed["data"][0]["source"] == "flag"
+            r = await c.request("DELETE", "/workers", json={"url": "grpc://127.0.0.1:1"})  # a JSON body
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["status"] == "removed" and body["shared"] is False, body
+            assert "applied on this router only" in body["note"] and "--redis-url" in body["note"]
+            assert [w["url"] for w in (await c.get("/workers")).json()["data"]] == ["127.0.0.1:2"]
+            r = await c.delete("/workers", params={"url": "127.0.0.1:1"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
+            r = await c.post("/workers", json={"url": "127.0.0.1:1", "role": "prefill"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "worker_unreachable", r.text
+            r = await c.post("/workers", json={"url": "127.0.0.1:1", "role": "prefill", "weight": 2})
+            assert r.status_code == 400 and "weight" in r.json()["error"]["message"], r.text
+            r = await c.request("DELETE", "/workers", content=b"{nope")
+            assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+
+    asyncio.run(run())
