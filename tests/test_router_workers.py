@@ -5,7 +5,8 @@ down within about 2 x 2.2 s) and a request timeout of 120 s that every client he
 a request that completes completed before the request timeout.
 
 In file order on one cluster: a SIGSTOPped prefill worker (its requests finish on the other one,
-token-identical); a SIGSTOPped decode worker mid-stream (an error event, not a hang); bad
+token-identical); the SIGSTOPped only decode worker mid-stream (resumes fail: an error event, not
+a hang); bad
 ``/workers`` input; a prefill worker added on router A that router B routes to, removed on B and
 left alone by A (its index entries gone); a decode worker removed while a stream runs on it (the
 stream finishes: a drain); a worker removed while Redis is down (this router only, said in the
@@ -29,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from cluster_harness import running
 
 from swaserve.launcher import Cluster, ServiceProcess, free_port, grpc_ready
 from swaserve.redis_server import RedisServer
@@ -53,14 +55,8 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
 def cluster(tiny_dir: Path, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Cluster]:
     monkeypatch_module.delenv("REDIS_URL", raising=False)  # the last test restarts the launcher's Redis
     c = Cluster(tiny_dir, prefill=2, decode=1, routers=2, worker_args=WORKER_ARGS, router_args=ROUTER_ARGS)
-    try:
-        c.start(timeout_s=300)
+    with running(c):
         yield c
-    finally:
-        for name, svc in c.services.items():  # a stopped process does not act on SIGTERM
-            if name != "redis":
-                svc.kill(signal.SIGCONT)
-        c.stop()
 
 
 def extra_worker(c: Cluster, role: str, name: str) -> tuple[str, ServiceProcess]:
@@ -199,8 +195,12 @@ def test_requests_on_a_hung_prefill_worker_finish_on_the_other(cluster: Cluster)
 
 
 def test_a_hung_decode_worker_ends_a_started_stream_with_an_error_event(cluster: Cluster) -> None:
+    # the only decode worker: the request is resumed on it (max_retries = 2 times), each resume is
+    # cancelled when a poll finds it down again, and the stream ends with a 503-class error event
+    # (tests/test_router_resume.py: resumes that succeed)
     url = cluster.urls[0]
-    failed = metric(url, "swaserve:router_requests_total", status="failed")
+    unavailable = metric(url, "swaserve:router_requests_total", status="unavailable")
+    resumed = retried(url, "resumed")
     with httpx.stream(
         "POST", f"{url}/v1/completions", json=body(prompt(2, 20), 3000, stream=True), timeout=CLIENT_TIMEOUT
     ) as r:
@@ -220,9 +220,10 @@ def test_a_hung_decode_worker_ends_a_started_stream_with_an_error_event(cluster:
     assert rest[-1] == "[DONE]"
     err = json.loads(rest[-2])["error"]
     assert "marked down" in err["message"] and err["type"] == "server_error", err
+    assert "interrupted after" in err["message"] and err["code"] == "no_worker_available", err
     assert sum(len(e["choices"][0]["token_ids"] or []) for e in events) < 3000
-    after = metric(url, "swaserve:router_requests_total", status="failed")
-    assert after - failed == 1
+    after = metric(url, "swaserve:router_requests_total", status="unavailable")
+    assert after - unavailable == 1 and retried(url, "resumed") - resumed == 2
     all_up(cluster)
     wait_idle(cluster)
     wait_for("leases released", lambda: leases_left(cluster) == 0, 30)

@@ -22,7 +22,14 @@ def main(
     port: Annotated[int, typer.Option(min=0, help="HTTP port.")] = 8000,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API.")] = None,
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Per-request deadline, seconds.")] = 600.0,
-    max_retries: Annotated[int, typer.Option(min=0, help="Re-dispatches before the first decode token.")] = 2,
+    max_retries: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Re-dispatches of a request whose worker failed: retries before its first decode token "
+            "and resumes after it (prompt + tokens sent, on other workers) count alike.",
+        ),
+    ] = 2,
     poll_interval: Annotated[
         float,
         typer.Option(

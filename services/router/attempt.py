@@ -9,22 +9,32 @@ cancellation surfaces here as a ``DispatchError`` with reason ``worker_down``.
 
 The workers mark the chunk of a request's last token with its finish reason; that chunk becomes the
 final ``RequestOutput`` (tokens and finish reason together, as ``AsyncLLMEngine`` yields it).
+
+``Progress`` is what a request sent its client across attempts; after output started it turns a
+failure into a resume (recompute, as vLLM does for a preempted request): the next attempt's prompt
+is the original prompt + the tokens generated so far, with the remaining ``max_tokens``, and the
+router detokenizes and matches stop strings over the whole output itself (``Progress`` docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from services.router.workers import Attempt, WorkerHandle, WorkerPool
 from swaserve.api.server import Unavailable
 from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
+from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
 from swaserve.routing.load import Lease
 from swaserve.v1 import worker_pb2 as pb
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -39,6 +49,13 @@ class NoWorkerAvailable(Unavailable):
     """No worker of a role could be reached for the request."""
 
     code = "no_worker_available"
+
+
+class Interrupted(Unavailable):
+    """A request whose output had started failed and could not be resumed (resumes used up, or
+    the resumed request refused); what the client got so far is all there is."""
+
+    code = "interrupted"
 
 
 class DispatchError(RuntimeError):
@@ -76,6 +93,17 @@ class DispatchError(RuntimeError):
             return NoWorkerAvailable(f"no {role} worker available, retry later ({self})")
         return RuntimeError(f"request failed: {self}")
 
+    def interrupted(self, generated: int) -> Unavailable:
+        """What ``generate`` raises when this failure hit a request whose output had started and
+        no resume is left: a 503-class error (``Overloaded``/``NoWorkerAvailable`` by its code,
+        else ``Interrupted``) saying how far it got."""
+        msg = f"request interrupted after {generated} generated tokens and not resumed, retry later ({self})"
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return Overloaded(msg)
+        if self.code == grpc.StatusCode.UNAVAILABLE:
+            return NoWorkerAvailable(msg)
+        return Interrupted(msg)
+
 
 def _lost(att: Attempt) -> DispatchError:
     w = att.lost
@@ -106,7 +134,7 @@ class AttemptRunner:
         first_sent: int | None,
         started: list[bool],
         leases: list[Lease],
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """One attempt on ``p`` then ``d`` under ``wire_id``, yielding deltas of request ``rid``.
         ``first_sent``: the first token a previous attempt already sent (this one must sample
         the same); ``started[0]`` is set once decode output was yielded; ``leases`` (prefill,
@@ -243,3 +271,118 @@ def _output(rid: str, m: pb.GenerateResponse) -> RequestOutput:
     if m.chunk.finish_reason:
         out.finished, out.finish_reason = True, finish_reason(m.chunk.finish_reason)
     return out
+
+
+class Progress:
+    """What one request sent its client so far, across attempts, and its resume after a failure
+    once output started (the request's own state lives on the workers and dies with them).
+
+    Resume = recompute, as vLLM does for a preempted request: the next attempt's prompt is the
+    original prompt + every token already sent, its ``max_tokens`` what is left, so the new
+    prefill worker rebuilds the KV (a prefix-cache hit for the original prompt where it has it)
+    and the new decode worker goes on. The client sees one stream: ``relay`` turns every output
+    of a resumed attempt into the delta the uninterrupted request would have produced:
+
+    - text: the workers' text of a resumed attempt is dropped (their detokenizer starts at the
+      boundary, where held-back bytes of a split UTF-8 character or a possible stop-string start
+      would be lost); the router detokenizes the whole output itself (``IncrementalDetokenizer``
+      over the original prompt, the sent tokens replayed one at a time as the worker added them)
+      and emits only the characters beyond those already sent;
+    - stop strings are matched there, on the whole output (one spanning the boundary too), and
+      left out of the resumed request (the router ends it on a hit: ``cut``); stop tokens (EOS,
+      ``stop_token_ids``) and ``max_tokens`` stay with the workers, against the remaining budget;
+    - usage: ``prompt_tokens`` is the original prompt's, ``completion_tokens`` every token sent,
+      ``cached_tokens`` what the first attempt's prefill found cached of the original prompt;
+      logprobs are the resumed workers' (computed over the same context).
+
+    Exactness: greedy output is token-for-token that of an uninterrupted run (up to float
+    rounding of recomputed KV against incrementally built KV: argmax near-ties). A seeded sampled
+    request restarts its random stream from the seed on the new prefill worker, so its tokens
+    after the resume generally differ from an uninterrupted run's (still reproducible for the
+    same interruption point); ``presence_penalty``/``frequency_penalty`` count only the tokens
+    generated after the last resume (the earlier ones are prompt to the new workers;
+    ``repetition_penalty`` covers prompt + output, so it is unaffected). There is no
+    ``min_tokens`` and ``n`` is 1 (the API refuses others).
+
+    Args:
+        tokenizer: the model's tokenizer (the workers', from the same checkpoint).
+        prompt: the request's prompt token ids. params: its sampling settings.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt: list[int], params: SamplingParams) -> None:
+        self.prompt, self.params = prompt, params
+        self.tokens: list[int] = []  # output tokens sent to the client
+        self.text_len = 0  # characters of text sent to the client
+        self.cached = 0  # cached prompt tokens the first prefill reported
+        self.resumes = 0
+        self.cut = False  # the router ended the request on a stop string before the worker did
+        self._tokenizer = tokenizer
+        self._detok: IncrementalDetokenizer | None = None  # the router's, from the first resume
+        self._produced = 0  # characters the router's detokenizer produced
+        self._pending = ""  # produced by the replay but not sent yet (normally empty)
+
+    @property
+    def resumed(self) -> bool:
+        """Some attempt was a resume: later outputs go through the router's detokenizer."""
+        return self._detok is not None
+
+    def resume(self) -> tuple[list[int], SamplingParams]:
+        """The prompt and sampling settings of the next attempt (class docstring); counts it.
+
+        Raises:
+            Interrupted: nothing is left to generate (the last token was sent without its finish
+                reason: a worker that broke the protocol).
+        """
+        left = self.params.max_tokens - len(self.tokens)
+        if left < 1:
+            raise Interrupted(
+                f"request interrupted after all {len(self.tokens)} tokens without a finish reason"
+            )
+        if self._detok is None:
+            p = self.params
+            self._detok = IncrementalDetokenizer(self._tokenizer, self.prompt, p.skip_special_tokens, p.stop)
+            replay = "".join(self._detok.add([t]) for t in self.tokens)
+            self._produced = len(replay)
+            self._pending = replay[self.text_len :]
+        self.resumes += 1
+        return self.prompt + self.tokens, dataclasses.replace(self.params, max_tokens=left, stop=())
+
+    def relay(self, out: RequestOutput) -> RequestOutput:
+        """Record an attempt's output and return it as the client's delta (rewritten after a
+        resume: text, stop strings, usage; class docstring)."""
+        if not self.tokens and out.new_token_ids:
+            self.cached = out.cached_tokens
+        if self._detok is None:
+            self.tokens += out.new_token_ids
+            self.text_len += len(out.new_text)
+            return out
+        ids, lps = list(out.new_token_ids), list(out.new_logprobs)
+        reason = out.finish_reason if out.finished else None
+        # the resumed request has no stop strings: STOP is a stop token, which is not text
+        skip_last = reason == FinishReason.STOP
+        text = ""
+        for i, t in enumerate(ids):
+            if skip_last and i == len(ids) - 1:
+                break
+            text += self._emit(self._detok.add([t]))
+            if self._detok.stopped:  # a stop string over the whole output: cut after this token
+                ids, lps = ids[: i + 1], lps[: i + 1]
+                self.cut, reason = not out.finished, FinishReason.STOP
+                break
+        if reason is not None and not self._detok.stopped:
+            text += self._emit(self._detok.flush())
+        self.tokens += ids
+        return dataclasses.replace(
+            out, new_token_ids=ids, new_text=text, new_logprobs=lps, finished=reason is not None,
+            finish_reason=reason, prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens),
+            cached_tokens=self.cached,
+        )  # fmt: skip
+
+    def _emit(self, piece: str) -> str:
+        """The part of the router's detokenizer output ``piece`` the client has not got yet."""
+        start = self._produced
+        self._produced += len(piece)
+        new = self._pending + piece[max(0, self.text_len - start) :]
+        self._pending = ""
+        self.text_len += len(new)
+        return new

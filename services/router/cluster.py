@@ -12,8 +12,12 @@ with ``kv_target`` = the decode worker, then decode, relaying its stream). A fai
 decode worker produced anything (prefill worker down or marked down while the request was on it,
 KV transfer refused, decode worker down at the call) is retried on other workers under a new
 attempt id: the prefill runs again (a prefix-cache hit) and its first token must equal the one
-already sent, else the client gets an error event. A failure after that ends the stream with an
-error event. Closing the stream (client gone) cancels the calls and aborts on both workers.
+already sent, else the client gets an error event. A retryable failure after decode output reached
+the client (decode worker dead or marked down mid-generation) resumes the request on another
+prefill + decode pair (``attempt.Progress``: prompt + generated tokens, the remaining budget; text
+and stop strings over the whole output; one seamless stream, streaming or not; a seeded sampled
+request may differ from an uninterrupted run after the resume). Retries and resumes share
+``max_retries``. Closing the stream (client gone) cancels the calls and aborts on both workers.
 
 Workers come from the command line and from the runtime worker registry (``admin.WorkerAdmin``,
 ``POST/DELETE/GET /workers``), polled with the routing state; ``workers.WorkerPool`` keeps their
@@ -21,7 +25,9 @@ handles, polls them, cancels the requests on a worker marked down and drains rem
 
 When the retries run out on capacity or reachability (a decode worker's KV staging full:
 ``Overloaded``; no worker reachable: ``NoWorkerAvailable``) ``generate`` raises an ``Unavailable``
-(HTTP 503, or an error event with its code in a started stream); other failures a RuntimeError.
+(HTTP 503, or an error event with its code in a started stream); other failures a RuntimeError,
+except for a request whose output had started: it always ends with an ``Unavailable`` (the two
+above by the last failure's code, else ``Interrupted``), so a non-streaming client gets a 503.
 ``stats``/``router_stats`` feed ``/metrics``: token counters of the relayed requests, the workers'
 ``GetLoad`` (pools, running, waiting, outstanding tokens), requests by status and retries.
 """
@@ -40,7 +46,14 @@ from typing import Any
 import grpc
 
 from services.router.admin import WorkerAdmin
-from services.router.attempt import AttemptRunner, DispatchError, NoWorkerAvailable, Overloaded
+from services.router.attempt import (
+    AttemptRunner,
+    DispatchError,
+    Interrupted,
+    NoWorkerAvailable,
+    Overloaded,
+    Progress,
+)
 from services.router.routing import RouterRouting, RoutingOptions
 from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
 from swaserve.api.server import Unavailable
@@ -58,6 +71,7 @@ __all__ = [
     "POLL_TIMEOUT_S",
     "ClusterEngine",
     "DispatchError",
+    "Interrupted",
     "NoWorkerAvailable",
     "Overloaded",
     "WorkerHandle",
@@ -70,7 +84,8 @@ class ClusterEngine:
     model_dir: checkpoint dir (tokenizer, config: the workers must serve the same one).
     prefill, decode: worker addresses ``host:port`` (more can be added at runtime).
     model_name: served model name. request_timeout_s: per-request deadline (seconds).
-    max_retries: re-dispatches of a request that failed before its decode output started.
+    max_retries: re-dispatches of a request: retries of one that failed before its decode output
+    started, and resumes of one that failed after (module doc).
     poll_s: seconds between ``GetLoad`` polls (worker health and load) and registry syncs.
     routing: worker selection and shared state (default: cache-aware, in this process).
     poll_timeout_s: a poll's deadline (seconds); hung_polls: deadlines missed in a row that mark
@@ -227,10 +242,14 @@ class ClusterEngine:
         Raises:
             ValueError: the workers refused the request (bad input), before any output.
             Overloaded, NoWorkerAvailable: no capacity / no reachable worker in any attempt.
-            RuntimeError: it failed otherwise and could not be retried.
+            Interrupted: output had started and the request could not be resumed (resumes used
+                up on another failure, or the resumed request refused).
+            RuntimeError: it failed otherwise, before decode output, and could not be retried.
         """
         avoid: set[WorkerHandle] = set()
         first: int | None = None  # the first token, once sent to the client
+        progress = Progress(self.tokenizer, prompt_token_ids, params)
+        prompt, wparams = prompt_token_ids, params  # what the next attempt runs (changes on a resume)
         attempt = 0
         finished = False
         status = "cancelled"  # unless it ends otherwise
@@ -246,40 +265,66 @@ class ClusterEngine:
             while True:
                 attempt += 1
                 wire_id = f"{request_id}#{attempt}"  # the request id on the workers, per attempt
-                p, d, leases = await self._choose(wire_id, prompt_token_ids, hashes, params, avoid)
+                p, d, leases = await self._choose(wire_id, prompt, hashes, wparams, avoid)
                 if p.draining or d.draining:  # removed while the choice was made: choose again
                     self._release(*leases)
                     attempt -= 1
                     continue
                 started = [False]  # decode output reached the client
                 self._current[request_id] = (p, d, wire_id)
+                first_sent = None if progress.resumed else first  # a resume samples a new token
                 try:
-                    async for out in self.runner.run(
-                        p, d, wire_id, request_id, prompt_token_ids, params, first, started, leases
-                    ):
-                        if first is None and out.new_token_ids:
-                            first = out.new_token_ids[0]
-                            self.prompt_tokens_total += len(prompt_token_ids)
-                            self.cached_tokens_total += out.cached_tokens
-                        self.generation_tokens_total += len(out.new_token_ids)
-                        finished = out.finished
-                        if finished:
-                            status = "ok"
-                        yield out
+                    run = self.runner.run(
+                        p, d, wire_id, request_id, prompt, wparams, first_sent, started, leases
+                    )
+                    async with contextlib.aclosing(run) as outs:
+                        async for raw in outs:
+                            out = progress.relay(raw)
+                            if first is None and out.new_token_ids:
+                                first = out.new_token_ids[0]
+                                self.prompt_tokens_total += len(prompt_token_ids)
+                                self.cached_tokens_total += out.cached_tokens
+                            self.generation_tokens_total += len(out.new_token_ids)
+                            finished = out.finished
+                            if finished:
+                                status = "ok"
+                            yield out
+                            if finished:
+                                break
+                    if progress.cut:  # ended by the router on a stop string: the workers' part goes
+                        self._abort_attempt(p, d, wire_id)
                     return
                 except DispatchError as e:
                     task = asyncio.current_task()
                     if task is not None and task.cancelling():
                         raise asyncio.CancelledError from e  # the client went away: no retry
-                    if started[0]:
-                        raise RuntimeError(f"request failed: {e}") from e
+                    resume = started[0] or progress.resumed
                     if attempt > self.max_retries:
-                        raise e.final() from e
-                    log.warning("retrying %s (attempt %d): %s", request_id, attempt + 1, e)
-                    self.retries[e.reason] += 1
+                        raise (e.interrupted(len(progress.tokens)) if resume else e.final()) from e
                     self._abort_attempt(p, d, wire_id)  # whatever it left (staged KV) goes
                     if e.worker is not None:
                         avoid.add(e.worker)
+                    if not resume:
+                        log.warning("retrying %s (attempt %d): %s", request_id, attempt + 1, e)
+                        self.retries[e.reason] += 1
+                        continue
+                    log.warning(
+                        "resuming %s after %d tokens (attempt %d): %s",
+                        request_id,
+                        len(progress.tokens),
+                        attempt + 1,
+                        e,
+                    )
+                    self.retries["resumed"] += 1
+                    prompt, wparams = progress.resume()
+                    hashes = self.routing.hashes(prompt)
+                except ValueError as e:
+                    if not progress.resumed:
+                        raise
+                    raise Interrupted(
+                        f"request interrupted after {len(progress.tokens)} generated tokens: "
+                        f"its resume was refused ({e})"
+                    ) from e
         except ValueError:
             status = "invalid"
             raise
