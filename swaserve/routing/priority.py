@@ -18,10 +18,12 @@ requests). ``max_wait_s = 0`` is FCFS.
 
 Defaults: ``wait_weight = 0.1`` (a second of waiting is worth 0.1 s of work: a long request
 overtakes new short ones after waiting ten times the work it has beyond them). Measured in the
-simulator on the conversation trace (8 instances, load 0.8, ``bench/routing_sim.py``): TTFT p90
-over FCFS is 0.94 with ``wait_weight = 1`` (aging as fast as the work it weighs, it is nearly
-FCFS), 0.58 with 0.1, 0.60 with 0 (pure shortest-first; p99 is worse); the hard bound, not the
-weight, guards against starvation. ``max_wait_s = 30`` s (a TTFT SLO beyond which latency
+simulator on the conversation trace (8 instances, load 0.8, ``bench/routing_sim.py``), TTFT p90
+over FCFS: with the router's wait estimate made for FCFS queues (``routing.policy.wait_s``
+``fcfs``), 0.94 with ``wait_weight = 1`` (aging as fast as the work it weighs, it is nearly
+FCFS), 0.58 with 0.1, 0.60 with 0 (pure shortest-first; p99 is worse); with the estimate made
+for compute-ordered queues (the default when workers report this order), 0.53 with 1, 0.51 with
+0.1, 0.51 with 0 (2026-11-30). The hard bound, not the weight, guards against starvation. ``max_wait_s = 30`` s (a TTFT SLO beyond which latency
 matters more than throughput).
 """
 
