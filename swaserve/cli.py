@@ -602,8 +602,10 @@ def bench_prefix_replay(
 @app.command()
 def sim(
     trace: Annotated[Path, typer.Option(help="Mooncake .jsonl or agent-session trace (.jsonl[.gz]).")],
-    prefill: Annotated[int, typer.Option(min=1, help="Prefill instances.")] = 8,
-    decode: Annotated[int, typer.Option(min=1, help="Decode instances.")] = 8,
+    prefill: Annotated[
+        int, typer.Option(min=1, max=512, help="Prefill instances (each holds a KV cache: ~15 MB of RAM).")
+    ] = 8,
+    decode: Annotated[int, typer.Option(min=1, max=512, help="Decode instances.")] = 8,
     policy: Annotated[
         str, typer.Option(help="Routing policy: round_robin, least_load, cache_aware.")
     ] = "cache_aware",
@@ -649,6 +651,8 @@ def sim(
     from swaserve.sim.run import print_table, simulate, write_json
 
     try:
+        if policy != "cache_aware" and queue_order != "auto":
+            raise ValueError(f"--queue-order applies to --policy cache_aware only, not {policy}")
         dep = get_deployment(deployment)
         work = wl.load(trace, limit, copies)
         row = simulate(
@@ -656,6 +660,7 @@ def sim(
             host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight, index_mode=index_mode,
             policy_args={"queue_order": queue_order} if policy == "cache_aware" else None,
         )  # fmt: skip
+
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

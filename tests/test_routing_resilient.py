@@ -94,6 +94,11 @@ def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers(
         assert set(r.active) == {pl.lease_id, dl.lease_id} and r.renew() == 2  # running work renewed
         r.release(pl, dl)
         assert r.active == {} and r.renew() == 0
+        fresh = chain_ids(range(50, 53))  # precise mode, Redis up: a dispatch records nothing
+        for rid in ("f1", "f2"):
+            d, pl, dl = r.choose(rid, 12, fresh, 20, ["p0", "p1"], ["d0"])
+            assert d.cached_tokens == 0
+            r.release(pl, dl)
         # a prefill worker seen back after it was down is asked to re-publish its cache (its
         # entries were dropped, its cache may have survived); its queue order reaches the book
         from swaserve.routing.events import resync_key
@@ -109,6 +114,15 @@ def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers(
         # Redis gone: the follower's poll and the index fall back; routing goes on
         d, pl, dl = r.choose("b", 12, hashes, 20, ["p0", "p1"], ["d0"])
         assert d.instance == "p0" and r.shared_up is False
+        r.release(pl, dl)
+        # ... and with no events arriving, dispatches are recorded locally: a new prompt keeps
+        # its affinity through the outage
+        new = chain_ids(range(70, 73))
+        first, pl, dl = r.choose("n1", 12, new, 20, ["p0", "p1"], ["d0"])
+        r.release(pl, dl)
+        again, pl, dl = r.choose("n2", 12, new, 20, ["p0", "p1"], ["d0"])
+        assert (again.instance, again.cached_tokens) == (first.instance, 11)
+        r.release(pl, dl)
         # p0 seen down (even if a request noticed first): its entries go, once
         r.observe("p0", "prefill", None, False)
         r.observe("p0", "prefill", None, False)

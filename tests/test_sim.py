@@ -4,6 +4,7 @@ starvation bound."""
 from __future__ import annotations
 
 import functools
+import json
 import random
 from pathlib import Path
 
@@ -117,6 +118,46 @@ def test_scale_for_load_and_errors() -> None:
     with pytest.raises(ValueError, match="deployment"):
         deployment("tpu")
     assert MIMO_V2_FLASH_H200.transfer_s(1000) > 0
+    # settings that do not apply are refused, not ignored
+    dep = deployment("mimo-v2-flash-h200")
+    with pytest.raises(ValueError, match="compute priority only"):
+        simulate(work, 1, 1, "cache_aware", dep, "fcfs", max_wait_s=5.0)
+    with pytest.raises(ValueError, match="queue_order"):
+        simulate(work, 1, 1, "cache_aware", dep, policy_args={"queue_order": "sjf"})
+
+
+def test_sim_cli_table_names_its_settings_and_refuses_flags_that_do_not_apply(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from swaserve.cli import app
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": i * 1000, "input_length": 600, "output_length": 4, "hash_ids": [i % 3, i]}
+            )
+            + "\n"
+            for i in range(20)
+        )
+    )
+    base = ["sim", "--trace", str(trace), "--prefill", "2", "--decode", "1"]
+    ok = CliRunner().invoke(app, [*base, "--queue-order", "compute"])
+    assert ok.exit_code == 0, ok.output
+    head, row = ok.output.splitlines()[:2]
+    assert head.split()[:6] == [
+        "policy",
+        "priority",
+        "queue_order",
+        "index_mode",
+        "requests",
+        "refused_too_long",
+    ]
+    assert row.split()[:5] == ["cache_aware", "fcfs", "compute", "approximate", "20"]
+    bad = CliRunner().invoke(app, [*base, "--policy", "round_robin", "--queue-order", "compute"])
+    assert bad.exit_code == 2 and "applies to --policy cache_aware only" in bad.output
+    bad = CliRunner().invoke(app, [*base, "--wait-weight", "0.5"])
+    assert bad.exit_code == 2 and "--priority compute" in bad.output
 
 
 def test_requests_over_the_context_are_refused_and_sessions_go_on() -> None:

@@ -9,7 +9,7 @@ bucket, and drops a worker's index entries when it becomes unreachable (its cach
 Redis calls are blocking: the async router runs them on one thread (``executor``), which also
 serializes the in-memory backend. In ``precise`` index mode an ``IndexFollower`` applies the
 prefill workers' stored/removed block events from Redis before each decision instead of recording
-dispatches. The worker registry (``swaserve.routing.registry``: workers added or removed at runtime)
+dispatches (while Redis is down it records them in the local index, as approximate mode does). The worker registry (``swaserve.routing.registry``: workers added or removed at runtime)
 lives in the same Redis; ``sync_workers`` merges this router's copy with it.
 """
 
@@ -145,7 +145,12 @@ class RouterRouting:
             self.state.call(follower.poll, lambda: 0)  # Redis down: route on the local index
         if not decode:
             raise NoInstanceError("no decode instance is available")
-        route = self.dispatcher.route_prefill(rid, prompt_len, hashes, prefill, record=self.follower is None)
+        # precise mode records nothing (the workers' events fill the index) unless Redis is down:
+        # then no event arrives, so dispatches are recorded in the local index as in approximate
+        # mode; when Redis is back they are re-synced into it and each worker's snapshot (it lost
+        # events too) clears them and says what it really holds
+        record = self.follower is None or (self.state is not None and not self.state.up)
+        route = self.dispatcher.route_prefill(rid, prompt_len, hashes, prefill, record=record)
         try:
             d_lease = self.dispatcher.route_decode(rid, total_tokens, decode)
         except BaseException:

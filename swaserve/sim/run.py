@@ -97,6 +97,10 @@ def simulate(
     make_policy(policy, **(policy_args or {}))  # bad names fail before the trace is scanned
     if priority not in ("fcfs", "compute"):
         raise ValueError(f"priority must be 'fcfs' or 'compute', got {priority!r}")
+    if priority != "compute" and (max_wait_s is not None or wait_weight is not None):
+        raise ValueError(
+            "max wait and wait weight (--max-wait, --wait-weight) apply to the compute priority only (--priority compute)"
+        )
     scale = time_scale if time_scale is not None else scale_for_load(work, dep.cost, prefill, load or 0.8)
     cfg = SimConfig(
         prefill, decode, policy, dep.cost, dep.model(), dep.device_bytes,
@@ -110,20 +114,31 @@ def simulate(
     if wait_weight is not None:
         cfg = replace(cfg, wait_weight=wait_weight)
     out = Simulator(cfg).run(work).summary()
+    order = (policy_args or {}).get("queue_order", "auto") if policy == "cache_aware" else "-"
     out.update(
-        index_mode=index_mode, trace=work.name, prefill=prefill, decode=decode, deployment=dep.name, time_scale=round(scale, 6),
+        queue_order=order, index_mode=index_mode, trace=work.name, prefill=prefill, decode=decode, deployment=dep.name, time_scale=round(scale, 6),
         load=load if time_scale is None else None,
     )  # fmt: skip
     return out
 
 
-COLUMNS = ("policy", "priority", "hit_rate", "host_hit_rate", "ttft_p50", "ttft_p90", "ttft_p99",
-           "itl_p50", "prefill_utilization", "wall_s")  # fmt: skip
+COLUMNS = ("policy", "priority", "queue_order", "index_mode", "requests", "too_long", "hit_rate",
+           "host_hit_rate", "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "prefill_utilization",
+           "wall_s")  # fmt: skip
+# table headers with units: hit rates are cached / prompt tokens; times in seconds (wall_s: real
+# time the simulation took, the rest simulated)
+HEADERS = {"hit_rate": "hit_rate(tok)", "host_hit_rate": "host_hit(tok)", "ttft_p50": "ttft_p50_s",
+           "ttft_p90": "ttft_p90_s", "ttft_p99": "ttft_p99_s", "itl_p50": "itl_p50_s",
+           "prefill_utilization": "prefill_util", "too_long": "refused_too_long"}  # fmt: skip
 
 
 def print_table(rows: list[dict[str, object]], columns: tuple[str, ...] = COLUMNS) -> None:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    """Print ``rows`` (``simulate`` results) as an aligned table of ``columns`` (``HEADERS``: units)."""
+    heads = [HEADERS.get(c, c) for c in columns]
+    widths = [
+        max(len(h), *(len(str(r.get(c, ""))) for r in rows)) for c, h in zip(columns, heads, strict=True)
+    ]
+    print("  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)))
     for r in rows:
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)))
 
