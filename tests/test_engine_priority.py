@@ -14,17 +14,22 @@ from swaserve.engine.types import SamplingParams
 from swaserve.kvcache import invariants
 
 
+def engine(tiny_dir: Path, policy: str, t: list[float], max_num_seqs: int, **kw: float) -> LLMEngine:
+    """An engine with 64-token steps and the clock ``t[0]``."""
+    cfg = EngineConfig(
+        page_size=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20, max_num_seqs=max_num_seqs,
+        schedule_policy=policy, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return LLMEngine(tiny_dir, cfg, clock=lambda: t[0])
+
+
 def run(
     tiny_dir: Path, policy: str, clock_steps: list[float], **kw: float
 ) -> tuple[list[str], dict[str, list[int]]]:
     """One running request at a time; returns the admission order and each request's tokens.
     ``clock_steps``: the engine clock's values, one per ``step`` (then stays at the last)."""
     t = [0.0]
-    cfg = EngineConfig(
-        page_size=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20, max_num_seqs=1,
-        schedule_policy=policy, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
-    eng = LLMEngine(tiny_dir, cfg, clock=lambda: t[0])
+    eng = engine(tiny_dir, policy, t, 1, **kw)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     eng.add_request("first", list(range(10, 30)), params)
     eng.add_request("long", list(range(40, 140)), params)
@@ -112,3 +117,41 @@ def test_compute_priority_with_imported_kv_and_an_aborted_waiting_request(tiny_d
     order, out = decode("compute")
     assert order == ["short", "local", "mid", "long"]  # by prompt length; imported: all uncached
     assert out == fcfs_out
+
+
+def first_token_steps(
+    tiny_dir: Path, policy: str, **kw: float
+) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """A 300-token prompt prefilled 64 tokens a step; a 10-token one arrives after its first chunk.
+    Returns the step at which each request got its first token, and each one's tokens."""
+    t = [0.0]
+    eng = engine(tiny_dir, policy, t, 4, **kw)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request("long", list(range(40, 340)), params)
+    first: dict[str, int] = {}
+    out: dict[str, list[int]] = {}
+    step = 0
+    while eng.has_unfinished():
+        step += 1
+        t[0] = step * 0.01
+        for o in eng.step():
+            first.setdefault(o.request_id, step)
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if step == 1:
+            eng.add_request("short", list(range(500, 510)), params)
+    invariants.check(eng.kv)
+    return first, out
+
+
+def test_compute_priority_pauses_a_long_prefill_for_a_short_request(tiny_dir: Path) -> None:
+    """FCFS: the short request waits for the long prompt's remaining chunks. Compute priority: it
+    is admitted at the next step, ahead of the long prefill's next chunk (which keeps its pages
+    and resumes); the tokens of both are unchanged. Overdue (max wait 0: FCFS), nothing pauses."""
+    fcfs_first, fcfs_out = first_token_steps(tiny_dir, "fcfs")
+    assert fcfs_first["short"] >= fcfs_first["long"]  # admitted only with the long prompt's last chunk
+    first, out = first_token_steps(tiny_dir, "compute")
+    assert first["short"] == 2 and first["short"] < first["long"]
+    assert first["long"] <= fcfs_first["long"] + 1  # it lost 10 tokens of one step's budget
+    assert out == fcfs_out
+    bound_first, bound_out = first_token_steps(tiny_dir, "compute", priority_max_wait_s=0.0)
+    assert bound_first == fcfs_first and bound_out == fcfs_out

@@ -1,5 +1,6 @@
 """The scheduler's incremental waiting order (``WaitingQueue``) against the full sort per step it
-replaced: the previous ``Scheduler`` is kept here verbatim (``SortingScheduler``), and both run the
+replaced: the previous ``Scheduler`` is kept here (``SortingScheduler``; since then given the
+same chunk-level preemption of prefills in progress, over its own sorted keys), and both run the
 same random sequences of add (with and without a prefix-cache hit, with imported KV), step (time
 forwards, sometimes backwards), abort of a waiting request and finish of a running one. At every
 step the waiting order, the chunks scheduled, the running set and the ``bypassed`` counters must be
@@ -62,32 +63,49 @@ class SortingScheduler(Scheduler):
 
         def key(r: Request) -> tuple[tuple[int, float], int]:
             unc, cached, seq = u.get(r.request_id, (r.num_prompt, 0, 0))
-            # ComputeAwarePriority.key as it was, inlined: independent of the code under test
-            waited = now - r.arrival_time
-            if waited >= p.max_wait_s:
-                return (0, r.arrival_time), seq
-            return (1, p.cost.prefill_s(unc, cached) - p.wait_weight * waited), seq
+            return self._key(r, unc, cached, now), seq
 
         self.waiting = deque(sorted(self.waiting, key=key))
+
+    def _key(self, r: Request, uncached: int, cached: int, now: float) -> tuple[int, float]:
+        """ComputeAwarePriority.key as it was, inlined: independent of the code under test."""
+        p = self.priority
+        assert p is not None
+        waited = now - r.arrival_time
+        if waited >= p.max_wait_s:
+            return (0, r.arrival_time)
+        return (1, p.cost.prefill_s(uncached, cached) - p.wait_weight * waited)
 
     def schedule(self, now: float) -> list[ScheduledChunk]:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
-        for req in decoding + prefilling:
-            if budget == 0:
-                break
-            c = self._chunk(req, budget)
-            if c is not None:
-                chunks.append(c)
-                budget -= c.n
+        budget = self._run_chunks(decoding, budget, chunks)
         self._order_waiting(now)
+        if self.priority is not None and prefilling:  # chunk-level preemption (module docstring)
+            keys = {r: self._key(r, r.num_tokens - r.num_computed, r.num_computed, now) for r in prefilling}
+            prefilling.sort(key=keys.__getitem__)
+            budget = self._admit_sorted(now, budget, chunks, keys[prefilling[0]])
+        budget = self._run_chunks(prefilling, budget, chunks)
+        self._admit_sorted(now, budget, chunks, None)
+        for c in chunks:
+            if c.req.first_scheduled_time is None:
+                c.req.first_scheduled_time = now
+        return chunks
+
+    def _admit_sorted(
+        self, now: float, budget: int, chunks: list[ScheduledChunk], below: tuple[int, float] | None
+    ) -> int:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if i > 0 and self.waiting[0].bypassed >= self.max_bypass:
                 break
             req = self.waiting[i]
+            if below is not None:
+                unc, cached, _ = self._uncached.get(req.request_id, (req.num_prompt, 0, 0))
+                if self._key(req, unc, cached, now) >= below:
+                    break
             imported = req.kv_payload is not None and not req.export_kv
             prompt = None if imported else req.prompt_token_ids
             if not self.kv.admit(req.request_id, req.max_total_tokens, prompt):
@@ -108,10 +126,7 @@ class SortingScheduler(Scheduler):
             if c is not None:
                 chunks.append(c)
                 budget -= c.n
-        for c in chunks:
-            if c.req.first_scheduled_time is None:
-                c.req.first_scheduled_time = now
-        return chunks
+        return budget
 
     def finish(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:

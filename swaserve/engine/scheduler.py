@@ -6,7 +6,15 @@ budget and the pools), then waiting requests are admitted, in arrival order (FCF
 ``routing.priority.ComputeAwarePriority`` (fewest uncached tokens first, aged by waiting time,
 with a hard bound on waiting; the uncached count is the prefix cache's match when the request
 arrived; none for a request that arrives with its KV), while both pools can reserve their
-guaranteed pages and fewer than ``max_num_seqs`` run. A request that does not fit yet (e.g. a chat
+guaranteed pages and fewer than ``max_num_seqs`` run. Under the compute priority, prefills in
+progress compete with waiting requests by the same key over their *remaining* tokens
+(``key(arrival, tokens left, tokens computed, now)``): waiting requests with a smaller key than
+every prefill in progress are admitted first, then the prefills in progress get their chunks in
+key order, then the rest are admitted. So a short request does not wait for a long prompt that
+started before it (chunk-level preemption: the paused prefill keeps its pages and resumes where
+it stopped; outputs do not change). A prefill in progress that is overdue (``max_wait_s`` or more since it
+arrived) has key ``(0, arrival)`` and is paused only for older overdue requests, so the
+starvation bound holds. A request that does not fit yet (e.g. a chat
 whose default max_tokens fills the context) does not block smaller ones behind it, but only
 ``max_bypass`` requests may overtake the head of the queue; then admission waits for the head, so
 it cannot starve. Prefill and decode share a step (Sarathi-Serve, Agrawal et al. OSDI'24,
@@ -153,6 +161,16 @@ class WaitingQueue:
             del self._by_key[_find(self._by_key, key)]
         return True
 
+    def key(self, i: int, now: float) -> tuple[int, float]:
+        """``ComputeAwarePriority.key`` at ``now`` of the ``i``-th request (as of ``order(now)``;
+        compute priority only)."""
+        p = self.priority
+        assert p is not None
+        k = self._n_overdue
+        if i < k:
+            return (0, self._by_arrival[i][0])
+        return (1, self._by_key[i - k][0] - p.wait_weight * now)
+
     def order(self, now: float) -> None:
         """Bring the order to ``now``: move the requests overdue at ``now`` to the front."""
         p = self.priority
@@ -210,18 +228,49 @@ class Scheduler:
         # decodes first (one token each, so a long prefill never stalls them), then prefill chunks
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
-        for req in decoding + prefilling:
+        budget = self._run_chunks(decoding, budget, chunks)
+        self.waiting.order(now)
+        p = self.priority
+        if p is not None and prefilling:
+            # compute priority: prefills in progress compete with waiting requests by remaining
+            # work (chunk-level preemption; a paused prefill keeps its pages). Waiting requests
+            # whose key is below every in-progress prefill's are admitted first.
+            keys = {
+                r: p.key(r.arrival_time, r.num_tokens - r.num_computed, r.num_computed, now)
+                for r in prefilling
+            }
+            prefilling.sort(key=keys.__getitem__)  # stable: admission order among equal keys
+            budget = self._admit(now, budget, chunks, below=keys[prefilling[0]])
+        budget = self._run_chunks(prefilling, budget, chunks)
+        self._admit(now, budget, chunks)
+        for c in chunks:
+            if c.req.first_scheduled_time is None:
+                c.req.first_scheduled_time = now
+        return chunks
+
+    def _run_chunks(self, reqs: list[Request], budget: int, chunks: list[ScheduledChunk]) -> int:
+        """The next chunk of each of ``reqs`` that fits ``budget``, in order; returns what is left."""
+        for req in reqs:
             if budget == 0:
                 break
             c = self._chunk(req, budget)
             if c is not None:
                 chunks.append(c)
                 budget -= c.n
-        self.waiting.order(now)
+        return budget
+
+    def _admit(
+        self, now: float, budget: int, chunks: list[ScheduledChunk], below: tuple[int, float] | None = None
+    ) -> int:
+        """Admit waiting requests in order (bypass rules in the module docstring), each with its
+        first chunk, while ``budget`` and ``max_num_seqs`` allow; with ``below``, only requests
+        whose priority key is smaller. Returns the budget left."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if i > 0 and self.waiting[0].bypassed >= self.max_bypass:
                 break  # the head has waited long enough: nobody else overtakes it now
+            if below is not None and self.waiting.key(i, now) >= below:
+                break  # the queue is in key order: nobody further on is smaller
             req = self.waiting[i]
             imported = req.kv_payload is not None and not req.export_kv
             prompt = None if imported else req.prompt_token_ids  # imported KV: no cache lookup
@@ -243,10 +292,7 @@ class Scheduler:
             if c is not None:
                 chunks.append(c)
                 budget -= c.n
-        for c in chunks:
-            if c.req.first_scheduled_time is None:
-                c.req.first_scheduled_time = now
-        return chunks
+        return budget
 
     def _chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
         start = req.num_computed

@@ -2,7 +2,9 @@
 tier; page accounting, no tensors) and the real priority queue, with step times from a
 ``CostModel``.
 
-A prefill instance runs one request at a time: admission matches the longest window-safe cached
+A prefill instance runs one request at a time (unlike the engine, which batches prefill chunks of
+several requests and, under the compute priority, pauses a long prefill between chunks for a
+shorter request): admission matches the longest window-safe cached
 prefix (``admit``), the rest is prefilled in chunks of ``chunk`` tokens as the engine does
 (``max_chunk``/``allocate``, the computed prefix inserted after each chunk), and the prompt is
 inserted on completion (``free``); the request takes ``cost.prefill_s(uncached, cached)``.
