@@ -2,7 +2,9 @@
 
 * ``Worker`` (protos/swaserve/v1/worker.proto): ``Generate`` streams chunk / complete / error
   envelopes with cumulative usage; ``Abort``; ``GetLoad`` (running, waiting, outstanding tokens,
-  pool pages: also the debug view tests use to check that no page leaks).
+  pool pages: also the debug view tests use to check that no page leaks; the model's identity
+  (``swaserve.model.identity``: routers refuse a worker of another model) and a ``boot_id``
+  drawn at start (routers refuse one process registered under two addresses)).
 * prefill role: ``Generate`` runs to the first token with ``export_kv``; unless the request ended
   there, the prompt's KV is pushed to ``kv_target`` (``KVTransfer.Push``) before ``complete``
   (finish reason ``handoff``, ``kv_bytes_sent``). A failed push is an ``error`` envelope whose
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -47,6 +50,7 @@ from swaserve.disagg.convert import (
 from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.engine.async_engine import AsyncLLMEngine
 from swaserve.engine.types import FinishReason, SamplingParams
+from swaserve.model.identity import model_identity
 from swaserve.routing.buckets import ALL_LENGTHS
 from swaserve.routing.events import RedisEventPublisher, stream_key
 from swaserve.v1 import kv_transfer_pb2 as kvpb
@@ -127,6 +131,8 @@ class WorkerService(wgrpc.WorkerServicer):
         self.aborted: dict[str, float] = {}  # recently aborted ids: a late transfer for them is refused
         self.open = 0
         cfg = engine.model_config
+        self.identity = model_identity(cfg, engine.tokenizer, engine.model_name)
+        self.boot_id = uuid.uuid4().hex  # this process: a restart draws a new one
         self.sender: KVSender = GrpcKVSender(
             engine.engine_config.page_size, {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)}
         )
@@ -267,6 +273,9 @@ class WorkerService(wgrpc.WorkerServicer):
             max_prompt_tokens=0 if hi >= ALL_LENGTHS[1] else hi,
             index_block_tokens=eng.config.index_block_tokens or 0,
             queue_order=eng.config.schedule_policy,
+            model_fingerprint=self.identity.fingerprint,
+            model_description=self.identity.description,
+            boot_id=self.boot_id,
         )
 
     async def expire_staging(self) -> None:

@@ -9,9 +9,12 @@ token-identical); the SIGSTOPped only decode worker mid-stream (resumes fail: an
 a hang); bad
 ``/workers`` input; a prefill worker added on router A that router B routes to, removed on B and
 left alone by A (its index entries gone); a decode worker removed while a stream runs on it (the
-stream finishes: a drain); a worker removed while Redis is down (this router only, said in the
-response; the other router follows once Redis is back, empty). Stopped workers are continued and
-extra ones stopped, so nothing leaks.
+stream finishes: a drain); a worker of another model (a copy of the checkpoint with another RoPE
+base) and a worker already registered under another name (``localhost:P``) refused; a third
+router started with those as flag workers, keeping them out, then left without a usable prefill
+worker (503 ``no_worker_available``); a worker removed while Redis is down (this router only,
+said in the response; the other router follows once Redis is back, empty). Stopped workers are
+continued and extra ones stopped, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import signal
 import sys
 import time
@@ -31,8 +35,11 @@ import httpx
 import pytest
 import redis
 from cluster_harness import running
+from transformers import AutoTokenizer
 
-from swaserve.launcher import Cluster, ServiceProcess, free_port, grpc_ready
+from swaserve.config import ModelConfig
+from swaserve.launcher import Cluster, ServiceProcess, free_port, grpc_ready, http_ready
+from swaserve.model.identity import model_identity
 from swaserve.redis_server import RedisServer
 from tests.test_cluster import _scrape, _value, wait_idle
 
@@ -59,12 +66,15 @@ def cluster(tiny_dir: Path, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[
         yield c
 
 
-def extra_worker(c: Cluster, role: str, name: str) -> tuple[str, ServiceProcess]:
-    """A worker the routers were not started with (ready when this returns)."""
+def extra_worker(
+    c: Cluster, role: str, name: str, *args: str, model: Path | None = None
+) -> tuple[str, ServiceProcess]:
+    """A worker the routers were not started with (ready when this returns); ``model``: another
+    checkpoint than the cluster's."""
     port = free_port()
     addr = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", f"services.{role}", "--model", str(c.model), "--port", str(port),
-           "--metrics-port", str(free_port()), "--num-threads", "1", *WORKER_ARGS]  # fmt: skip
+    cmd = [sys.executable, "-m", f"services.{role}", "--model", str(model or c.model), "--port", str(port),
+           "--metrics-port", str(free_port()), "--num-threads", "1", *WORKER_ARGS, *args]  # fmt: skip
     svc = ServiceProcess(name, cmd, grpc_ready(addr))
     svc.start()
     try:
@@ -261,13 +271,20 @@ def test_bad_worker_requests_are_4xx(cluster: Cluster) -> None:
 
 def test_worker_added_on_one_router_and_removed_on_the_other(cluster: Cluster) -> None:
     a, b = cluster.urls
-    addr, svc = extra_worker(cluster, "prefill", "prefill-extra")
+    addr, svc = extra_worker(cluster, "prefill", "prefill-extra", "--schedule-policy", "compute")
     try:
         r = httpx.post(f"{a}/workers", json={"url": addr, "role": "decode"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "role_mismatch", r.text
         r = httpx.post(f"{a}/workers", json={"url": addr, "role": "prefill"}, timeout=30)
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "added" and r.json()["shared"] is True and "note" not in r.json()
+        # the check's GetLoad is its first poll: the response shows it as it is
+        added = r.json()["worker"]
+        assert (added["state"], added["reason"], added["running"], added["waiting"]) == ("up", None, 0, 0), (
+            added
+        )
+        assert added["queue_order"] == "compute" and added["boot_id"], added
+        assert added["model_fingerprint"] == httpx.get(f"{a}/workers", timeout=10).json()["model_fingerprint"]
         for u in (a, b):  # B learns it from the shared registry
             wait_for(f"{addr} up on {u}", lambda u=u: workers(u).get(addr, {}).get("state") == "up")
         w = workers(b)[addr]
@@ -356,6 +373,116 @@ def test_removing_a_decode_worker_lets_its_streams_finish(cluster: Cluster) -> N
         svc.stop()
     wait_idle(cluster)
     wait_for("leases released", lambda: leases_left(cluster) == 0, 30)
+
+
+@pytest.fixture(scope="module")
+def odd_worker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A prefill worker on another model than the cluster's: the tiny checkpoint with another RoPE
+    base (same shapes: it loads and runs, its outputs would silently differ). (address, its
+    model fingerprint)."""
+    odd = tmp_path_factory.mktemp("models") / "mimo-v2-tiny-odd"
+    shutil.copytree(cluster.model, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["rope_parameters"]["full_attention"]["rope_theta"] = 1e6
+    (odd / "config.json").write_text(json.dumps(cfg))
+    fp = model_identity(ModelConfig.from_pretrained(odd), AutoTokenizer.from_pretrained(str(odd)), odd.name)
+    addr, svc = extra_worker(cluster, "prefill", "prefill-odd", model=odd)
+    try:
+        yield addr, fp.fingerprint
+    finally:
+        svc.stop()
+
+
+def alias(addr: str) -> str:
+    """Another name of the worker at ``addr`` (127.0.0.1:P -> localhost:P)."""
+    return "localhost:" + addr.rsplit(":", 1)[1]
+
+
+def test_a_worker_of_another_model_or_a_registered_process_is_refused(
+    cluster: Cluster, odd_worker: tuple[str, str]
+) -> None:
+    a, b = cluster.urls
+    odd, odd_fp = odd_worker
+    mine = httpx.get(f"{a}/workers", timeout=10).json()["model_fingerprint"]
+    assert mine and odd_fp != mine
+    r = httpx.post(f"{a}/workers", json={"url": odd, "role": "prefill"}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "model_mismatch", r.text
+    assert odd_fp in err["message"] and mine in err["message"] and "mimo-v2-tiny-odd" in err["message"], err
+    for addr, role in (
+        (cluster.worker_addresses["prefill"][0], "prefill"),
+        (cluster.worker_addresses["decode"][0], "decode"),
+    ):
+        r = httpx.post(f"{a}/workers", json={"url": alias(addr), "role": role}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 409 and err["code"] == "worker_exists" and addr in err["message"], r.text
+    everyone = {*cluster.worker_addresses["prefill"], *cluster.worker_addresses["decode"]}
+    seen = [workers(u) for u in (a, b)]
+    for ws in seen:  # nothing was added; each worker's queue order, model and process are shown
+        assert set(ws) == everyone
+        for w in ws.values():
+            assert (w["state"], w["reason"], w["queue_order"], w["model_fingerprint"]) == (
+                "up",
+                None,
+                "fcfs",
+                mine,
+            )
+            assert w["model"].startswith(f"{MODEL}: vocab 512"), w
+        assert len({w["boot_id"] for w in ws.values()}) == len(everyone)
+    assert {x: w["boot_id"] for x, w in seen[0].items()} == {x: w["boot_id"] for x, w in seen[1].items()}
+
+
+def test_a_router_keeps_refused_flag_workers_out_and_names_a_missing_role(
+    cluster: Cluster, odd_worker: tuple[str, str]
+) -> None:
+    """A router (no Redis) started with one prefill worker under two names and one of another
+    model: it uses one name, keeps the others out (errors, not failed requests); without a
+    usable prefill worker, requests and /health are 503 no_worker_available naming the role."""
+    odd, odd_fp = odd_worker
+    p0, d0 = cluster.worker_addresses["prefill"][0], cluster.worker_addresses["decode"][0]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "services.router", "--model", str(cluster.model), "--port", str(port),
+           "--prefill", p0, "--prefill", alias(p0), "--prefill", odd, "--decode", d0, "--poll-interval", "0.2",
+           "--poll-timeout", "2", "--hung-polls", "2", "--block-tokens", "16", "--request-timeout", "120"]  # fmt: skip
+    svc = ServiceProcess("router-flags", cmd, http_ready(url))
+    svc.start()
+    try:
+        svc.wait_ready(120)
+        ws = workers(url)  # vetted before the router served anything
+        used = [x for x in (p0, alias(p0)) if ws[x]["state"] == "up"]
+        assert len(used) == 1, ws
+        twin = alias(p0) if used[0] == p0 else p0
+        assert ws[twin]["state"] == "down" and ws[twin]["reason"].startswith("duplicate: "), ws[twin]
+        assert used[0] in ws[twin]["reason"] and ws[twin]["boot_id"] == ws[used[0]]["boot_id"]
+        assert ws[odd]["state"] == "down" and ws[odd]["reason"].startswith("model_mismatch: "), ws[odd]
+        assert odd_fp in ws[odd]["reason"]
+        for k in range(3):
+            assert len(complete(url, prompt(600 + k, 30))["choices"][0]["token_ids"]) == 8
+        assert dispatched(url, "prefill", used[0]) == 3
+        assert dispatched(url, "prefill", twin) == dispatched(url, "prefill", odd) == 0
+
+        r = httpx.delete(f"{url}/workers", params={"url": used[0]}, timeout=30)
+        assert r.status_code == 200 and "warning" not in r.json(), r.text
+        wait_for(f"{twin} used instead", lambda: workers(url)[twin]["state"] == "up", 30)
+        r = httpx.delete(f"{url}/workers", params={"url": twin}, timeout=30)
+        assert r.status_code == 200 and "last prefill worker" in r.json()["warning"], r.text
+        for r in (
+            httpx.post(f"{url}/v1/completions", json=body(prompt(610, 30)), timeout=CLIENT_TIMEOUT),
+            httpx.get(f"{url}/health", timeout=10),
+        ):
+            err = r.json()["error"]
+            assert r.status_code == 503 and err["code"] == "no_worker_available", r.text
+            assert err["message"].startswith("no prefill worker") and "model_mismatch" in err["message"], err
+        assert dispatched(url, "prefill", odd) == 0
+
+        r = httpx.post(f"{url}/workers", json={"url": p0, "role": "prefill"}, timeout=30)
+        assert r.status_code == 200 and r.json()["worker"]["state"] == "up", r.text
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert len(complete(url, prompt(611, 30))["choices"][0]["token_ids"]) == 8
+    finally:
+        svc.stop()
+    wait_idle(cluster)
 
 
 def test_a_change_made_while_redis_is_down_reaches_the_other_router_when_it_is_back(cluster: Cluster) -> None:

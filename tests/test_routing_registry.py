@@ -163,3 +163,45 @@ def test_a_router_without_redis_applies_changes_locally_and_says_so(tiny_dir: Pa
             assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
 
     asyncio.run(run())
+
+
+def test_a_router_without_a_worker_of_a_role_says_so(tiny_dir: Path) -> None:
+    """In process, nothing listening on the workers' ports: /health and requests are 503
+    ``no_worker_available`` naming the role (not ``engine_not_running``), and removing the last
+    worker of a role is accepted with a warning."""
+    from services.router.cluster import ClusterEngine
+    from swaserve.api.server import build_app
+    from swaserve.api.workers import install_worker_routes
+
+    async def run() -> None:
+        engine = ClusterEngine(tiny_dir, ["127.0.0.1:1"], ["127.0.0.1:2"], poll_s=0.05)
+        app = build_app(engine)  # type: ignore[arg-type]
+        install_worker_routes(app, engine.admin)
+        req = {"model": engine.model_name, "prompt": [5, 6, 7], "max_tokens": 2}
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c,
+        ):
+            # started after the workers' first polls: both are known to be down
+            for r in (await c.get("/health"), await c.post("/v1/completions", json=req)):
+                err = r.json()["error"]
+                assert r.status_code == 503 and err["code"] == "no_worker_available", r.text
+                assert "no prefill worker" in err["message"] and "127.0.0.1:1: unreachable" in err["message"]
+            listed = (await c.get("/workers")).json()
+            assert listed["model_fingerprint"] == engine.model.fingerprint
+            assert [(w["state"], w["reason"]) for w in listed["data"]] == [("down", "unreachable")] * 2
+
+            r = await c.delete("/workers", params={"url": "127.0.0.1:1"})
+            assert r.status_code == 200 and r.json()["status"] == "removed", r.text
+            assert (
+                "last prefill worker" in r.json()["warning"] and "no_worker_available" in r.json()["warning"]
+            )
+            for r in (await c.get("/health"), await c.post("/v1/completions", json=req)):
+                err = r.json()["error"]
+                assert r.status_code == 503 and err["code"] == "no_worker_available", r.text
+                assert err["message"].startswith("no prefill worker is in use on this router"), err
+                assert "POST /workers" in err["message"]
+            r = await c.delete("/workers", params={"url": "127.0.0.1:2"})
+            assert r.status_code == 200 and "last decode worker" in r.json()["warning"], r.text
+
+    asyncio.run(run())

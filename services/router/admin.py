@@ -9,7 +9,11 @@ says so; an unreachable Redis gets it when it is back.
 
 Adding checks the worker first: the URL must be ``host:port`` (or ``grpc://host:port``), the role
 ``prefill`` or ``decode``, and the worker must answer ``GetLoad`` within ``check_timeout_s``
-reporting that role. Removing drains the worker (``workers.WorkerPool.drain``).
+reporting that role, the router's model (``model_fingerprint``) and a process (``boot_id``) not
+already registered under another address. That answer counts as the worker's first poll, so the
+response shows its state and load. Removing drains the worker (``workers.WorkerPool.drain``);
+removing the last worker of a role is accepted (an operator may be replacing it) with a
+``warning``: requests fail with 503 ``no_worker_available`` until one is added.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class WorkerAdmin:
         self.replica = RegistryReplica(flags)  # touched on the routing thread only
         self.check_timeout_s = check_timeout_s
         self.shared = False  # the shared registry answered at the last sync
+        self._settled = False  # the first sync waited for the workers' first polls
 
     def _sync_now(self, entry: WorkerEntry | None) -> tuple[dict[str, str], bool]:
         """(routing thread) apply ``entry``, sync with the shared registry; the effective workers."""
@@ -62,6 +67,9 @@ class WorkerAdmin:
         Returns whether the shared registry answered."""
         effective, self.shared = await in_routing(self.routing, self._sync_now, entry)
         self.pool.apply(effective, self.replica.flags)
+        if not self._settled:  # the first sync (start): know which workers to refuse first
+            self._settled = True
+            await self.pool.settle(self.pool.poll_timeout_s)
         return self.shared
 
     async def _effective(self) -> dict[str, str]:
@@ -82,8 +90,11 @@ class WorkerAdmin:
         """Add (or re-add) a worker; returns the response body.
 
         Raises:
-            ProtocolError: bad role or URL (400), the address already serves the other role (409),
-                the worker does not answer or reports another role (400).
+            ProtocolError: bad role or URL (400: ``invalid_role``, ``invalid_worker_url``); the
+                address already serves the other role, or the worker process is registered
+                under another address (409 ``worker_exists``); the worker does not answer
+                (400 ``worker_unreachable``), reports another role (400 ``role_mismatch``) or
+                another model (400 ``model_mismatch``).
         """
         if role not in ROLES:
             raise ProtocolError(
@@ -102,14 +113,30 @@ class WorkerAdmin:
                 f"worker {address} is a {load.role} worker, not a {role} worker",
                 param="role", code="role_mismatch",
             )  # fmt: skip
+        mismatch = self.pool.mismatch(load)
+        if mismatch is not None:
+            raise ProtocolError(f"worker {address}: {mismatch}", param="url", code="model_mismatch")
+        twin = self.pool.same_process(address, load)
+        if twin is not None:
+            raise ProtocolError(
+                f"worker {address} is the same process (boot id {load.boot_id[:12]}) as worker "
+                f"{twin.address}, already registered as a {twin.role} worker",
+                param="url", code="worker_exists", status=409,
+            )  # fmt: skip
         was = w is not None and not w.draining and (await self._effective()).get(address) == role
         shared = await self.sync(WorkerEntry(address, role, ACTIVE, self.clock()))
+        now = self.pool.handles.get(address)
+        if now is not None and now.role == role and not now.draining:
+            await self.pool.record(now, load)  # the check's answer is its first poll
         out = {"status": "already registered" if was else "added", "worker": self.describe(address)}
         return self._with_note(out, shared)
 
     async def remove_worker(self, url: str) -> dict[str, Any]:
         """Remove a worker: it drains (no new requests; those in flight finish); returns the
         response body.
+
+        The last worker of its role that could serve is removed too, with a ``warning`` in the
+        body: requests fail (503 ``no_worker_available``) until one is added.
 
         Raises:
             ProtocolError: bad URL (400), no such worker in use on this router (404).
@@ -133,14 +160,42 @@ class WorkerAdmin:
             "worker": self.describe(address)
             or {"url": address, "instance": address, "role": role, "state": "removed"},
         }
+        warning = self._last_of_role(address, role)
+        if warning:
+            body["warning"] = warning
         return self._with_note(body, shared)
+
+    def _last_of_role(self, removed: str, role: str) -> str | None:
+        """A warning when no worker of ``role`` that could serve is left after ``removed`` went
+        (None: one is)."""
+        others = [
+            w
+            for w in self.pool.handles.values()
+            if w.role == role and w.address != removed and not w.draining
+            and (w.refusal is None or w.refusal.code != "model_mismatch")
+        ]  # fmt: skip
+        if not others:
+            return (
+                f"{removed} was the last {role} worker on this router: requests fail with 503 "
+                f"no_worker_available until one is added (POST /workers)"
+            )
+        if not any(w.healthy or w.refusal is not None for w in others):  # a duplicate takes over
+            names = ", ".join(sorted(w.address for w in others))
+            return (
+                f"no other {role} worker is up ({names}): requests fail with 503 no_worker_available "
+                "until one is back or another is added (POST /workers)"
+            )
+        return None
 
     def list_workers(self) -> dict[str, Any]:
         """Every worker this router knows (draining ones included) and where changes are kept."""
+        model = self.pool.model
         return {
             "object": "list",
             "data": [self.describe(a) for a in sorted(self.pool.handles)],
             "registry": "shared" if self.shared else "local",
+            "model_fingerprint": model.fingerprint if model is not None else None,  # the router's
+            "model": model.description if model is not None else None,
         }
 
     # -- helpers ------------------------------------------------------------------------------
@@ -189,7 +244,12 @@ class WorkerAdmin:
             "state": w.state,
             "source": self.replica.source(address),
             "bucket": bucket,  # prompt tokens [lo, hi) it serves; hi None: no bound (prefill)
+            "reason": w.reason,  # why it is down (refused: "model_mismatch: ..." / "duplicate: ...")
             "in_flight": len(w.attempts),  # this router's requests on it
             "running": ld.running if ld is not None else None,
             "waiting": ld.waiting if ld is not None else None,
+            "queue_order": (ld.queue_order or "fcfs") if ld is not None else None,  # prefill: fcfs/compute
+            "model_fingerprint": (ld.model_fingerprint or None) if ld is not None else None,
+            "model": (ld.model_description or None) if ld is not None else None,
+            "boot_id": (ld.boot_id or None) if ld is not None else None,  # its process
         }

@@ -62,6 +62,7 @@ from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.metrics import RouterStats
+from swaserve.model.identity import model_identity
 from swaserve.routing.dispatch import NoInstanceError
 from swaserve.routing.load import Lease
 from swaserve.v1 import worker_pb2 as pb
@@ -119,7 +120,8 @@ class ClusterEngine:
         self.max_model_len = self.model_config.max_position_embeddings
         self.request_timeout_s, self.max_retries, self.poll_s = request_timeout_s, max_retries, poll_s
         self.routing = RouterRouting(routing or RoutingOptions())
-        self.pool = WorkerPool(self.routing, poll_s, poll_timeout_s, hung_polls)
+        self.model = model_identity(self.model_config, self.tokenizer, self.model_dir.name)
+        self.pool = WorkerPool(self.routing, poll_s, poll_timeout_s, hung_polls, self.model)
         flags = {a: "decode" for a in decode} | {a: "prefill" for a in prefill}
         self.admin = WorkerAdmin(self.pool, self.routing, flags)
         self.runner = AttemptRunner(self.pool, self._release, request_timeout_s)
@@ -147,6 +149,18 @@ class ClusterEngine:
         """Started, and some prefill and some decode worker in use look reachable (else the API
         answers 503 on /health and on requests)."""
         return self._started and self.pool.up("prefill") and self.pool.up("decode")
+
+    def unavailable(self) -> Unavailable | None:
+        """Why the router cannot take requests now (``build_app`` answers requests and /health
+        with it: 503 and its code), None when it can or is not started (``engine_not_running``):
+        a ``NoWorkerAvailable`` naming the role that has no worker in use and up."""
+        if not self._started:
+            return None
+        for role in ("prefill", "decode"):
+            why = self.pool.missing(role)
+            if why is not None:
+                return NoWorkerAvailable(why)
+        return None
 
     async def start(self) -> None:
         if self._started:

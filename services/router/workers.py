@@ -21,6 +21,17 @@ request retries elsewhere if no decode output reached the client yet, or ends wi
 Drain: a removed worker gets no new attempts; when the last one this router has on it ends, its
 poll loop stops, its channel closes and its routing state (index entries, leases, bucket) is
 dropped. Its index entries are dropped already when the drain starts (nothing new goes there).
+
+Refusal: every poll also vets what the worker reports (``vet``). A worker whose
+``model_fingerprint`` differs from the router's model (``swaserve.model.identity``; an empty one,
+from an older worker, is not checked) is refused with ``model_mismatch``; one whose ``boot_id``
+equals that of another worker in use under another address (the same process named twice, e.g.
+``127.0.0.1:P`` and ``localhost:P``) is refused as a ``duplicate`` (the one polled first is
+used). A refused worker answers but counts as down and gets no requests, not even as a last resort
+(its requests in flight are left alone: a duplicate's run fine); the reason is logged as an error
+and shown by ``GET /workers``. A worker restarted with the right model, or whose twin left, is
+taken back at its next poll. At start the router waits for the first poll of its command-line
+workers (``settle``) so no request reaches one that is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import grpc
 from services.router.routing import RouterRouting
 from swaserve.engine.stats import PoolStats
 from swaserve.metrics import WorkerStats
+from swaserve.model.identity import ModelIdentity
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 
@@ -47,6 +59,10 @@ HUNG_POLLS = 3  # deadlines in a row before a worker that accepts connections co
 R = TypeVar("R")
 
 _HOST = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)$")
+
+
+def _addr(w: WorkerHandle) -> str:
+    return w.address
 
 
 def parse_address(url: str) -> str:
@@ -95,6 +111,15 @@ class Attempt:
             self.call.cancel()
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a worker that answers is kept out of routing: ``code`` ``model_mismatch`` or
+    ``duplicate``; ``message`` says it for people."""
+
+    code: str
+    message: str
+
+
 @dataclass(eq=False)
 class WorkerHandle:
     """A worker as the router sees it."""
@@ -110,11 +135,26 @@ class WorkerHandle:
     load: pb.Load | None = field(default=None, repr=False)
     attempts: set[Attempt] = field(default_factory=set, repr=False)  # this router's, in flight
     poller: asyncio.Task[None] | None = field(default=None, repr=False)
+    refusal: Refusal | None = None  # kept out of routing although it answers (module docstring)
+    down_reason: str | None = None  # why the last poll or call found it down
+    polled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # a poll has ended
 
     @property
     def state(self) -> str:
-        """``draining``, ``up`` or ``down`` (as of the last poll or call)."""
+        """``draining``, ``up`` or ``down`` (as of the last poll or call; a refused worker is
+        ``down``)."""
         return "draining" if self.draining else ("up" if self.healthy else "down")
+
+    @property
+    def reason(self) -> str | None:
+        """Why it is down (None when it is up)."""
+        if self.refusal is not None:
+            return f"{self.refusal.code}: {self.refusal.message}"
+        if self.healthy:
+            return None
+        if self.down_reason:
+            return self.down_reason
+        return "not polled yet" if self.load is None and not self.missed else "unreachable"
 
     def stats(self) -> WorkerStats:
         """The last ``GetLoad`` as ``/metrics`` shows it."""
@@ -145,6 +185,10 @@ class WorkerPool:
         routing: the routing state (heartbeats, buckets, index entries of workers).
         poll_s: seconds between a worker's polls. poll_timeout_s: a poll's deadline (seconds).
         hung_polls: deadlines missed in a row that mark a worker down.
+        model: the router's model; workers reporting another are refused (None: not checked).
+
+    Raises:
+        ValueError: bad poll settings.
     """
 
     def __init__(
@@ -153,10 +197,11 @@ class WorkerPool:
         poll_s: float = 1.0,
         poll_timeout_s: float = POLL_TIMEOUT_S,
         hung_polls: int = HUNG_POLLS,
+        model: ModelIdentity | None = None,
     ) -> None:
         if poll_timeout_s <= 0 or hung_polls < 1:
             raise ValueError("poll_timeout_s must be > 0 and hung_polls >= 1")
-        self.routing = routing
+        self.routing, self.model = routing, model
         self.poll_s, self.poll_timeout_s, self.hung_polls = poll_s, poll_timeout_s, hung_polls
         self.handles: dict[str, WorkerHandle] = {}  # address -> handle, draining ones included
         self._tasks: set[asyncio.Task[Any]] = set()  # background work (drain ends)
@@ -234,16 +279,41 @@ class WorkerPool:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every worker has been polled once, so the ones to
+        refuse are known before requests come (start)."""
+        waits = [asyncio.create_task(w.polled.wait()) for w in self.handles.values() if not w.polled.is_set()]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
     # -- selection ----------------------------------------------------------------------------
     def up(self, role: str) -> bool:
         """Some worker of ``role`` is in use and looked reachable at its last poll or call."""
         return any(w.role == role and w.healthy and not w.draining for w in self.handles.values())
 
+    def missing(self, role: str) -> str | None:
+        """Why no worker of ``role`` can take requests now, for the client (None: one can)."""
+        if self.up(role):
+            return None
+        mine = sorted((w for w in self.handles.values() if w.role == role and not w.draining), key=_addr)
+        if not mine:
+            return (
+                f"no {role} worker is in use on this router (the last one was removed): "
+                f"requests fail until one is added (POST /workers)"
+            )
+        states = "; ".join(f"{w.address}: {w.reason}" for w in mine)
+        return f"no {role} worker can take requests ({states})"
+
     def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
         """Workers of ``role`` a request may go to: reachable ones not in ``avoid`` if any is
         left, else reachable ones, else all in use (a worker that failed this request or looks
-        unreachable is still tried when it is the only one). Draining workers never."""
-        mine = [w for w in self.handles.values() if w.role == role and not w.draining]
+        unreachable is still tried when it is the only one). Draining and refused workers
+        never."""
+        mine = [w for w in self.handles.values() if w.role == role and not w.draining and w.refusal is None]
         pool = [w for w in mine if w.healthy and w not in avoid] or [w for w in mine if w.healthy] or mine
         return {w.address: w for w in pool}
 
@@ -272,7 +342,7 @@ class WorkerPool:
         """``w`` is down: cancel the calls of every attempt on it (module docstring)."""
         if w.healthy:
             log.warning("%s worker %s %s", w.role, w.address, why)
-        w.healthy = False
+        w.healthy, w.down_reason = False, why
         if w.attempts:
             log.warning("%s worker %s down: cancelling %d requests on it", w.role, w.address, len(w.attempts))
         for att in list(w.attempts):
@@ -286,17 +356,80 @@ class WorkerPool:
             await asyncio.sleep(self.poll_s)
 
     async def poll_one(self, w: WorkerHandle) -> None:
-        """One ``GetLoad`` of ``w``: load and liveness (module docstring), then the routing
-        state's heartbeat."""
+        """One ``GetLoad`` of ``w``: load, liveness and refusal (module docstring), then the
+        routing state's heartbeat."""
         try:
             load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=self.poll_timeout_s)
-            if not w.healthy:
-                back = w.missed or w.load is not None  # else: a new worker's first poll
-                log.info("%s worker %s is %s", w.role, w.address, "back" if back else "up")
-            w.load, w.healthy, w.missed = load, True, 0
         except grpc.aio.AioRpcError as e:
             w.missed += 1
             hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.missed >= self.hung_polls
             if e.code() == grpc.StatusCode.UNAVAILABLE or hung:
                 self.mark_down(w, "unreachable" if not hung else f"not answering for {w.missed} polls")
-        await in_routing(self.routing, self.routing.observe, w.address, w.role, w.load, w.healthy)
+            await self._observe(w)
+        else:
+            await self.record(w, load)
+
+    async def record(self, w: WorkerHandle, load: pb.Load) -> None:
+        """``w`` answered ``GetLoad`` with ``load`` (a poll, or the check of ``POST /workers``):
+        vet it, take the load, then the routing state's heartbeat."""
+        refusal = self.vet(w.address, load)
+        if refusal is not None:
+            if refusal != w.refusal:
+                log.error("%s worker %s kept out of routing: %s", w.role, w.address, refusal.message)
+            w.refusal, w.healthy = refusal, False
+        elif not w.healthy:
+            back = w.missed or w.load is not None  # else: a new worker's first poll
+            log.info("%s worker %s is %s", w.role, w.address, "back" if back else "up")
+            w.refusal, w.healthy, w.down_reason = None, True, None
+        w.load, w.missed = load, 0
+        await self._observe(w)
+
+    async def _observe(self, w: WorkerHandle) -> None:
+        try:
+            await in_routing(self.routing, self.routing.observe, w.address, w.role, w.load, w.healthy)
+        finally:
+            w.polled.set()
+
+    # -- vetting ------------------------------------------------------------------------------
+    def mismatch(self, load: pb.Load) -> str | None:
+        """Why a worker reporting ``load`` serves another model than this router (None: the same,
+        or it does not say)."""
+        fp = load.model_fingerprint
+        if self.model is None or not fp or fp == self.model.fingerprint:
+            return None
+        theirs = f"{load.model_description or 'a model'} (fingerprint {fp})"
+        return (
+            f"it serves {theirs}, this router serves {self.model}: every worker must serve the "
+            "router's model (config and tokenizer)"
+        )
+
+    def same_process(self, address: str, load: pb.Load) -> WorkerHandle | None:
+        """The worker in use under another address than ``address`` that is the process which
+        answered ``load`` (same ``boot_id``), if any; one in routing is named first."""
+        if not load.boot_id:
+            return None
+        twins = [
+            o
+            for o in self.handles.values()
+            if o.address != address
+            and not o.draining
+            and o.load is not None
+            and o.load.boot_id == load.boot_id
+        ]
+        twins.sort(key=lambda o: (not o.healthy, o.address))
+        return twins[0] if twins else None
+
+    def vet(self, address: str, load: pb.Load) -> Refusal | None:
+        """Whether the worker at ``address`` must be kept out of routing given ``load`` (module
+        docstring): another model, or the same process as a worker in routing."""
+        why = self.mismatch(load)
+        if why is not None:
+            return Refusal("model_mismatch", why)
+        twin = self.same_process(address, load)
+        if twin is not None and twin.healthy:
+            return Refusal(
+                "duplicate",
+                f"the same worker process (boot id {load.boot_id[:12]}) as {twin.address}, which is used "
+                "instead; remove one of the two names",
+            )
+        return None

@@ -11,7 +11,10 @@ Request flow::
 The first output is awaited before the response starts, so a ValueError the engine raises while
 admitting the request still becomes a 400 (and not an error event inside a 200 stream), and an
 ``Unavailable`` (no capacity, no worker: the router's ``Overloaded`` / ``NoWorkerAvailable``) a
-503. Later failures end the stream with an error event (``code`` set for ``Unavailable``).
+503. Later failures end the stream with an error event (``code`` set for ``Unavailable``). An
+engine that is not running refuses requests and fails ``/health`` with a 503: the ``Unavailable``
+its optional ``unavailable()`` returns (the router: ``no_worker_available`` naming the role that
+has no worker), else ``engine_not_running``.
 
 Client disconnects abort the engine request, which frees its KV pages:
 
@@ -194,9 +197,7 @@ class OpenAIServer:
         self, job: Job, renderer: Renderer, req: CompletionRequest | ChatCompletionRequest, raw: Request
     ) -> Response:
         if not self.engine.running:
-            raise ProtocolError(
-                "engine is not running", type="server_error", code="engine_not_running", status=503
-            )
+            raise not_running(self.engine)
         timer = self.metrics.timer()
         gen = self.engine.generate(job.prompt_ids, job.params, job.request_id)
         handed_over = False
@@ -267,6 +268,16 @@ class OpenAIServer:
 
 # --------------------------------------------------------------------------------------------
 # Errors
+
+
+def not_running(engine: Any) -> Unavailable | ProtocolError:
+    """The 503 of an engine that is not running: its own reason (``engine.unavailable()``, where
+    it has one: the router's missing worker role), else ``engine_not_running``."""
+    why = getattr(engine, "unavailable", None)
+    reason = why() if why is not None else None
+    if isinstance(reason, Unavailable):
+        return reason
+    return ProtocolError("engine is not running", type="server_error", code="engine_not_running", status=503)
 
 
 def _error(
@@ -381,7 +392,9 @@ def build_app(engine: AsyncLLMEngine, *, manage_engine: bool = True) -> FastAPI:
     async def health() -> Response:
         if engine.running:
             return JSONResponse({"status": "ok"})
-        return _error(503, "engine is not running", "server_error", code="engine_not_running")
+        err = not_running(engine)
+        code = err.code if isinstance(err, Unavailable) else "engine_not_running"
+        return _error(503, str(err), "server_error", code=code)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

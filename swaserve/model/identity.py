@@ -1,0 +1,90 @@
+"""Model identity: what a router and its workers must agree on, as one short stable digest.
+
+The router tokenizes prompts, renders chat templates and detokenizes outputs; its workers compute
+logits over the same token ids and pass KV from prefill to decode. Serving mixed models fails in
+confusing ways (a prompt id out of a worker's vocabulary blamed on the client, or silently wrong
+text), so each worker reports ``fingerprint`` in ``GetLoad`` and the router refuses a worker whose
+fingerprint differs from its own model's.
+
+``fingerprint`` is a SHA-256 (first 16 hex digits) over a canonical JSON of
+
+* the ``ModelConfig`` fields its equality compares: vocabulary size, layer kinds, head shapes,
+  window, RoPE, MoE routing, norms, context length, EOS ids: everything that changes logits or the
+  KV layout. The FP8 ``quantization`` block is not compared: an FP8 and a bf16 copy of one model
+  match; hub-style and transformers-style spellings of one config match (both parse to the same
+  ``ModelConfig``);
+* the tokenizer's vocabulary (token -> id, added tokens included) and its special token ids.
+
+Not included: the weights (hashing hundreds of GB at every start is not affordable: two
+checkpoints with the same config and tokenizer but other weights, such as a fine-tune, match),
+the directory name, the chat template (only the router applies it) and generation defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from swaserve.config import ModelConfig
+
+IDENTITY_VERSION = 1  # bump when what is hashed changes (old and new fingerprints then differ)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """``fingerprint``: the digest (module docstring); ``description``: the same model for people
+    (``"<name>: vocab V, L layers, hidden H"``)."""
+
+    fingerprint: str
+    description: str
+
+    def __str__(self) -> str:
+        return f"{self.description} (fingerprint {self.fingerprint})"
+
+
+def _config_fields(config: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if not f.compare:
+            continue
+        value = getattr(config, f.name)
+        is_shape = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        out[f.name] = dataclasses.asdict(value) if is_shape else value
+    return out
+
+
+def _tokenizer_digest(tokenizer: Any) -> str:
+    """SHA-256 of the vocabulary (sorted by id) and the special token ids of a transformers
+    tokenizer."""
+    h = hashlib.sha256()
+    for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0])):
+        h.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
+    special = {
+        "all": sorted(int(i) for i in tokenizer.all_special_ids),
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+    }
+    h.update(json.dumps(special, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def model_identity(config: ModelConfig, tokenizer: Any, name: str) -> ModelIdentity:
+    """The identity of a loaded model (module docstring).
+
+    Args:
+        config: its parsed config. tokenizer: its transformers tokenizer (``get_vocab``,
+            ``all_special_ids``, ``bos/eos/pad_token_id``). name: how people know it (the
+            checkpoint directory's name); only in ``description``.
+    """
+    payload = {
+        "version": IDENTITY_VERSION,
+        "config": _config_fields(config),
+        "tokenizer": _tokenizer_digest(tokenizer),
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    desc = f"{name}: vocab {config.vocab_size}, {config.num_layers} layers, hidden {config.hidden_size}"
+    return ModelIdentity(digest, desc)
