@@ -26,8 +26,9 @@ Refusal: every poll also vets what the worker reports (``vet``). A worker whose
 ``model_fingerprint`` differs from the router's model (``swaserve.model.identity``; an empty one,
 from an older worker, is not checked) is refused with ``model_mismatch``; one whose ``boot_id``
 equals that of another worker in use under another address (the same process named twice, e.g.
-``127.0.0.1:P`` and ``localhost:P``) is refused as a ``duplicate`` (the one polled first is
-used). A refused worker answers but counts as down and gets no requests, not even as a last resort
+``127.0.0.1:P`` and ``localhost:P``) is refused as a ``duplicate``: of the names of one process
+that answer, the smallest address (as text) is used, so every router replica picks the same one
+(also when two routers accepted the two names at once, before their registries synced). A refused worker answers but counts as down and gets no requests, not even as a last resort
 (its requests in flight are left alone: a duplicate's run fine); the reason is logged as an error
 and shown by ``GET /workers``. A worker restarted with the right model, or whose twin left, is
 taken back at its next poll. At start the router waits for the first poll of its command-line
@@ -419,14 +420,31 @@ class WorkerPool:
         twins.sort(key=lambda o: (not o.healthy, o.address))
         return twins[0] if twins else None
 
+    def _first_name(self, address: str, load: pb.Load) -> WorkerHandle | None:
+        """Of the other names of the process that answered ``load`` at ``address`` (same
+        ``boot_id``, not draining, answering: up, or kept out only as a duplicate), the one with
+        the smallest address."""
+        if not load.boot_id:
+            return None
+        twins = [
+            o
+            for o in self.handles.values()
+            if o.address != address
+            and not o.draining
+            and o.load is not None
+            and o.load.boot_id == load.boot_id
+            and (o.healthy or (o.refusal is not None and o.refusal.code == "duplicate"))
+        ]
+        return min(twins, key=lambda o: o.address, default=None)
+
     def vet(self, address: str, load: pb.Load) -> Refusal | None:
         """Whether the worker at ``address`` must be kept out of routing given ``load`` (module
         docstring): another model, or the same process as a worker in routing."""
         why = self.mismatch(load)
         if why is not None:
             return Refusal("model_mismatch", why)
-        twin = self.same_process(address, load)
-        if twin is not None and twin.healthy:
+        twin = self._first_name(address, load)
+        if twin is not None and twin.address < address:
             return Refusal(
                 "duplicate",
                 f"the same worker process (boot id {load.boot_id[:12]}) as {twin.address}, which is used "
