@@ -404,38 +404,34 @@ class WorkerPool:
             "router's model (config and tokenizer)"
         )
 
+    def _twins(self, address: str, load: pb.Load) -> list[WorkerHandle]:
+        """The workers not draining under other addresses than ``address`` whose last answer
+        came from the process that answered ``load`` (same ``boot_id``)."""
+        if not load.boot_id:
+            return []
+        return [
+            o
+            for o in self.handles.values()
+            if o.address != address
+            and not o.draining
+            and o.load is not None
+            and o.load.boot_id == load.boot_id
+        ]
+
     def same_process(self, address: str, load: pb.Load) -> WorkerHandle | None:
         """The worker in use under another address than ``address`` that is the process which
         answered ``load`` (same ``boot_id``), if any; one in routing is named first."""
-        if not load.boot_id:
-            return None
-        twins = [
-            o
-            for o in self.handles.values()
-            if o.address != address
-            and not o.draining
-            and o.load is not None
-            and o.load.boot_id == load.boot_id
-        ]
-        twins.sort(key=lambda o: (not o.healthy, o.address))
-        return twins[0] if twins else None
+        return min(self._twins(address, load), key=lambda o: (not o.healthy, o.address), default=None)
 
     def _first_name(self, address: str, load: pb.Load) -> WorkerHandle | None:
-        """Of the other names of the process that answered ``load`` at ``address`` (same
-        ``boot_id``, not draining, answering: up, or kept out only as a duplicate), the one with
-        the smallest address."""
-        if not load.boot_id:
-            return None
-        twins = [
+        """Of the other names of the process that answered ``load`` at ``address`` that answer
+        (up, or kept out only as a duplicate), the one with the smallest address."""
+        answering = [
             o
-            for o in self.handles.values()
-            if o.address != address
-            and not o.draining
-            and o.load is not None
-            and o.load.boot_id == load.boot_id
-            and (o.healthy or (o.refusal is not None and o.refusal.code == "duplicate"))
+            for o in self._twins(address, load)
+            if o.healthy or (o.refusal is not None and o.refusal.code == "duplicate")
         ]
-        return min(twins, key=lambda o: o.address, default=None)
+        return min(answering, key=lambda o: o.address, default=None)
 
     def vet(self, address: str, load: pb.Load) -> Refusal | None:
         """Whether the worker at ``address`` must be kept out of routing given ``load`` (module
