@@ -28,7 +28,8 @@ from an older worker, is not checked) is refused with ``model_mismatch``; one wh
 equals that of another worker in use under another address (the same process named twice, e.g.
 ``127.0.0.1:P`` and ``localhost:P``) is refused as a ``duplicate``: of the names of one process
 that answer, the smallest address (as text) is used, so every router replica picks the same one
-(also when two routers accepted the two names at once, before their registries synced). A refused worker answers but counts as down and gets no requests, not even as a last resort
+(also when two routers accepted the two names at once, before their registries synced); a name in
+use is refused as soon as a smaller one answers. A refused worker answers but counts as down and gets no requests, not even as a last resort
 (its requests in flight are left alone: a duplicate's run fine); the reason is logged as an error
 and shown by ``GET /workers``. A worker restarted with the right model, or whose twin left, is
 taken back at its next poll. At start the router waits for the first poll of its command-line
@@ -177,6 +178,14 @@ class WorkerHandle:
             self.role, self.address, self.healthy, ld.running, ld.waiting, ld.outstanding_tokens,
             ld.staged_bytes, pools, self.draining,
         )  # fmt: skip
+
+
+def _duplicate(boot_id: str, used: str) -> Refusal:
+    return Refusal(
+        "duplicate",
+        f"the same worker process (boot id {boot_id[:12]}) as {used}, which is used instead; remove "
+        "one of the two names",
+    )
 
 
 class WorkerPool:
@@ -375,15 +384,23 @@ class WorkerPool:
         vet it, take the load, then the routing state's heartbeat."""
         refusal = self.vet(w.address, load)
         if refusal is not None:
-            if refusal != w.refusal:
-                log.error("%s worker %s kept out of routing: %s", w.role, w.address, refusal.message)
-            w.refusal, w.healthy = refusal, False
+            self._refuse(w, refusal)
         elif not w.healthy:
             back = w.missed or w.load is not None  # else: a new worker's first poll
             log.info("%s worker %s is %s", w.role, w.address, "back" if back else "up")
             w.refusal, w.healthy, w.down_reason = None, True, None
         w.load, w.missed = load, 0
         await self._observe(w)
+        if refusal is None:  # names of the same process after this one, up until now, go at once
+            for o in self._twins(w.address, load):
+                if o.healthy and o.address > w.address:
+                    self._refuse(o, _duplicate(load.boot_id, w.address))
+                    await self._observe(o)
+
+    def _refuse(self, w: WorkerHandle, refusal: Refusal) -> None:
+        if refusal != w.refusal:
+            log.error("%s worker %s kept out of routing: %s", w.role, w.address, refusal.message)
+        w.refusal, w.healthy = refusal, False
 
     async def _observe(self, w: WorkerHandle) -> None:
         try:
@@ -441,9 +458,5 @@ class WorkerPool:
             return Refusal("model_mismatch", why)
         twin = self._first_name(address, load)
         if twin is not None and twin.address < address:
-            return Refusal(
-                "duplicate",
-                f"the same worker process (boot id {load.boot_id[:12]}) as {twin.address}, which is used "
-                "instead; remove one of the two names",
-            )
+            return _duplicate(load.boot_id, twin.address)
         return None
