@@ -94,17 +94,22 @@ def worker_app(role: str) -> typer.Typer:
         ] = None,
     ) -> None:
         from services.worker import WorkerOptions, serve_worker
-        from swaserve.engine.async_engine import AsyncLLMEngine
+        from swaserve.engine.factory import build_engine_client
         from swaserve.model.checkpoint import default_model_dir
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-        if num_threads is not None:
-            import torch
-
-            torch.set_num_threads(num_threads)
         model_dir = model or Path(default_model_dir())
         engine_config = _with_index_events(role, engine_config, redis_url, index_block_tokens)
-        engine = AsyncLLMEngine.from_model_dir(model_dir, engine_config)
+        dead: list[str] = []
+        tasks: list[asyncio.Task[None]] = []
+
+        def on_dead(message: str) -> None:  # the engine core died: exit non-zero, to be restarted
+            logging.getLogger("swaserve.worker").error("%s: shutting down", message)
+            dead.append(message)
+            for t in tasks:
+                t.cancel()
+
+        engine = build_engine_client(model_dir, engine_config, on_dead=on_dead, num_threads=num_threads)
         from swaserve.routing.buckets import parse_range
 
         try:
@@ -116,6 +121,7 @@ def worker_app(role: str) -> typer.Typer:
 
         async def run() -> None:
             task = asyncio.create_task(serve_worker(engine, opts))
+            tasks.append(task)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, task.cancel)
@@ -123,5 +129,7 @@ def worker_app(role: str) -> typer.Typer:
                 await task
 
         asyncio.run(run())
+        if dead:
+            raise typer.Exit(1)
 
     return app

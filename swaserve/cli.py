@@ -189,6 +189,17 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         ],
         "cpu-tiny",
     ),
+    EngineOption(
+        "engine_process",
+        Annotated[
+            Literal["auto", "inline", "separate"],
+            typer.Option(
+                help="Where the engine core steps: inline (on the server's event loop), separate "
+                "(its own process; probes and streams never wait for a step), auto (by device)."
+            ),
+        ],
+        "auto",
+    ),
 )
 """The engine flags of ``swaserve serve`` and of every worker (``engine_options``): a flag added
 here exists for both, with the same name, default and help."""
@@ -273,7 +284,9 @@ def serve(
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
     from swaserve.api.server import serve as run_server
 
-    run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
+    code = run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -702,6 +715,20 @@ def bench_routing_cluster(
         json_path, limit, max_output=max_output_tokens, time_scale=time_scale, prefill=prefill,
         workload=workload, sessions=sessions, calls=calls,
     )  # fmt: skip
+
+
+@bench_app.command("frontend")
+def bench_frontend(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests of the make-run replay.")] = 250,
+    saturated: Annotated[int, typer.Option(min=1, help="Requests sent at once (throughput).")] = 100,
+    probe_tokens: Annotated[int, typer.Option(min=16, help="Prompt tokens of the long prefill.")] = 8192,
+    probe_interval: Annotated[float, typer.Option(min=0.001, help="Seconds between probes.")] = 0.02,
+) -> None:
+    """Inline engine vs separate engine-core process: TTFT/ITL, tokens/s, probe latency."""
+    from bench.frontend import main
+
+    main(json_path, limit, saturated, probe_tokens, probe_interval)
 
 
 if __name__ == "__main__":

@@ -296,6 +296,8 @@ class EngineConfig:
         cost_model: the ``routing.cost`` preset whose prefill times the priority compares.
         index_block_tokens: log the prefix cache's stored / removed blocks of this many tokens (a
             multiple of ``page_size``) for the router's precise-mode index; None = no events.
+        engine_process: where the engine core steps: "inline" (on the server's event loop),
+            "separate" (its own process behind an IPC client) or "auto" (``engine.factory``).
     """
 
     page_size: int = 16
@@ -316,3 +318,4 @@ class EngineConfig:
     priority_wait_weight: float = 0.1
     cost_model: str = "cpu-tiny"
     index_block_tokens: int | None = None
+    engine_process: str = "auto"

@@ -40,7 +40,7 @@ async def test_failing_step_fails_streams_and_engine_keeps_serving(
         results = await asyncio.wait_for(
             asyncio.gather(_collect(engine, "a", 20), _collect(engine, "b", 20), return_exceptions=True), 30
         )
-        assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results)
+        assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results), results
         assert engine.stats().pools["full"].request_pages == 0
         assert len(await asyncio.wait_for(_collect(engine, "c"), 30)) == 5  # still serving
         assert engine.running

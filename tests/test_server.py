@@ -7,6 +7,7 @@ on 127.0.0.1, because only a real socket can go away mid-request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -23,6 +24,8 @@ from swaserve.api.logprobs import TokenTexts
 from swaserve.api.server import build_app
 from swaserve.config import EngineConfig
 from swaserve.engine.async_engine import AsyncLLMEngine
+from swaserve.engine.client import LocalEngineClient
+from swaserve.engine.factory import build_engine_client
 from swaserve.model.checkpoint import tiny_model_dir
 
 pytestmark = pytest.mark.anyio
@@ -47,7 +50,7 @@ SMALL_KV_CONFIG = EngineConfig(
 
 @dataclass
 class Served:
-    engine: AsyncLLMEngine
+    engine: LocalEngineClient
     app: Any
     client: httpx.AsyncClient
 
@@ -72,9 +75,12 @@ def model_dir() -> Path:
     return tiny_model_dir()
 
 
-@pytest.fixture(scope="module")
-async def served(model_dir: Path) -> AsyncIterator[Served]:
-    engine = AsyncLLMEngine.from_model_dir(str(model_dir), ENGINE_CONFIG)
+@pytest.fixture(scope="module", params=["inline", pytest.param("separate", marks=pytest.mark.cluster)])
+async def served(model_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+    """The app over the inline engine, and over the engine core in its own process."""
+    engine = build_engine_client(
+        str(model_dir), dataclasses.replace(ENGINE_CONFIG, engine_process=request.param)
+    )
     app = build_app(engine)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

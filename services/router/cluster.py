@@ -1,9 +1,9 @@
 """The router's engine backend: the OpenAI server (``swaserve.api.server``) over prefill and decode
 workers instead of a local engine.
 
-``ClusterEngine`` has the interface ``build_app`` expects of ``AsyncLLMEngine`` (``generate``
-yielding ``RequestOutput`` deltas, ``tokenizer``, ``model_config``, ``max_model_len``, ``stats``,
-``start``/``stop``), so endpoints, validation and errors are the same as ``swaserve serve``.
+``ClusterEngine`` is an ``EngineClient`` (``swaserve.engine.client``: ``generate`` yielding
+``RequestOutput`` deltas, ``stats``, ``start``/``stop``, ...), so endpoints, validation and errors
+are the same as ``swaserve serve``.
 
 One request: pick a prefill and a decode worker among the reachable ones (``routing.RouterRouting``:
 length bucket, prefix-cache affinity and load, with leases counted at dispatch, shared between
@@ -56,8 +56,9 @@ from services.router.attempt import (
 )
 from services.router.routing import RouterRouting, RoutingOptions
 from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
-from swaserve.api.server import Unavailable
 from swaserve.config import ModelConfig
+from swaserve.disagg.kv_transfer import KVPayload
+from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
@@ -80,7 +81,7 @@ __all__ = [
 log = logging.getLogger("swaserve.router")
 
 
-class ClusterEngine:
+class ClusterEngine(EngineClient):
     """Args:
     model_dir: checkpoint dir (tokenizer, config: the workers must serve the same one).
     prefill, decode: worker addresses ``host:port`` (more can be added at runtime).
@@ -249,12 +250,18 @@ class ClusterEngine:
 
     # -- one request --------------------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        export_kv: bool = False,
+        prefilled: tuple[int, KVPayload] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas of one request through a prefill and a decode worker (module doc).
 
         Raises:
-            ValueError: the workers refused the request (bad input), before any output.
+            ValueError: the workers refused the request (bad input), before any output; KV
+                export or import asked of the router (workers move KV, not the router).
             Overloaded, NoWorkerAvailable: no capacity / no reachable worker in any attempt.
             Interrupted: output had started and the request could not be resumed (resumes used
                 up on another failure, or the resumed request refused).
@@ -267,6 +274,8 @@ class ClusterEngine:
         attempt = 0
         finished = False
         status = "cancelled"  # unless it ends otherwise
+        if export_kv or prefilled is not None:
+            raise ValueError("the router moves no KV itself: export_kv/prefilled go to a worker engine")
         self.in_flight += 1
         try:
             params.validate()

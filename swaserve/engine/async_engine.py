@@ -1,12 +1,9 @@
-"""asyncio wrapper around ``LLMEngine``: one background task steps the engine.
+"""The inline engine client: ``LLMEngine`` stepped by one task on the caller's event loop.
 
-Adds and aborts from request handlers are queued and applied by the loop task between steps, so
-the engine core is only ever touched by one step at a time and never while a step runs.
-
-The step runs on the event-loop thread and the loop yields to request handlers after every step.
-Running it in a worker thread (``asyncio.to_thread``) was measured 1.9x slower end to end on the
-2-core CPU machine (64 trace requests: 48 s vs 25 s; offline engine 20 s): the HTTP/SSE work and the
-step fight over the GIL and the cores. Moving the engine core to its own process is the next step.
+Adds and aborts from request handlers are queued and applied between steps; the loop yields
+1 ms to handlers after each step. A step blocks the loop while it runs (HTTP, gRPC and probes
+wait behind it): ``engine.mp_client`` runs the core in its own process instead. An engine
+failure ends every open stream with an error and the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -18,16 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from swaserve.config import EngineConfig
+from swaserve.disagg.kv_transfer import KVPayload
+from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
+from swaserve.routing.events import BlockEvent
 
 log = logging.getLogger(__name__)
 _YIELD_S = 0.001  # event-loop time given to request handlers after each step
 
 
-class AsyncLLMEngine:
-    """Serves many concurrent ``generate`` streams from one engine loop."""
+class AsyncLLMEngine(LocalEngineClient):
+    """Serves many concurrent ``generate`` streams from one engine loop (``EngineClient``)."""
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine = engine
@@ -35,6 +35,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.engine_config = engine.config
+        self.kv_dtype = engine.core.dtype
         self.max_model_len = engine.max_model_len
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending: list[tuple[str, Any]] = []
@@ -71,19 +72,24 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    async def flush_cache(self) -> None:
+        self.engine.kv.flush_cache()  # on the loop thread: never during a step
+
+    async def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:
+        return self.engine.drain_cache_events(resync)
+
     async def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
         export_kv: bool = False,
-        prefilled: tuple[int, Any] | None = None,
+        prefilled: tuple[int, KVPayload] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request. Raises ValueError (before any output) on bad input.
-
-        ``export_kv`` (prefill role): the final output carries the prompt's KV (``kv_payload``).
-        ``prefilled`` (decode role): ``(first_token, KVPayload)``; see ``LLMEngine.add_prefilled``.
-        """
+        """``EngineClient.generate``."""
         if not self.running:
             raise RuntimeError("engine loop is not running (call start())")
         if request_id in self._queues:
@@ -92,7 +98,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         extra = {"export_kv": export_kv, "prefilled": prefilled}
-        self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.clock(), extra))
+        self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.core.clock(), extra))
         finished = False
         try:
             while True:
@@ -172,5 +178,6 @@ class AsyncLLMEngine:
             except Exception:  # keep going: every stream must be ended
                 log.exception("abort of %s failed", rid)
                 self.engine.requests.pop(rid, None)
+                self.engine.processor.remove(rid)
         for q in self._queues.values():
             q.put_nowait(RuntimeError(message))

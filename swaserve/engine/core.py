@@ -1,29 +1,31 @@
-"""The synchronous engine core: add requests, step, read outputs.
+"""The engine core: schedule -> one forward over every scheduled token -> sample -> finish.
 
-``step()`` = schedule (continuous batching, chunked prefill) -> one forward over all scheduled
-tokens -> sample the requests whose chunk reached their last token -> detokenize, check stop
-conditions -> free finished requests' pages. It does no I/O; ``AsyncLLMEngine`` drives it.
+``EngineCore.step()`` runs continuous batching with chunked prefill and returns one
+``CoreOutput`` (token ids, logprobs, why it ended) per request that sampled or finished. It ends
+requests on stop *tokens*, length and the prefill role's handoff; text, stop strings and usage
+counters belong to the front (``engine.output.OutputProcessor``), so the same core runs inline
+(``LLMEngine``) or in its own process (``engine.core_proc``). No I/O here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
 from swaserve.disagg.kv_transfer import KVPayload, gather, scatter
-from swaserve.engine.detokenizer import IncrementalDetokenizer, check_stop_token
+from swaserve.engine.detokenizer import check_stop_token
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.engine.sampler import Sampler, SamplingState
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
-from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.engine.types import EngineLimits, FinishReason, SamplingParams, TokenLogprob
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools
@@ -57,17 +59,48 @@ def schedule_priority(config: EngineConfig) -> ComputeAwarePriority | None:
     )
 
 
-class LLMEngine:
+@dataclass
+class CoreOutput:
+    """What one step did for one request: at most one new token (none when aborted).
+
+    ``finish_reason`` is set on the request's last output: STOP (an EOS or stop token id),
+    LENGTH, HANDOFF (prefill role, ``kv_payload`` set) or ABORT. Counters are cumulative; times
+    are the core's clock (seconds).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    kv_payload: KVPayload | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
     """Args:
     model_dir: Hugging Face checkpoint directory.
     config: engine knobs.
+    eos_token_ids: ids that end a request (the model's and the tokenizer's EOS).
     clock: seconds, monotonic (injected for tests and simulation).
+
+    Raises:
+        ValueError: a bad knob, or a KV budget too small for one request.
     """
 
     def __init__(
         self,
         model_dir: str | Path,
         config: EngineConfig | None = None,
+        eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
@@ -76,18 +109,13 @@ class LLMEngine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         self.dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device) if config.device else default_device()
-        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
         self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = set(cfg.eos_token_ids) | set(eos_token_ids)
         torch.manual_seed(config.seed)
-        self.model = load_model(model_dir, self.model_config, self.dtype, self.device)
-        cfg = self.model_config
+        self.model = load_model(model_dir, cfg, self.dtype, self.device)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         plan = plan_pools(cfg, config, elem)
         self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
@@ -133,31 +161,26 @@ class LLMEngine:
         )  # fmt: skip
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.limits = EngineLimits(
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            max_fit_tokens=self._max_fit_tokens(),
+            page_size=config.page_size,
+            kv_pages=self.kv.full.pool.num_pages,
+        )
+
+    def _max_fit_tokens(self) -> int:
+        """Largest prompt + output that empty pools could hold (``kv.fits_ever`` is monotonic)."""
+        lo, hi = 0, 1 << 40
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.fits_ever(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # -- requests -------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError with a user-facing message if the request cannot be served."""
-        params.validate()
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} out of range [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                f"asks for {total} ({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens)"
-            )
-        if not self.kv.fits_ever(total):
-            raise ValueError(
-                f"request of {total} tokens can never fit in the KV cache "
-                f"({self.kv.full.pool.num_pages} pages of {self.config.page_size} tokens)"
-            )
-
     def add_request(
         self,
         request_id: str,
@@ -170,7 +193,7 @@ class LLMEngine:
 
         ``export_kv`` (prefill role): the request stops after its first token (finish reason
         ``HANDOFF`` unless it really ended there), and its prompt's KV is copied to host memory
-        first and returned in the final ``RequestOutput.kv_payload`` (``disagg.kv_transfer``).
+        first and returned in the final ``CoreOutput.kv_payload`` (``disagg.kv_transfer``).
         """
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         if export_kv:  # stops after its first token: pages for the prompt and that token only
@@ -178,7 +201,6 @@ class LLMEngine:
             req.max_total_tokens = len(prompt_token_ids) + 1
         self.requests[request_id] = req
         self.scheduler.add(req)
-        self.prompt_tokens_total += len(prompt_token_ids)
 
     def add_prefilled(
         self,
@@ -190,20 +212,14 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request whose prompt another worker prefilled (decode role): ``first_token`` was
-        sampled there (and already streamed to the client), ``payload`` holds the prompt's KV in host
-        memory. No pool page is taken until the scheduler admits the request; then the KV is copied
-        in and decoding goes on from ``first_token``.
+        sampled there (and already streamed to the client), ``payload`` holds the prompt's KV in
+        host memory. No pool page is taken until the scheduler admits the request; then the KV is
+        copied in and decoding goes on from ``first_token``.
 
         Raises:
             ValueError: invalid input, a duplicate id, or a payload that does not cover the prompt.
         """
-        if payload.num_tokens != len(prompt_token_ids) or payload.request_id != request_id:
-            raise ValueError(
-                f"KV payload of {payload.request_id!r} covers {payload.num_tokens} tokens, "
-                f"prompt {request_id!r} has {len(prompt_token_ids)}"
-            )
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token id {first_token} out of range")
+        self.limits.check_prefilled(request_id, prompt_token_ids, first_token, payload)
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         req.kv_payload = payload
         gen = req.sampling.generator if req.sampling is not None else None
@@ -213,8 +229,6 @@ class LLMEngine:
             except RuntimeError as e:
                 raise ValueError(f"sampler state from the prefill worker does not fit: {e}") from e
         req.output_token_ids.append(first_token)
-        assert req.detok is not None
-        req.detok.add([first_token])  # its text went out with the prefill worker's first chunk
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -223,7 +237,7 @@ class LLMEngine:
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.validate(prompt_token_ids, params)
+        self.limits.check(prompt_token_ids, params)
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -233,9 +247,6 @@ class LLMEngine:
         )
         req.sampling = SamplingState.create(params, req.prompt_token_ids, self.device)
         req.sampling.output_token_ids = req.output_token_ids
-        req.detok = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop
-        )
         return req
 
     def _import_kv(self, req: Request) -> None:
@@ -249,21 +260,25 @@ class LLMEngine:
         req.num_computed = n
         req.kv_payload = None
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> CoreOutput | None:
         """Stop a request and free its pages; returns its final output (None if unknown)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         self.scheduler.finish(req)
         req.finish_reason = FinishReason.ABORT
-        return self._output(req, [], "", [], finished=True)
+        return self._output(req, [], [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def is_running(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.status == RequestStatus.RUNNING
+
     # -- stepping -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns one delta per request that produced a token or finished."""
+    def step(self) -> list[CoreOutput]:
+        """Run one engine step; returns one output per request that sampled a token."""
         now = self.clock()
         chunks = self.scheduler.schedule(now)
         if not chunks:
@@ -276,35 +291,22 @@ class LLMEngine:
             c.req.num_computed = c.start + c.n
             if not c.samples and self.kv.cache is not None:  # chunked prefill: share what is done
                 self.kv.cache_partial(c.req.request_id, c.req.token_slice(0, c.req.num_computed))
-        outputs: list[RequestOutput] = []
         now = self.clock()
-        for c, s in zip(sampling, sampled, strict=True):
-            outputs.append(self._append(c.req, s.token_id, s.logprob, now))
-        return outputs
+        return [
+            self._append(c.req, s.token_id, s.logprob, now) for c, s in zip(sampling, sampled, strict=True)
+        ]
 
-    def _append(self, req: Request, token: int, logprob: object, now: float) -> RequestOutput:
-        assert req.detok is not None
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> CoreOutput:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(token)
-        self.generation_tokens_total += 1
-        text = ""
         reason: FinishReason | None = None
         if check_stop_token(token, req.params, self.eos_token_ids):
             reason = FinishReason.STOP
-        else:
-            text = req.detok.add([token])
-            if req.detok.stopped:
-                reason = FinishReason.STOP
-        if reason is None and (
-            len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len
-        ):
+        elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        if reason is None and req.export_kv:
-            reason = FinishReason.HANDOFF  # text held back for a later token stays with the decoder
-        elif reason is not None and not req.detok.stopped:
-            text += req.detok.flush()
-        lps = [logprob] if logprob is not None else []
+        elif req.export_kv:
+            reason = FinishReason.HANDOFF
         if reason is not None:
             if req.export_kv:
                 req.kv_payload = gather(self.kv, self.storage, req.request_id, req.num_prompt)
@@ -314,16 +316,15 @@ class LLMEngine:
             req.finish_reason = reason
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
-        return self._output(req, [token], text, lps, finished=reason is not None)  # type: ignore[arg-type]
+        return self._output(req, [token], [logprob] if logprob is not None else [])
 
-    def _output(self, req: Request, tokens: list[int], text: str, lps: list, finished: bool) -> RequestOutput:
-        return RequestOutput(
+    def _output(self, req: Request, tokens: list[int], lps: list[TokenLogprob]) -> CoreOutput:
+        finished = req.finish_reason is not None
+        return CoreOutput(
             request_id=req.request_id,
             new_token_ids=tokens,
-            new_text=text,
             new_logprobs=lps,
-            finished=finished,
-            finish_reason=req.finish_reason if finished else None,
+            finish_reason=req.finish_reason,
             prompt_tokens=req.num_prompt,
             completion_tokens=len(req.output_token_ids),
             cached_tokens=req.cached_tokens,
@@ -333,15 +334,21 @@ class LLMEngine:
             kv_payload=req.kv_payload if finished and req.export_kv else None,
         )
 
+    # -- state ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """Pools, queue and load now (token counters are the front's: ``OutputProcessor``)."""
+        reqs = self.requests.values()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             pools=self.kv.stats(),
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
             prefix_cache=self.kv.cache.stats if self.kv.cache is not None else None,
             cache_pages=self.kv.cached_pages() if self.kv.cache is not None else {},
+            outstanding_tokens=sum(
+                max(0, r.num_prompt - r.num_computed) + r.params.max_tokens - len(r.output_token_ids)
+                for r in reqs
+            ),
+            prefill_tokens=sum(max(0, r.num_prompt - r.num_computed) for r in reqs),
         )
 
     def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:
@@ -351,17 +358,6 @@ class LLMEngine:
         publisher that lost events; later calls return what happens after it."""
         return self.kv.drain_cache_events(self.clock(), resync)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Offline helper: run prompts to completion, return output token ids in order."""
-        ids = [f"offline-{i}-{id(p)}" for i, p in enumerate(prompts)]
-        for rid, p in zip(ids, prompts, strict=True):
-            self.add_request(rid, p, params)
-        out: dict[str, list[int]] = {rid: [] for rid in ids}
-        while self.has_unfinished():
-            for o in self.step():
-                out[o.request_id].extend(o.new_token_ids)
-        return [out[rid] for rid in ids]
-
-    def is_running(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        return req is not None and req.status == RequestStatus.RUNNING
+    def flush_cache(self) -> None:
+        """Drop every unlocked page the prefix cache holds (device and host)."""
+        self.kv.flush_cache()

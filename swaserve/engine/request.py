@@ -1,4 +1,4 @@
-"""A request's life inside the engine: tokens, progress, sampling and detokenization state."""
+"""A request's life inside the engine core: tokens, progress, sampling state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from swaserve.engine.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from swaserve.disagg.kv_transfer import KVPayload
-    from swaserve.engine.detokenizer import IncrementalDetokenizer
     from swaserve.engine.sampler import SamplingState
 
 
@@ -40,7 +39,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     sampling: SamplingState | None = None
-    detok: IncrementalDetokenizer | None = None
     cached_tokens: int = 0
     bypassed: int = 0  # waiting requests admitted ahead of this one while it was at the queue head
     export_kv: bool = False  # prefill role: capture the prompt's KV (``kv_payload``) when it finishes

@@ -61,3 +61,5 @@ class EngineStats:
     generation_tokens_total: int = 0
     prefix_cache: CacheStats | None = None
     cache_pages: dict[str, int] = field(default_factory=dict)  # pages the prefix cache holds per tier
+    outstanding_tokens: int = 0  # prompt tokens not computed yet + output tokens still allowed
+    prefill_tokens: int = 0  # prompt tokens not computed yet
