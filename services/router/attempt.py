@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.convert import finish_reason, output_from_chunk, params_to_proto
 from services.router.workers import Attempt, WorkerHandle, WorkerPool
 from swaserve.api.server import Unavailable
-from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
 from swaserve.routing.load import Lease

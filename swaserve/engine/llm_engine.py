@@ -16,7 +16,6 @@ import torch
 from transformers import AutoTokenizer
 
 from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
-from swaserve.disagg.kv_transfer import KVPayload, gather, scatter
 from swaserve.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
@@ -24,14 +23,15 @@ from swaserve.engine.sampler import Sampler, SamplingState
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.loader import load_model
-from swaserve.routing.cost import preset
-from swaserve.routing.events import BlockEvent
-from swaserve.routing.priority import ComputeAwarePriority
+from swaserve.sched.cost import preset
+from swaserve.sched.priority import ComputeAwarePriority
+from swaserve.transfer.kv_transfer import KVPayload, gather, scatter
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class LLMEngine:
 
         ``export_kv`` (prefill role): the request stops after its first token (finish reason
         ``HANDOFF`` unless it really ended there), and its prompt's KV is copied to host memory
-        first and returned in the final ``RequestOutput.kv_payload`` (``disagg.kv_transfer``).
+        first and returned in the final ``RequestOutput.kv_payload`` (``transfer.kv_transfer``).
         """
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         if export_kv:  # stops after its first token: pages for the prompt and that token only
@@ -346,7 +346,7 @@ class LLMEngine:
 
     def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:
         """Prefix-cache block events since the last call, oldest first (``config.index_block_tokens``;
-        empty when off). The caller publishes them (``routing.events``). With ``resync``: a snapshot
+        empty when off). The caller publishes them (``routing.redis.events``). With ``resync``: a snapshot
         of the whole cache instead (``cleared`` + stored chains of every cached block), for a
         publisher that lost events; later calls return what happens after it."""
         return self.kv.drain_cache_events(self.clock(), resync)
