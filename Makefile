@@ -39,6 +39,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check swaserve services bench tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache --no-logo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -42,7 +42,8 @@ def main(
 ) -> dict[str, Any]:
     from swaserve.launcher import Cluster
     from swaserve.model.checkpoint import default_model_dir
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.procs import free_port
+    from swaserve.run_demo import ServerProcess
 
     model_dir = Path(default_model_dir())
     reports: dict[str, dict] = {}

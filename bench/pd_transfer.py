@@ -2,7 +2,7 @@
 
 Bytes (no model run): for a prompt of ``n`` tokens the decode worker gets the full-attention
 layers' K/V of all ``n`` tokens and the SWA layers' K/V of the last ``min(n, W)``
-(``disagg.kv_transfer``), cut into one page message per (kind, layer, page). The header bytes are
+(``transfer.kv_transfer``), cut into one page message per (kind, layer, page). The header bytes are
 measured by serializing the real protobuf messages (``protos/swaserve/v1/kv_transfer.proto``) with
 empty K/V. The baseline is an SWA-unaware transfer of every layer's K/V for all ``n`` tokens, in
 the same page messages. ``transfer_ratio`` = hybrid bytes / full bytes, per prompt length: the
@@ -98,10 +98,10 @@ def bytes_table() -> list[dict[str, Any]]:
 async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     import grpc
 
+    from services.convert import PAGES_PER_MESSAGE, transfer_messages
     from services.worker import KVTransferService, WorkerMetrics
-    from swaserve.disagg.convert import PAGES_PER_MESSAGE, transfer_messages
-    from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
     from swaserve.model.checkpoint import default_model_dir
+    from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
     from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
     cfg = ModelConfig.from_pretrained(default_model_dir())

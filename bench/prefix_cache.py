@@ -49,7 +49,8 @@ from pathlib import Path
 
 from bench.kv_capacity import SHAPES, model_config
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.kvcache.manager import KVCacheManager, PoolPlan
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.plan import PoolPlan
 from swaserve.kvcache.sizing import DEFAULT_SWA_FULL_TOKENS_RATIO, host_plan, page_bytes, plan_pools
 from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, TraceError, detect_kind, read_mooncake
 

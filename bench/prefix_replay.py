@@ -37,8 +37,9 @@ def run_mode(
     name: str, server_args: list[str], limit: int, block_tokens: int, max_output: int, time_scale: float
 ) -> dict[str, Any]:
     from swaserve.model.checkpoint import default_model_dir
+    from swaserve.procs import free_port
     from swaserve.replay import ReplayOptions, run_replay, token_space_from_model_dir
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.run_demo import ServerProcess
     from swaserve.traces import read_mooncake
 
     model_dir = Path(default_model_dir())
@@ -133,7 +134,8 @@ def run_agent_mode(
     name: str, server_args: list[str], sessions: list[list[list[int]]], max_output: int
 ) -> dict[str, Any]:
     from swaserve.model.checkpoint import default_model_dir
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.procs import free_port
+    from swaserve.run_demo import ServerProcess
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

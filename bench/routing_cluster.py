@@ -36,7 +36,7 @@ def _agent_work(sessions: list[list[list[int]]], max_output: int, block_tokens: 
     """The closed-loop agent replay as a simulator workload (all sessions start at 0)."""
     import functools
 
-    from swaserve.routing.hashing import block_hashes
+    from swaserve.kvcache.hashing import block_hashes
     from swaserve.sim.workload import SimRequest, Workload
 
     reqs = []
@@ -69,7 +69,7 @@ def main(
     from swaserve.launcher import Cluster
     from swaserve.model.checkpoint import default_model_dir
     from swaserve.replay import ReplayOptions, plan_requests, run_replay, token_space_from_model_dir
-    from swaserve.routing.cost import CPU_TINY
+    from swaserve.sched.cost import CPU_TINY
     from swaserve.sim.cluster import SimConfig, Simulator
     from swaserve.sim.workload import from_planned
     from swaserve.traces import read_mooncake

@@ -1,5 +1,5 @@
 """A prefill worker's side of the precise-mode prefix index: its prefix cache's block events go to
-the cluster's Redis stream (``routing.events``) without ever holding up the engine, and whatever
+the cluster's Redis stream (``routing.redis.events``) without ever holding up the engine, and whatever
 is lost on the way is repaired by re-publishing the cache's whole state.
 
 ``EventPump.run`` (a task on the worker's loop) drains the engine's events every ``interval_s``
@@ -16,7 +16,7 @@ it) and the thread skips what is queued of it; once Redis answers again (``publi
 ``check_s`` s) the thread asks the loop for a snapshot, which is queued behind nothing of the lost
 generation, so events drained after it are published after it. The thread also asks for one when
 ``check`` says so (a router saw a gap in this instance's events, or Redis restarted empty: see
-``routing.events``), and the first pump always sends one: a new process clears what a previous
+``routing.redis.events``), and the first pump always sends one: a new process clears what a previous
 one under the same name left in the index. A snapshot that fails to publish is retried after a
 doubling pause (``check_s`` up to 30 s): a Redis that answers but refuses writes does not make the
 loop walk the whole cache every second.
@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from swaserve.routing.events import BlockEvent
+from swaserve.kvcache.block_events import BlockEvent
 
 log = logging.getLogger("swaserve.worker.index")
 

@@ -40,21 +40,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from services.convert import chunk_message, page_from_proto, params_from_proto, usage
 from services.index_events import EventPump
 from services.transport import GrpcKVSender, KVSender
 from swaserve.config import FULL, SWA
-from swaserve.disagg.convert import (
-    chunk_message,
-    page_from_proto,
-    params_from_proto,
-    usage,
-)
-from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.types import FinishReason, SamplingParams
 from swaserve.model.identity import model_identity
 from swaserve.routing.buckets import ALL_LENGTHS
-from swaserve.routing.events import RedisEventPublisher, stream_key
+from swaserve.routing.redis.events import RedisEventPublisher, stream_key
+from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 from swaserve.v1 import worker_pb2 as pb

@@ -1,6 +1,6 @@
 """Command line of a worker process (``python -m services.prefill`` / ``python -m services.decode``).
 
-The engine flags are ``swaserve serve``'s (``swaserve.cli.ENGINE_OPTIONS``: same names, defaults
+The engine flags are ``swaserve serve``'s (``swaserve.options.ENGINE_OPTIONS``: same names, defaults
 and help), except that prefix caching defaults to on for prefill and off for decode workers. A
 prefill worker given ``--redis-url`` (explicitly: ``REDIS_URL`` in the environment is for routers,
 and a stream nobody reads in approximate mode would only cost work) publishes its prefix cache's block
@@ -19,9 +19,9 @@ from typing import Annotated
 
 import typer
 
-from swaserve.cli import _size_option, engine_options
 from swaserve.config import EngineConfig
-from swaserve.routing.hashing import DEFAULT_BLOCK_TOKENS
+from swaserve.kvcache.hashing import DEFAULT_BLOCK_TOKENS
+from swaserve.options import engine_options, size_option
 
 
 def _with_index_events(
@@ -62,7 +62,7 @@ def worker_app(role: str) -> typer.Typer:
         ] = None,
         engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
         staging_memory: Annotated[
-            int, typer.Option(parser=_size_option, metavar="BYTES", help="decode: host bytes for staged KV.")
+            int, typer.Option(parser=size_option, metavar="BYTES", help="decode: host bytes for staged KV.")
         ] = "1GiB",  # type: ignore[assignment]
         staging_ttl: Annotated[float, typer.Option(min=1.0, help="decode: seconds staged KV waits.")] = 120.0,
         num_threads: Annotated[

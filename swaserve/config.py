@@ -291,9 +291,9 @@ class EngineConfig:
             default. The SWA pool then also holds cached windows (prompt ends, branch points,
             chunk checkpoints).
         schedule_policy: admission order of waiting requests: "fcfs" or "compute" (fewest uncached
-            tokens first with aging and a bound, ``routing.priority.ComputeAwarePriority``).
+            tokens first with aging and a bound, ``sched.priority.ComputeAwarePriority``).
         priority_max_wait_s, priority_wait_weight: its starvation bound (s) and aging weight.
-        cost_model: the ``routing.cost`` preset whose prefill times the priority compares.
+        cost_model: the ``sched.cost`` preset whose prefill times the priority compares.
         index_block_tokens: log the prefix cache's stored / removed blocks of this many tokens (a
             multiple of ``page_size``) for the router's precise-mode index; None = no events.
         engine_process: where the engine core steps: "inline" (on the server's event loop),

@@ -32,8 +32,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from swaserve.engine.stats import EngineStats, PoolStats
+from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput
+from swaserve.kvcache.stats import PoolStats
 
 PREFIX = "swaserve:"
 

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from swaserve.launcher import Cluster, ClusterError, ServiceProcess, free_port, http_ready
+from swaserve.launcher import Cluster
+from swaserve.procs import ClusterError, ServiceProcess, free_port, http_ready
 
 DEFAULT_LIMIT = 250
 DEFAULT_BLOCK_TOKENS = 16

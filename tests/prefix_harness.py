@@ -15,7 +15,8 @@ import torch
 from swaserve.config import FULL, SWA, AttnShape, ModelConfig
 from swaserve.kvcache import invariants
 from swaserve.kvcache.host import HostKVStorage
-from swaserve.kvcache.manager import KVCacheManager, PoolPlan
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.plan import PoolPlan
 from swaserve.kvcache.storage import KVStorage
 
 

@@ -16,9 +16,10 @@ from swaserve.api.protocol import (
     ProtocolError,
     check_token_ids,
 )
-from swaserve.engine.stats import EngineStats, PoolStats
+from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from swaserve.kvcache.prefix_cache import CacheStats
+from swaserve.kvcache.stats import PoolStats
 from swaserve.metrics import ITL_BUCKETS, TTFT_BUCKETS, RequestTimer, ServerMetrics
 
 MAX_LEN = 100

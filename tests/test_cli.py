@@ -16,7 +16,8 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from swaserve.cli import app, parse_size
+from swaserve.cli import app
+from swaserve.options import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()

@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from swaserve.config import EngineConfig
-from swaserve.disagg.kv_transfer import KVPayload, to_pages
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 from swaserve.launcher import Cluster
+from swaserve.transfer.kv_transfer import KVPayload, to_pages
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 from swaserve.v1 import worker_pb2 as pb

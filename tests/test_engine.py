@@ -11,7 +11,7 @@ import torch
 from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import FinishReason, SamplingParams
-from swaserve.kvcache.manager import cdiv
+from swaserve.kvcache.plan import cdiv
 
 NEW = 64
 

@@ -16,19 +16,13 @@ from hypothesis import strategies as st
 from swaserve.config import SWA, EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
-from swaserve.kvcache.block_events import BlockEventLog, path_tokens
+from swaserve.kvcache.block_events import BlockEvent, BlockEventLog, path_tokens
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.kvcache.radix import RadixTree
-from swaserve.routing.events import (
-    BlockEvent,
-    IndexFollower,
-    RedisEventPublisher,
-    apply_events,
-    resync_key,
-    stream_key,
-)
-from swaserve.routing.hashing import block_hashes
+from swaserve.routing.events import apply_events
 from swaserve.routing.index import InMemoryPrefixIndex
-from swaserve.routing.redis_store import RedisPrefixIndex
+from swaserve.routing.redis.events import IndexFollower, RedisEventPublisher, resync_key, stream_key
+from swaserve.routing.redis.store import RedisPrefixIndex
 from tests.prefix_harness import PrefixHarness
 
 INST = "10.0.0.1:7000"

@@ -21,11 +21,11 @@ from services.index_events import EventPump
 from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.redis_server import RedisServer
-from swaserve.routing.events import IndexFollower, RedisEventPublisher, stream_key
-from swaserve.routing.hashing import block_hashes
 from swaserve.routing.index import InMemoryPrefixIndex
-from swaserve.routing.redis_store import RedisPrefixIndex
+from swaserve.routing.redis.events import IndexFollower, RedisEventPublisher, stream_key
+from swaserve.routing.redis.store import RedisPrefixIndex
 from tests.test_index_events import cached_blocks, tree_blocks
 
 B = 4

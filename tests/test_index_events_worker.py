@@ -18,11 +18,12 @@ import pytest
 import redis
 
 from services.index_events import EventPump
-from swaserve.launcher import ServiceProcess, free_port, grpc_ready
+from swaserve.kvcache.block_events import BlockEvent
+from swaserve.kvcache.hashing import block_hashes
+from swaserve.procs import ServiceProcess, free_port, grpc_ready
 from swaserve.redis_server import RedisServer
-from swaserve.routing.events import BlockEvent, IndexFollower, stream_key
-from swaserve.routing.hashing import block_hashes
 from swaserve.routing.index import InMemoryPrefixIndex
+from swaserve.routing.redis.events import IndexFollower, stream_key
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swaserve.kvcache.manager import KVCacheManager, PoolPlan, cdiv
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.plan import PoolPlan, cdiv
 from swaserve.kvcache.pool import PagePool
 
 

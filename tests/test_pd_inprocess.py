@@ -13,16 +13,10 @@ import pytest
 import torch
 
 from swaserve.config import FULL, SWA, EngineConfig
-from swaserve.disagg.kv_transfer import (
-    KVStaging,
-    LayerShape,
-    TransferError,
-    expected_pages,
-    to_pages,
-)
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 from swaserve.kvcache import invariants
+from swaserve.transfer.kv_transfer import KVStaging, LayerShape, TransferError, expected_pages, to_pages
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
 CFG = EngineConfig(page_size=4, max_num_batched_tokens=24, kv_cache_memory=8 << 20)

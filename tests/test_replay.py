@@ -213,7 +213,8 @@ def tiny_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def live_server(tiny_dir: Path) -> Iterator[str]:
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.procs import free_port
+    from swaserve.run_demo import ServerProcess
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -38,8 +38,9 @@ from cluster_harness import running
 from transformers import AutoTokenizer
 
 from swaserve.config import ModelConfig
-from swaserve.launcher import Cluster, ServiceProcess, free_port, grpc_ready, http_ready
+from swaserve.launcher import Cluster
 from swaserve.model.identity import model_identity
+from swaserve.procs import ServiceProcess, free_port, grpc_ready, http_ready
 from swaserve.redis_server import RedisServer
 from tests.test_cluster import _scrape, _value, wait_idle
 

@@ -11,10 +11,10 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swaserve.routing.hashing import block_hashes, chain_ids, root_hash
+from swaserve.kvcache.hashing import block_hashes, chain_ids, root_hash
 from swaserve.routing.index import IndexConfig, InMemoryPrefixIndex, PrefixIndex
 from swaserve.routing.load import InMemoryLoadBook, Lease, LoadBook, WorkerReport
-from swaserve.routing.redis_store import RedisLoadBook, RedisPrefixIndex
+from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
 
 BACKENDS = ("memory", "redis")
 

@@ -8,10 +8,9 @@ import uuid
 import pytest
 import redis
 
+from swaserve.kvcache.hashing import chain_ids
 from swaserve.routing.buckets import PRODUCTION_BUCKETS, LengthBuckets, parse_range
-from swaserve.routing.cost import MIMO_V2_FLASH_H200, CostModel, preset
 from swaserve.routing.dispatch import Dispatcher, NoInstanceError
-from swaserve.routing.hashing import chain_ids
 from swaserve.routing.index import InMemoryPrefixIndex
 from swaserve.routing.load import InMemoryLoadBook, InstanceLoad, Lease, WorkerReport
 from swaserve.routing.policy import (
@@ -23,8 +22,9 @@ from swaserve.routing.policy import (
     make_policy,
     wait_s,
 )
-from swaserve.routing.priority import ComputeAwarePriority
-from swaserve.routing.redis_store import RedisLoadBook, RedisPrefixIndex
+from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
+from swaserve.sched.cost import MIMO_V2_FLASH_H200, CostModel, preset
+from swaserve.sched.priority import ComputeAwarePriority
 
 COST = CostModel("unit", 0.0, 1e-3, 0.0, 0.01, 1e-3, 0.0)  # 1 ms per prefill token, no base
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from swaserve.launcher import Cluster
-from swaserve.routing.events import stream_key
+from swaserve.routing.redis.events import stream_key
 from tests.test_routing_cluster import WORKER_ARGS, cached, metric, send
 
 

@@ -14,11 +14,11 @@ import redis
 
 from services.router.workers import parse_address
 from swaserve.redis_server import RedisServer
+from swaserve.routing.redis.registry import RedisWorkerRegistry
 from swaserve.routing.registry import (
     ACTIVE,
     REMOVED,
     InMemoryWorkerRegistry,
-    RedisWorkerRegistry,
     RegistryReplica,
     WorkerEntry,
     WorkerRegistry,

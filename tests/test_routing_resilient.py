@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import redis
 
+from swaserve.kvcache.hashing import chain_ids
 from swaserve.redis_server import RedisServer
-from swaserve.routing.hashing import chain_ids
 from swaserve.routing.load import Lease, WorkerReport
-from swaserve.routing.redis_store import RedisLoadBook, RedisPrefixIndex
+from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
 from swaserve.routing.resilient import FallbackBook, FallbackIndex, SharedState
 
 
@@ -101,7 +101,7 @@ def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers(
             r.release(pl, dl)
         # a prefill worker seen back after it was down is asked to re-publish its cache (its
         # entries were dropped, its cache may have survived); its queue order reaches the book
-        from swaserve.routing.events import resync_key
+        from swaserve.routing.redis.events import resync_key
 
         r.observe("p1", "prefill", None, False)
         r.observe("p1", "prefill", pb.Load(role="prefill", queue_order="compute"), True)
@@ -138,8 +138,9 @@ def test_precise_follower_over_fallback_index_across_a_redis_restart() -> None:
     worker's publisher, through a Redis restart: the router re-syncs its local copy (linked
     entries keep their depths), then applies the worker's snapshot, which clears the blocks the
     worker evicted while its events could not be published."""
-    from swaserve.routing.events import BlockEvent, IndexFollower, RedisEventPublisher
+    from swaserve.kvcache.block_events import BlockEvent
     from swaserve.routing.index import MAX_DEPTH
+    from swaserve.routing.redis.events import IndexFollower, RedisEventPublisher
 
     server = RedisServer().start()
     again: RedisServer | None = None

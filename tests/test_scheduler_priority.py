@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.engine.scheduler import ScheduledChunk, Scheduler, WaitingQueue
 from swaserve.engine.types import SamplingParams
-from swaserve.routing.cost import CostModel, preset
-from swaserve.routing.priority import ComputeAwarePriority
+from swaserve.sched.cost import CostModel, preset
+from swaserve.sched.priority import ComputeAwarePriority
 
 # dyadic coefficients: every prefill_s, static key and aged key below is exact in binary floating point
 DYADIC = CostModel("dyadic", 2.0**-3, 2.0**-6, 2.0**-10, 0.0, 0.0, 0.0)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from swaserve.routing.cost import MIMO_V2_FLASH_H200, CostModel
-from swaserve.routing.hashing import block_hashes
-from swaserve.routing.priority import ComputeAwarePriority, PriorityQueue
+from swaserve.kvcache.hashing import block_hashes
+from swaserve.sched.cost import MIMO_V2_FLASH_H200, CostModel
+from swaserve.sched.priority import ComputeAwarePriority, PriorityQueue
 from swaserve.shapes import model_config, shape
 from swaserve.sim.cluster import SimConfig, Simulator
 from swaserve.sim.run import deployment, simulate

@@ -100,8 +100,8 @@ def main(
             policy, cost_model, block_tokens, redis_url, namespace, index_mode, index_max_entries, index_ttl,
             balance_abs, balance_rel, queue_order=queue_order,
         )  # fmt: skip
-        from swaserve.routing.cost import preset
         from swaserve.routing.policy import make_policy
+        from swaserve.sched.cost import preset
 
         preset(cost_model)
         make_policy(policy, **({"queue_order": queue_order} if policy == "cache_aware" else {}))

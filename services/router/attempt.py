@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.convert import finish_reason, output_from_chunk, params_to_proto
 from services.router.workers import Attempt, WorkerHandle, WorkerPool
-from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
 from swaserve.engine.client import Unavailable
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams

@@ -57,7 +57,6 @@ from services.router.attempt import (
 from services.router.routing import RouterRouting, RoutingOptions
 from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
 from swaserve.config import ModelConfig
-from swaserve.disagg.kv_transfer import KVPayload
 from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
@@ -66,6 +65,7 @@ from swaserve.metrics import RouterStats
 from swaserve.model.identity import model_identity
 from swaserve.routing.dispatch import NoInstanceError
 from swaserve.routing.load import Lease
+from swaserve.transfer.kv_transfer import KVPayload
 from swaserve.v1 import worker_pb2 as pb
 
 __all__ = [

@@ -23,14 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.routing.buckets import ALL_LENGTHS, LengthBuckets
-from swaserve.routing.cost import preset
 from swaserve.routing.dispatch import Dispatcher, NoInstanceError
-from swaserve.routing.hashing import block_hashes
 from swaserve.routing.index import IndexConfig, InMemoryPrefixIndex, PrefixIndex
 from swaserve.routing.load import InMemoryLoadBook, Lease, LoadBook, WorkerReport
 from swaserve.routing.policy import Decision, make_policy
-from swaserve.routing.registry import RedisWorkerRegistry, RegistryReplica, WorkerRegistry
+from swaserve.routing.redis.registry import RedisWorkerRegistry
+from swaserve.routing.registry import RegistryReplica, WorkerRegistry
+from swaserve.sched.cost import preset
 from swaserve.v1 import worker_pb2 as pb
 
 log = logging.getLogger("swaserve.router")
@@ -90,7 +91,7 @@ class RouterRouting:
         if opts.redis_url:
             import redis
 
-            from swaserve.routing.redis_store import RedisLoadBook, RedisPrefixIndex
+            from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
             from swaserve.routing.resilient import FallbackBook, FallbackIndex, SharedState
 
             client = redis.Redis.from_url(
@@ -105,7 +106,7 @@ class RouterRouting:
             book = FallbackBook(RedisLoadBook(client, opts.namespace), self.state)
             self.registry = RedisWorkerRegistry(client, opts.namespace)
             if opts.index_mode == "precise":
-                from swaserve.routing.events import IndexFollower
+                from swaserve.routing.redis.events import IndexFollower
 
                 self.follower = IndexFollower(index, client, opts.namespace, clock)
         else:

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import grpc
 
 from services.router.routing import RouterRouting
-from swaserve.engine.stats import PoolStats
+from swaserve.kvcache.stats import PoolStats
 from swaserve.metrics import WorkerStats
 from swaserve.model.identity import ModelIdentity
 from swaserve.v1 import worker_pb2 as pb

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from swaserve.config import EngineConfig
-from swaserve.disagg.kv_transfer import KVPayload
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
-from swaserve.routing.events import BlockEvent
+from swaserve.kvcache.block_events import BlockEvent
+from swaserve.transfer.kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
 _YIELD_S = 0.001  # event-loop time given to request handlers after each step

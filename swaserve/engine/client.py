@@ -19,8 +19,8 @@ from swaserve.engine.types import RequestOutput, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from swaserve.disagg.kv_transfer import KVPayload
-    from swaserve.routing.events import BlockEvent
+    from swaserve.kvcache.block_events import BlockEvent
+    from swaserve.transfer.kv_transfer import KVPayload
 
 
 class Unavailable(RuntimeError):

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
-from swaserve.disagg.kv_transfer import KVPayload, gather, scatter
 from swaserve.engine.detokenizer import check_stop_token
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
@@ -26,14 +25,15 @@ from swaserve.engine.sampler import Sampler, SamplingState
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, FinishReason, SamplingParams, TokenLogprob
+from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.loader import load_model
-from swaserve.routing.cost import preset
-from swaserve.routing.events import BlockEvent
-from swaserve.routing.priority import ComputeAwarePriority
+from swaserve.sched.cost import preset
+from swaserve.sched.priority import ComputeAwarePriority
+from swaserve.transfer.kv_transfer import KVPayload, gather, scatter
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class EngineCore:
 
         ``export_kv`` (prefill role): the request stops after its first token (finish reason
         ``HANDOFF`` unless it really ended there), and its prompt's KV is copied to host memory
-        first and returned in the final ``CoreOutput.kv_payload`` (``disagg.kv_transfer``).
+        first and returned in the final ``CoreOutput.kv_payload`` (``transfer.kv_transfer``).
         """
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         if export_kv:  # stops after its first token: pages for the prompt and that token only

@@ -37,7 +37,7 @@ from swaserve.engine.ipc import (
     ToCore,
     encode,
 )
-from swaserve.routing.events import BlockEvent
+from swaserve.kvcache.block_events import BlockEvent
 
 log = logging.getLogger("swaserve.engine.core_proc")
 _IDLE_POLL_MS = 500  # while idle, how often the parent's liveness is checked

@@ -15,15 +15,11 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-import swaserve.engine.stats as _stats
-from swaserve.disagg.kv_transfer import KVPayload
 from swaserve.engine.core import CoreOutput
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, SamplingParams
-from swaserve.kvcache.prefix_cache import CacheStats
-from swaserve.routing.events import BlockEvent
-
-_stats.CacheStats = CacheStats  # type: ignore[attr-defined,misc]
+from swaserve.kvcache.block_events import BlockEvent
+from swaserve.transfer.kv_transfer import KVPayload
 
 MAX_HEADER_BYTES = 64 << 20  # frame 0: token ids, outputs, stats
 MAX_MESSAGE_BYTES = 1 << 36  # all frames: KV payloads of long prompts

@@ -17,16 +17,16 @@ import torch
 from transformers import AutoTokenizer
 
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.disagg.kv_transfer import KVPayload
 from swaserve.engine.core import EngineCore
 from swaserve.engine.output import OutputProcessor
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, RequestOutput, SamplingParams
+from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
-from swaserve.routing.events import BlockEvent
+from swaserve.transfer.kv_transfer import KVPayload
 
 
 def eos_token_ids(tokenizer: Any) -> set[int]:

@@ -29,7 +29,6 @@ import zmq.asyncio
 from transformers import AutoTokenizer
 
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.disagg.kv_transfer import KVPayload
 from swaserve.engine.client import EngineDead, LocalEngineClient
 from swaserve.engine.core_proc import CoreSpec
 from swaserve.engine.ipc import (
@@ -51,7 +50,8 @@ from swaserve.engine.llm_engine import eos_token_ids
 from swaserve.engine.output import OutputProcessor
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, RequestOutput, SamplingParams
-from swaserve.routing.events import BlockEvent
+from swaserve.kvcache.block_events import BlockEvent
+from swaserve.transfer.kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
 _STOP_GRACE_S = 10.0  # seconds the core gets to exit after a shutdown call

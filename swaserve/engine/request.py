@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from swaserve.engine.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
-    from swaserve.disagg.kv_transfer import KVPayload
     from swaserve.engine.sampler import SamplingState
+    from swaserve.transfer.kv_transfer import KVPayload
 
 
 class RequestStatus(Enum):

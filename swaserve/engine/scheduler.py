@@ -3,7 +3,7 @@
 Each step: decoding requests first (one token each, so a long prefill never stalls them), then
 requests still prefilling, in admission order (each gets the next chunk that fits the remaining
 budget and the pools), then waiting requests are admitted, in arrival order (FCFS) or by
-``routing.priority.ComputeAwarePriority`` (fewest uncached tokens first, aged by waiting time,
+``sched.priority.ComputeAwarePriority`` (fewest uncached tokens first, aged by waiting time,
 with a hard bound on waiting; the uncached count is the prefix cache's match when the request
 arrived; none for a request that arrives with its KV), while both pools can reserve their
 guaranteed pages and fewer than ``max_num_seqs`` run. Under the compute priority, prefills in
@@ -35,7 +35,7 @@ from itertools import chain, islice
 
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.kvcache.manager import KVCacheManager
-from swaserve.routing.priority import ComputeAwarePriority
+from swaserve.sched.priority import ComputeAwarePriority
 
 
 @dataclass(frozen=True)

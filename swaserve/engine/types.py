@@ -110,7 +110,7 @@ class RequestOutput:
     arrival_time: float = 0.0  # engine clock (time.monotonic), seconds
     first_scheduled_time: float | None = None  # when the request first got a prefill slot
     first_token_time: float | None = None
-    kv_payload: Any = None  # prefill role, final output: the prompt's KV (``disagg.kv_transfer.KVPayload``)
+    kv_payload: Any = None  # prefill role, final output: the prompt's KV (``transfer.kv_transfer.KVPayload``)
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from swaserve.config import FULL, SWA
-from swaserve.engine.stats import PoolStats
+from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import PageMover
+from swaserve.kvcache.plan import PoolPlan, cdiv
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.prefix_cache import Acquired, PrefixCache, WritePolicy
 from swaserve.kvcache.radix import CacheLock
-from swaserve.routing.events import BlockEvent
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from swaserve.kvcache.stats import PoolStats
 
 
 @dataclass
@@ -169,16 +166,6 @@ class KindManager:
 
     def held(self, rid: str) -> int:
         return len(self.tables[rid].pages)
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """How a KV byte budget splits into the two pools (see ``plan_pools``)."""
-
-    full_pages: int
-    swa_pages: int
-    full_page_bytes: int
-    swa_page_bytes: int
 
 
 class KVCacheManager:
@@ -467,9 +454,9 @@ class KVCacheManager:
         """The prefix cache's block events since the last drain, oldest first (empty if off).
         ``now``: the caller's clock in seconds (``BlockEventLog.drain``; None keeps the log's).
         ``resync``: a snapshot of the whole cache instead (``BlockEventLog.snapshot``)."""
-        if self.cache is None or self.cache.tree.events is None:
+        if self.cache is None or self.cache.events is None:
             return []
-        log = self.cache.tree.events
+        log = self.cache.events
         return log.snapshot(self.cache.tree.root, now) if resync else log.drain(now)
 
     def flush_cache(self) -> None:

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swaserve.config import FULL, SWA
-from swaserve.kvcache.block_events import BlockEventLog
+from swaserve.kvcache.block_events import BlockEvent, BlockEventLog
 from swaserve.kvcache.host import NoCopy, PageMover
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import INNER, TRIM_INNER, TRIM_LEAF, CacheLock, RadixNode, RadixTree
-from swaserve.routing.events import BlockEvent
 
 WritePolicy = Literal["on_evict", "second_hit"]
 
@@ -89,6 +88,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self._pinned: set[RadixNode] = set()
         self._suspects: set[RadixNode] = set()  # nodes that may have become dead leaves
+        self.events: BlockEventLog | None = None  # the block event log (``enable_events``)
 
     @property
     def has_host(self) -> bool:
@@ -98,17 +98,17 @@ class PrefixCache:
     def enable_events(self, block_tokens: int, salt: str = "") -> None:
         """Start logging stored / removed block events (``kvcache.block_events``) of
         ``block_tokens``-token blocks. Raises ValueError unless it is a multiple of the page size."""
-        self.tree.events = BlockEventLog(block_tokens, self.page_size, salt)
+        self.events = self.tree.events = BlockEventLog(block_tokens, self.page_size, salt)
 
     def drain_events(self) -> list[BlockEvent]:
         """Events since the last drain, oldest first (empty when events are off)."""
-        return self.tree.events.drain() if self.tree.events is not None else []
+        return self.events.drain() if self.events is not None else []
 
     def _detach(self, y: RadixNode) -> None:
         """Unlink ``y`` (off device; with its subtree) from its parent: its blocks leave the tree."""
         assert y.parent is not None
-        if self.tree.events is not None:
-            self.tree.events.removed(y)
+        if self.events is not None:
+            self.events.removed(y)
         del y.parent.children[tuple(y.key[: self.page_size])]
         self._suspects.add(y.parent)
         y.parent = None

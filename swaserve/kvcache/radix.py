@@ -29,19 +29,24 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from swaserve.kvcache.lru import CategoryLRU
 from swaserve.kvcache.pool import PagePool
-
-if TYPE_CHECKING:
-    from swaserve.kvcache.block_events import BlockEventLog
 
 # SWA eviction categories of a node with live device SWA KV (SWA-aware trees only): more than a
 # window of it ("trim"), on an inner node (a device child) or a leaf; an inner node all of whose
 # SWA KV its live children shorter than the window need is "held"
 TRIM_INNER, TRIM_LEAF, INNER, HELD, LEAF = "trim_inner", "trim_leaf", "inner", "held", "leaf"
+
+
+class StoredSink(Protocol):
+    """Told when tokens enter the tree (``kvcache.block_events.BlockEventLog`` is one)."""
+
+    def stored(self, tokens: Sequence[int], new_from: int) -> None:
+        """``tokens`` (from the root) are now a path of the tree; those from ``new_from`` are new."""
 
 
 class RadixNode:
@@ -143,7 +148,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._handles: dict[int, CacheLock] = {}
         self._handle_ids = itertools.count()
-        self.events: BlockEventLog | None = None  # set by PrefixCache.enable_events
+        self.events: StoredSink | None = None  # set by PrefixCache.enable_events
 
     def lock_root(self) -> None:
         self.root.lock = 1 << 30  # never evicted

@@ -33,7 +33,7 @@ number of pages: ``pages = budget // (page_bytes_full + page_bytes_swa)``.
 from __future__ import annotations
 
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.kvcache.manager import PoolPlan, cdiv
+from swaserve.kvcache.plan import PoolPlan, cdiv
 
 DEFAULT_SWA_FULL_TOKENS_RATIO = 1 / 9
 

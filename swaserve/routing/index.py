@@ -1,11 +1,11 @@
 """The router's prefix index: which prefill instance holds which prefix blocks.
 
-Keys are block hash chains (``routing.hashing``). An entry is one (block, instance) pair with its
+Keys are block hash chains (``kvcache.hashing``). An entry is one (block, instance) pair with its
 last use and its depth (the block's position in its chain, 0 = the root block). Two ways to fill it:
 
 * *Approximate* (default): at dispatch, the router records the request's chain on the instance it
   chose (``record``), on the assumption that the worker will cache what it computed.
-* *Precise*: workers publish the blocks they store and evict (``routing.events``); ``record`` /
+* *Precise*: workers publish the blocks they store and evict (``routing.redis.events``); ``record`` /
   ``evict`` / ``remove_instance`` follow them. A stored event may carry only the new blocks of a
   chain with a link to the block before them (``record(..., depth=d, parent=p)``): they take the
   parent entry's last use, so a chain recorded chunk by chunk costs O(new blocks) per chunk and
@@ -17,7 +17,7 @@ per-instance cap would let the index grow with the number of instances), and an 
 backend: least recent last use first; among equal last uses the deepest block first (a chain that
 lost its head matches nothing), then by ``member`` (instance, then hash, as text): exactly the order
 of the Redis backend's sorted set. ``remove_instance`` drops an instance's entries when it leaves.
-Backends: ``InMemoryPrefixIndex`` here, ``routing.redis_store.RedisPrefixIndex`` (shared by
+Backends: ``InMemoryPrefixIndex`` here, ``routing.redis.store.RedisPrefixIndex`` (shared by
 stateless router replicas). Times are the caller's clock (seconds), injected.
 """
 

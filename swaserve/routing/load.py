@@ -40,7 +40,7 @@ class WorkerReport:
     """A worker's heartbeat. Tokens: ``queued_tokens`` waiting to be prefilled (uncached),
     ``running_tokens`` in running requests; ``kv_usage``: fraction of KV pages in use (0..1),
     the fuller pool for hybrid layouts; ``at``: when it was sent (s); ``queue_order``: how its
-    prefill queue admits requests, ``"fcfs"`` or ``"compute"`` (``routing.priority``; it changes
+    prefill queue admits requests, ``"fcfs"`` or ``"compute"`` (``sched.priority``; it changes
     how long a new request waits there, ``routing.policy.wait_s``)."""
 
     queued_tokens: int = 0

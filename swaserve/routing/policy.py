@@ -24,7 +24,7 @@ actually has (covers leases lost with a router).
 requests in (``WorkerReport.queue_order``, or forced by ``queue_order``):
 
 * ``fcfs``: everything queued runs first: ``wait_s = queue_s``.
-* ``compute`` (``routing.priority``: least work first, aged): with ``s`` this request's prefill
+* ``compute`` (``sched.priority``: least work first, aged): with ``s`` this request's prefill
   seconds there, ``wait_s = max(sum_l min(w_l, s), min(reported, s))`` over the live leases'
   seconds ``w_l``. Leases with less work than ``s`` run before it and count in full; a longer one
   is either queued behind it (costing nothing) or already running (costing its remainder, up to
@@ -49,8 +49,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from swaserve.routing.cost import CostModel
 from swaserve.routing.load import InstanceLoad
+from swaserve.sched.cost import CostModel
 
 DEFAULT_BALANCE_ABS_S = 2.0
 DEFAULT_BALANCE_REL = 1.5

@@ -1,6 +1,6 @@
 """Keep routing when the shared store (Redis) is gone, and re-sync when it is back.
 
-``FallbackIndex`` and ``FallbackBook`` wrap a shared backend (``redis_store``) and a local
+``FallbackIndex`` and ``FallbackBook`` wrap a shared backend (``routing.redis.store``) and a local
 in-memory one. Every write goes to the local copy too, so the local copy always holds what this
 router did. While the shared backend answers, reads come from it; on an error (``errors``), the
 wrapper marks it down and reads and writes go to the local copy only. Every ``retry_s`` seconds
@@ -8,7 +8,7 @@ a call probes the shared backend again (``probe``); when it answers, every index
 local copy is written back to it with its last use and depth (re-sync: a Redis restarted without
 persistence is empty, and other routers see this router's dispatches again; entries already there
 just get their last use refreshed to the local one) and reads go to it again. In precise mode the
-workers re-publish their whole state after such a restart too (``routing.events``); this router's
+workers re-publish their whole state after such a restart too (``routing.redis.events``); this router's
 follower applies that after the re-sync (both run inside the same ``SharedState.call``). Leases are not re-synced: those reserved while it was down are released
 locally, and those it held before an outage are gone with a restarted Redis (without
 persistence) or expire by their TTL.

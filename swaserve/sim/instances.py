@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools
-from swaserve.routing.cost import CostModel
 from swaserve.routing.load import Lease
-from swaserve.routing.priority import ComputeAwarePriority, PriorityQueue
+from swaserve.sched.cost import CostModel
+from swaserve.sched.priority import ComputeAwarePriority, PriorityQueue
 from swaserve.sim.workload import SimRequest
 
 

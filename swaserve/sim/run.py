@@ -3,7 +3,7 @@
 Deployments (``DEPLOYMENTS``):
 
 * ``mimo-v2-flash-h200``: MiMo-V2-Flash on instances of 8 x H200 (cost model
-  ``routing.cost.MIMO_V2_FLASH_H200``). KV budget per instance: 8 x 141 GB HBM, minus ~320 GB of
+  ``sched.cost.MIMO_V2_FLASH_H200``). KV budget per instance: 8 x 141 GB HBM, minus ~320 GB of
   FP8 weights (309B params + MTP), minus ~10% for activations and workspace: 690 GB. Host tier
   (``host_bytes``): none by default; ``--host-cache 1.5T`` models the DRAM of a 2 TB node. Engine
   settings of a GPU deployment: page 64 (W = 2 pages; also 4x fewer pages to walk than 16, which
@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swaserve.config import ModelConfig
-from swaserve.routing.cost import CPU_TINY, MIMO_V2_FLASH_H200, CostModel
 from swaserve.routing.index import IndexConfig
 from swaserve.routing.policy import make_policy
+from swaserve.sched.cost import CPU_TINY, MIMO_V2_FLASH_H200, CostModel
 from swaserve.sim.cluster import SimConfig, Simulator
 from swaserve.sim.workload import Workload, scale_for_load
 

@@ -21,14 +21,23 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from swaserve.replay import PlannedRequest
-from swaserve.routing.cost import CostModel
-from swaserve.routing.hashing import block_hashes, chain_ids
+from swaserve.kvcache.hashing import block_hashes, chain_ids
+from swaserve.sched.cost import CostModel
 from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, detect_kind, read_mooncake
 
 MOONCAKE_VOCAB = 256
 AGENT_BLOCK_TOKENS = 64
+
+
+class Planned(Protocol):
+    """One request a replay sends (as ``swaserve.replay.PlannedRequest``); times in seconds."""
+
+    index: int
+    send_at_s: float
+    prompt_token_ids: list[int]
+    max_tokens: int
 
 
 @dataclass
@@ -160,7 +169,7 @@ def scale_for_load(work: Workload, cost: CostModel, instances: int, load: float)
     return ideal_work_s(work.requests, work.block_tokens, cost) / (load * instances * span)
 
 
-def from_planned(planned: Sequence[PlannedRequest], block_tokens: int, name: str = "replay") -> Workload:
+def from_planned(planned: Sequence[Planned], block_tokens: int, name: str = "replay") -> Workload:
     """The exact requests a ``swaserve.replay`` run sends (prompts, send times already divided by
     its ``time_scale``, capped outputs), indexed in blocks of ``block_tokens`` as the real router
     hashes them (``--block-tokens``): for comparing the simulator with the real cluster."""

@@ -33,7 +33,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from swaserve.routing.cost import CostModel
+from swaserve.sched.cost import CostModel
 
 T = TypeVar("T")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from swaserve.disagg.kv_transfer import KVPage, KVPayload, expected_pages, to_pages
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.transfer.kv_transfer import KVPage, KVPayload, expected_pages, to_pages
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import worker_pb2 as pb
 
