@@ -248,3 +248,46 @@ def test_serve_exits_non_zero_when_its_core_is_killed(tiny_dir: Path) -> None:
         assert server.proc.wait(timeout=15) == 1  # within seconds of the kill
     finally:
         server.stop()
+
+
+def test_up_outputs_equal_inline_and_separate(tiny_dir: Path) -> None:
+    """``swaserve up`` (router + 1 prefill + 1 decode) with inline and with separate cores:
+    greedy and seeded requests (stop strings, logprobs) give the same tokens and text."""
+    import json
+
+    import httpx
+
+    from swaserve.launcher import Cluster
+    from tests.cluster_harness import running
+
+    bodies = [
+        {"prompt": STEM[:20], "max_tokens": 12, "temperature": 0, "logprobs": 2},
+        {"prompt": [*STEM, 1, 2], "max_tokens": 12, "temperature": 0, "stop": ["e"]},
+        {"prompt": [5, 6, 7, 8], "max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 7},
+        {"prompt": [9, 8, 7], "max_tokens": 16, "temperature": 1.0, "seed": 3, "stream": True},
+    ]
+
+    def outputs(url: str) -> list[Any]:
+        out = []
+        for b in bodies:
+            body = {**b, "model": "mimo-v2-tiny-v1", "return_token_ids": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            if b.get("stream"):
+                chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+                text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+                ids = [t for ch in chunks if ch["choices"] for t in ch["choices"][0].get("token_ids") or []]
+                out.append((ids, text, chunks[-1]["choices"][0]["finish_reason"]))
+            else:
+                c = r.json()["choices"][0]
+                lps = (c.get("logprobs") or {}).get("token_logprobs")
+                out.append((c["token_ids"], c["text"], c["finish_reason"], [round(x, 4) for x in lps or []]))
+        return out
+
+    got = {}
+    for mode in ("inline", "separate"):
+        args = ["--max-num-batched-tokens", "16", "--kv-cache-memory", "8MiB", "--page-size", "4",
+                f"--engine-process={mode}"]  # fmt: skip
+        with running(Cluster(tiny_dir, 1, 1, worker_args=args, redis=False)) as c:
+            got[mode] = outputs(c.url)
+    assert got["inline"] == got["separate"]
