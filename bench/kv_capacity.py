@@ -55,7 +55,7 @@ def _fill(cfg: ModelConfig, layout: str, context: int, max_num_seqs: int) -> tup
     n, per_req = 0, 0
     while n < max_num_seqs:
         rid = f"r{n}"
-        if not kv.admit(rid, context + 1):
+        if kv.admit(rid, context + 1) is None:
             break
         done = 0
         while done < context:

@@ -274,10 +274,11 @@ def replay(
     for i, prompt in enumerate(work.prompts()):
         rid, n = str(i), len(prompt)
         out.prompt_tokens += n
-        if not kv.admit(rid, n + 1, prompt):
+        adm = kv.admit(rid, n + 1, prompt)
+        if adm is None:
             out.rejected += 1
             continue
-        hit, from_host = kv.hits[rid]
+        hit, from_host = adm.hit_tokens, adm.host_tokens
         out.hits_device += hit - from_host
         out.hits_host += from_host
         start = hit
@@ -287,7 +288,7 @@ def replay(
                 out.stalled += 1
                 break
             start += step
-            if start < n and (cache_partial or start == kv.diverge.get(rid)):
+            if start < n and (cache_partial or start == adm.diverge):
                 kv.cache_partial(rid, prompt[:start])
         kv.free(rid, prompt[:start])
     out.seconds = time.perf_counter() - t0

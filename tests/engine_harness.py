@@ -37,7 +37,7 @@ class Harness:
 
     def new(self, rid: str, tokens: Sequence[int]) -> Request:
         req = Request(rid, list(tokens), SamplingParams(max_tokens=1), 0.0, len(tokens) + 1)
-        assert self.kv.admit(rid, len(tokens) + 1)
+        assert self.kv.admit(rid, len(tokens) + 1) is not None
         return req
 
     def step(self, plan: Sequence[tuple[Request, int]]) -> list[torch.Tensor]:

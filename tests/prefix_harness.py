@@ -105,13 +105,14 @@ class PrefixHarness:
             assert got == want, f"{kind} KV of {r.rid} [{lo}, {start}) holds another prefix (pseudo-hit)"
 
     def admit(self, rid: str, prompt: list[int], max_out: int) -> bool:
-        if not self.kv.admit(rid, len(prompt) + max_out, prompt):
+        adm = self.kv.admit(rid, len(prompt) + max_out, prompt)
+        if adm is None:
             return False
         r = Live(rid, list(prompt), len(prompt), max_out)
-        r.computed = r.hit = self.kv.hit_tokens(rid)
+        r.computed = r.hit = adm.hit_tokens
         assert r.hit % self.page == 0 and r.hit < len(prompt)
         self.hits += r.hit
-        self.host_hits += self.kv.hits[rid][1]
+        self.host_hits += adm.host_tokens
         self.verify_reads(r, r.hit)
         self.live[rid] = r
         return True

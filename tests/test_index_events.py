@@ -227,7 +227,7 @@ def test_chunks_send_only_new_blocks_and_the_chain_is_refreshed() -> None:
         turn = [*prompt[:64], *range(t0, t0 + 17)]
         h.kv.drain_cache_events(now)
         h.admit(rid, turn, 1)
-        assert h.kv.hit_tokens(rid) == 64
+        assert h.kv.admitted[rid].hit_tokens == 64
         h.advance(rid, 16, 5)
         (ev,) = h.kv.drain_cache_events(now)
         tk = block_hashes(turn, 8)

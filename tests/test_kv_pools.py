@@ -55,7 +55,7 @@ def test_random_streams_keep_pools_consistent(ops, page, window, layout, chunk_m
         if op == "add":
             rid = f"r{n}"
             n += 1
-            if kv.admit(rid, a):
+            if kv.admit(rid, a) is not None:
                 live[rid], total[rid] = (0, 0), a
         elif op == "abort" and live:
             rid = sorted(live)[a % len(live)]

@@ -134,7 +134,7 @@ def test_branch_point_found_by_traffic_gets_a_window() -> None:
     while not h.advance("a", 8, 7, partial=False):
         pass
     assert h.admit("b", [*prompt[:12], 99, 98, 97, 96, 95], 1)
-    assert h.live["b"].hit == 0 and h.kv.diverge["b"] == 12
+    assert h.live["b"].hit == 0 and h.kv.admitted["b"].diverge == 12
     assert h.kv.max_chunk("b", 8, 16) == 4, "the chunk must end at the divergence point"
     while not h.advance("b", 8, 7):
         pass

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.engine.scheduler import ScheduledChunk, Scheduler, WaitingQueue
 from swaserve.engine.types import SamplingParams
+from swaserve.kvcache.manager import Admission
 from swaserve.sched.cost import CostModel, preset
 from swaserve.sched.priority import ComputeAwarePriority
 
@@ -108,14 +109,15 @@ class SortingScheduler(Scheduler):
                     break
             imported = req.kv_payload is not None and not req.export_kv
             prompt = None if imported else req.prompt_token_ids
-            if not self.kv.admit(req.request_id, req.max_total_tokens, prompt):
+            adm = self.kv.admit(req.request_id, req.max_total_tokens, prompt)
+            if adm is None:
                 i += 1
                 continue
             if imported:
                 assert self.on_import is not None
                 self.on_import(req)
             else:
-                req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
+                req.num_computed = req.cached_tokens = adm.hit_tokens
             del self.waiting[i]
             self._uncached.pop(req.request_id, None)
             if i > 0:
@@ -153,21 +155,16 @@ class FakeKV:
         self.capacity = capacity
         self.cache = FakeCache() if cache else None
         self.held: dict[str, int] = {}
-        self.hits: dict[str, int] = {}
 
-    def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None) -> bool:
+    def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None) -> Admission | None:
         if sum(self.held.values()) + max_total_tokens > self.capacity:
-            return False
+            return None
         self.held[rid] = max_total_tokens
         P = self.page_size
         hit = 0
         if prompt is not None and self.cache is not None:
             hit = self.cache.match_length(prompt, (len(prompt) - 1) // P * P)[0]
-        self.hits[rid] = hit
-        return True
-
-    def hit_tokens(self, rid: str) -> int:
-        return self.hits[rid]
+        return Admission(hit_tokens=hit)
 
     def max_chunk(self, rid: str, start: int, end: int) -> int:
         return end - start

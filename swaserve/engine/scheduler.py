@@ -274,7 +274,8 @@ class Scheduler:
             req = self.waiting[i]
             imported = req.kv_payload is not None and not req.export_kv
             prompt = None if imported else req.prompt_token_ids  # imported KV: no cache lookup
-            if not self.kv.admit(req.request_id, req.max_total_tokens, prompt):
+            adm = self.kv.admit(req.request_id, req.max_total_tokens, prompt)
+            if adm is None:
                 i += 1  # a request that fits may go ahead of one that does not (yet)
                 continue
             if imported:
@@ -282,7 +283,7 @@ class Scheduler:
                     raise RuntimeError("request with KV to import but no importer (internal error)")
                 self.on_import(req)
             else:
-                req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
+                req.num_computed = req.cached_tokens = adm.hit_tokens
             self.waiting.pop(i)
             if i > 0:
                 self.waiting[0].bypassed += 1

@@ -121,10 +121,11 @@ class PrefillSim:
         kv, prompt, rid = self.kv, job.prompt, job.req.rid
         assert prompt is not None
         n = len(prompt)
-        if not kv.admit(rid, n + 1, prompt):
+        adm = kv.admit(rid, n + 1, prompt)
+        if adm is None:
             self.rejected += 1
             return 0, 0
-        hit, from_host = kv.hits[rid]
+        hit, from_host = adm.hit_tokens, adm.host_tokens
         start = hit
         while start < n:
             step = kv.max_chunk(rid, start, min(n, start + self.chunk))
