@@ -1,8 +1,11 @@
 """Builds the engine client ``--engine-process`` asks for: inline or the core in its own process.
 
-``auto`` picks by device, from ``swaserve bench frontend`` (docs/BENCHMARKS.md): the separate core
-on every device measured so far (CPU: probes answered during a long prefill, throughput within
-the target; on CUDA the front's CPU work overlaps the GPU forward).
+``auto`` = separate on every device. Measured (``swaserve bench frontend``, 2-core CPU, make-run
+workload, docs/BENCHMARKS.md): during an 8k-token prefill ``/health`` p99 1073 ms inline vs
+11.5 ms separate, a prefill worker's ``GetLoad`` p99 1526 ms vs 5.2 ms; saturated output
+tokens/s separate / inline 0.97; replay TTFT p50 8.6 s vs 10.6 s, ITL p50 199 ms vs 138 ms (the
+fronts' CPU work competes with the cores on 2 cores). On CUDA the front's CPU work overlaps the
+GPU forward (not measured here: no device).
 """
 
 from __future__ import annotations
