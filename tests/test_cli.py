@@ -69,6 +69,7 @@ def test_help(args: list[str], expect: list[str]) -> None:
         assert word in res.output, word
 
 
+@pytest.mark.cluster  # a fresh interpreter (subprocess)
 def test_help_is_fast_and_imports_nothing_heavy() -> None:
     code = (
         "import sys; from swaserve.cli import app; print(sorted(m for m in ('torch', 'httpx', "
@@ -102,6 +103,7 @@ def test_serve_kv_cache_memory_option_parses_sizes() -> None:
     assert res.exit_code == 2 and "bad size" in res.output
 
 
+@pytest.mark.cluster  # runs services.prefill --help (subprocess)
 def test_workers_take_every_engine_flag_of_serve() -> None:
     from services.worker_cli import worker_app
 
@@ -185,6 +187,7 @@ def _demo(*args: str) -> list[str]:
     return [sys.executable, "-m", "swaserve.run_demo", "--no-progress", *args]
 
 
+@pytest.mark.cluster  # swaserve up as a subprocess
 def test_up_refuses_a_busy_port_before_starting_workers(tiny_dir: Path) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -203,6 +206,7 @@ def test_up_refuses_a_busy_port_before_starting_workers(tiny_dir: Path) -> None:
     assert "[prefill-0]" not in out and "[decode-0]" not in out, out  # no worker was started
 
 
+@pytest.mark.cluster  # make run's driver as a subprocess
 def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
     report = tmp_path / "r.json"
     proc = subprocess.run(
@@ -232,6 +236,7 @@ def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
     assert report.is_file()
 
 
+@pytest.mark.cluster  # make run's driver as a subprocess
 def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "not_mimo"}')
     proc = subprocess.run(
@@ -254,6 +259,7 @@ def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
     assert "server exited with status" in serve.stderr and "not_mimo" in serve.stderr
 
 
+@pytest.mark.cluster  # make run's driver and pgrep as subprocesses
 def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
     proc = subprocess.Popen(
         _demo("--model", str(tiny_dir), "--limit", "1", "--block-tokens", "4", "--max-output-tokens", "2"),

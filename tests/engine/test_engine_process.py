@@ -258,7 +258,7 @@ def test_up_outputs_equal_inline_and_separate(tiny_dir: Path) -> None:
     import httpx
 
     from swaserve.launcher import Cluster
-    from tests.cluster_harness import running
+    from tests.helpers.cluster import running
 
     bodies = [
         {"prompt": STEM[:20], "max_tokens": 12, "temperature": 0, "logprobs": 2},

@@ -4,19 +4,26 @@ Each computed position writes a *label* into its KV slots, in both pools: the id
 ending there (``tokens[:pos + 1]``). A request may only read slots whose label equals the id of its
 own prefix at that position, so any pseudo-hit, recycled slot or stale host copy shows up as a label
 mismatch. Copies between tiers go through the real ``HostKVStorage``.
+
+Also the random request streams of the property tests (``run_stream``), and the blocks a radix tree
+holds (``tree_blocks``, ``cached_blocks``): the truth the index-event tests compare an index with.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
 
 from swaserve.config import FULL, SWA, AttnShape, ModelConfig
 from swaserve.kvcache import invariants
+from swaserve.kvcache.block_events import path_tokens
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.plan import PoolPlan
+from swaserve.kvcache.radix import RadixTree
 from swaserve.kvcache.storage import KVStorage
 
 
@@ -165,3 +172,71 @@ class PrefixHarness:
         for p in pools:
             assert p.num_free == p.num_pages and p.reserved == 0, "pages left after drain + flush"
         assert not self.kv.cache or not self.kv.cache.tree.nodes()
+
+
+# -- random request streams (tests/kvcache/test_prefix_cache_props.py) ------------------------------
+def run_stream(cfg: dict, seed: int, n_ops: int) -> PrefixHarness:
+    rng = random.Random(seed)
+    page, window = cfg["page"], cfg["window"]
+    swa_need = -(-window // page) + 2 + 8 // page + 2
+    h = PrefixHarness(
+        page,
+        window,
+        cfg["full_pages"],
+        max(cfg["swa_pages"], swa_need),
+        cfg["layout"],
+        cfg["host"],
+        cfg["policy"],
+    )
+    stems = [[rng.randrange(1, 40) for _ in range(rng.randrange(1, 3 * page + 6))] for _ in range(4)]
+    done: list[list[int]] = []
+    n = 0
+    for _ in range(n_ops):
+        op = rng.random()
+        if op < 0.3 or not h.live:
+            if done and rng.random() < 0.5:  # next turn of an earlier conversation
+                prompt = rng.choice(done) + [
+                    rng.randrange(1, 40) for _ in range(rng.randrange(1, 2 * page + 3))
+                ]
+            else:  # shared stems, then a branch
+                prompt = [t for s in rng.sample(stems, rng.randrange(1, 3)) for t in s]
+                prompt += [rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))]
+            if len(prompt) > 6 * page + 3 * window + 20:
+                prompt = prompt[-(6 * page + 3 * window + 20) :]
+            n += 1
+            h.admit(f"r{n}", prompt, rng.randrange(1, 6))
+        elif op < 0.92:
+            rid = rng.choice(list(h.live))
+            r = h.live[rid]
+            tokens = list(r.tokens)
+            if h.advance(rid, rng.randrange(1, 3 * page + 4), rng.randrange(1, 40)):
+                done.append(tokens)
+        else:
+            rid = rng.choice(list(h.live))
+            done.append(h.finish(rid))  # abort mid-flight: computed pages still go to the cache
+        h.check()
+    h.drain_and_flush()
+    return h
+
+
+# -- truth from the tree ----------------------------------------------------------------------------
+def tree_blocks(tree: RadixTree, B: int) -> set[int]:
+    """Keys of every block whose whole prefix the tree holds (each owned by the node it ends in)."""
+    out: set[int] = set()
+    for x in tree.nodes():
+        assert x.full is not None or x.host_full is not None, f"{x} holds no full KV"
+        before = path_tokens(x.parent)
+        path = before + x.key
+        lo, hi = len(before) // B, len(path) // B
+        out.update(block_hashes(path[: hi * B], B)[lo:])
+    return out
+
+
+def cached_blocks(tree: RadixTree, prompt: list[int], B: int) -> int:
+    """Leading whole blocks of ``prompt`` whose full KV (device or host) the tree holds."""
+    n = 0
+    for pg in tree.walk(prompt, len(prompt) // tree.page_size):
+        if pg.full is None and pg.host_full is None:
+            break
+        n += 1
+    return n * tree.page_size // B

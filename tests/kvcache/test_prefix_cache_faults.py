@@ -1,6 +1,6 @@
 """One test per KV-cache fault class of ../shared/GUIDE.md section 5 (faults peers shipped).
 
-Reads are checked with slot labels (``prefix_harness``): a request that reads KV of any other
+Reads are checked with slot labels (``tests.helpers.prefix``): a request that reads KV of any other
 prefix (a pseudo-hit, a recycled or stale slot) fails the test.
 """
 
@@ -11,8 +11,7 @@ import pytest
 from swaserve.config import SWA
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.prefix_cache import PrefixCache
-from tests.prefix_harness import PrefixHarness
-from tests.test_prefix_cache_props import run_stream
+from tests.helpers.prefix import PrefixHarness, run_stream
 
 
 def test_window_count_restarts_at_every_tombstone() -> None:

@@ -3,18 +3,16 @@
 Streams mix shared prefixes, branches, multi-turn extensions, aborts, chunk sizes and eviction
 pressure, with page sizes below and above the window. After every operation all invariants of
 ``kvcache.invariants`` hold; every chunk reads only slots holding its own prefix (labels, see
-``prefix_harness``), which is the window-safe rule checked against the real pool contents; after
+``tests.helpers.prefix``), which is the window-safe rule checked against the real pool contents; after
 draining and flushing every page of every pool and tier is free.
 """
 
 from __future__ import annotations
 
-import random
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.prefix_harness import PrefixHarness
+from tests.helpers.prefix import run_stream
 
 CONFIGS = st.fixed_dictionaries(
     {
@@ -27,50 +25,6 @@ CONFIGS = st.fixed_dictionaries(
         "policy": st.sampled_from(["on_evict", "second_hit"]),
     }
 )
-
-
-def run_stream(cfg: dict, seed: int, n_ops: int) -> PrefixHarness:
-    rng = random.Random(seed)
-    page, window = cfg["page"], cfg["window"]
-    swa_need = -(-window // page) + 2 + 8 // page + 2
-    h = PrefixHarness(
-        page,
-        window,
-        cfg["full_pages"],
-        max(cfg["swa_pages"], swa_need),
-        cfg["layout"],
-        cfg["host"],
-        cfg["policy"],
-    )
-    stems = [[rng.randrange(1, 40) for _ in range(rng.randrange(1, 3 * page + 6))] for _ in range(4)]
-    done: list[list[int]] = []
-    n = 0
-    for _ in range(n_ops):
-        op = rng.random()
-        if op < 0.3 or not h.live:
-            if done and rng.random() < 0.5:  # next turn of an earlier conversation
-                prompt = rng.choice(done) + [
-                    rng.randrange(1, 40) for _ in range(rng.randrange(1, 2 * page + 3))
-                ]
-            else:  # shared stems, then a branch
-                prompt = [t for s in rng.sample(stems, rng.randrange(1, 3)) for t in s]
-                prompt += [rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))]
-            if len(prompt) > 6 * page + 3 * window + 20:
-                prompt = prompt[-(6 * page + 3 * window + 20) :]
-            n += 1
-            h.admit(f"r{n}", prompt, rng.randrange(1, 6))
-        elif op < 0.92:
-            rid = rng.choice(list(h.live))
-            r = h.live[rid]
-            tokens = list(r.tokens)
-            if h.advance(rid, rng.randrange(1, 3 * page + 4), rng.randrange(1, 40)):
-                done.append(tokens)
-        else:
-            rid = rng.choice(list(h.live))
-            done.append(h.finish(rid))  # abort mid-flight: computed pages still go to the cache
-        h.check()
-    h.drain_and_flush()
-    return h
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from swaserve.config import ConfigError, ModelConfig
 from swaserve.model.checkpoint import dequantize_fp8_state_dict, quantize_fp8, to_hub_style
 from swaserve.model.loader import LoadError, load_model
-from tests.engine_harness import Harness, reference_logits
+from tests.helpers.engine import Harness, reference_logits
 
 TOKENS = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(7)).tolist()
 

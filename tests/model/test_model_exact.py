@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_harness import Harness, reference_logits
+from tests.helpers.engine import Harness, reference_logits
 
 TOL = 1e-4
 

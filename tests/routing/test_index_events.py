@@ -16,40 +16,16 @@ from hypothesis import strategies as st
 from swaserve.config import SWA, EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
-from swaserve.kvcache.block_events import BlockEvent, BlockEventLog, path_tokens
+from swaserve.kvcache.block_events import BlockEvent, BlockEventLog
 from swaserve.kvcache.hashing import block_hashes
-from swaserve.kvcache.radix import RadixTree
 from swaserve.routing.events import apply_events
 from swaserve.routing.index import InMemoryPrefixIndex
 from swaserve.routing.redis.events import IndexFollower, RedisEventPublisher, resync_key, stream_key
 from swaserve.routing.redis.store import RedisPrefixIndex
-from tests.prefix_harness import PrefixHarness
+from tests.helpers.prefix import PrefixHarness, cached_blocks, tree_blocks
 
 INST = "10.0.0.1:7000"
 PAGE = 4
-
-
-# -- truth from the tree ----------------------------------------------------------------------------
-def tree_blocks(tree: RadixTree, B: int) -> set[int]:
-    """Keys of every block whose whole prefix the tree holds (each owned by the node it ends in)."""
-    out: set[int] = set()
-    for x in tree.nodes():
-        assert x.full is not None or x.host_full is not None, f"{x} holds no full KV"
-        before = path_tokens(x.parent)
-        path = before + x.key
-        lo, hi = len(before) // B, len(path) // B
-        out.update(block_hashes(path[: hi * B], B)[lo:])
-    return out
-
-
-def cached_blocks(tree: RadixTree, prompt: list[int], B: int) -> int:
-    """Leading whole blocks of ``prompt`` whose full KV (device or host) the tree holds."""
-    n = 0
-    for pg in tree.walk(prompt, len(prompt) // tree.page_size):
-        if pg.full is None and pg.host_full is None:
-            break
-        n += 1
-    return n * tree.page_size // B
 
 
 class EventChecker:
@@ -256,6 +232,7 @@ def chain(seed: int, blocks: int, B: int = 4) -> list[int]:
     return block_hashes([rng.randrange(100) for _ in range(blocks * B)], B)
 
 
+@pytest.mark.cluster  # a redis-server
 def test_publish_follow_round_trip_and_resume(rc: redis.Redis) -> None:
     ns = f"t-{uuid.uuid4().hex}"
     a, b = chain(1, 6), chain(2, 3)
@@ -292,6 +269,7 @@ def test_publish_follow_round_trip_and_resume(rc: redis.Redis) -> None:
     assert fresh.index.entries("A") and {h for h, t in fresh.index.entries("A")} == set(a[:3] + b)
 
 
+@pytest.mark.cluster  # a redis-server
 def test_follower_skips_malformed_entries(rc: redis.Redis) -> None:
     ns = f"t-{uuid.uuid4().hex}"
     rc.xadd(stream_key(ns), {"instance": "A", "op": "moved", "hashes": "1,2"})
@@ -303,6 +281,7 @@ def test_follower_skips_malformed_entries(rc: redis.Redis) -> None:
     assert f.poll() == 0
 
 
+@pytest.mark.cluster  # a redis-server
 def test_stream_is_capped(rc: redis.Redis) -> None:
     ns = f"t-{uuid.uuid4().hex}"
     p = RedisEventPublisher(rc, ns, "A", maxlen=50)

@@ -17,11 +17,15 @@ from swaserve.routing.load import InMemoryLoadBook, Lease, LoadBook, WorkerRepor
 from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
 
 BACKENDS = ("memory", "redis")
+KINDS = ["memory", pytest.param("redis", marks=pytest.mark.cluster)]  # redis: a redis-server
 
 
-@pytest.fixture(scope="module")
-def rclient(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url, decode_responses=True)
+@pytest.fixture
+def rclient(kind: str, request: pytest.FixtureRequest) -> redis.Redis | None:
+    """A client of the session's redis-server for the ``redis`` backend (only that one starts it)."""
+    if kind != "redis":
+        return None
+    return redis.Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=True)
 
 
 def make_index(kind: str, rclient: redis.Redis, **cfg: float) -> PrefixIndex:
@@ -53,7 +57,7 @@ def test_block_hashes_chain() -> None:
         block_hashes([-1] * 64, 64)
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_match_longest_prefix_per_instance(kind: str, rclient: redis.Redis) -> None:
     idx = make_index(kind, rclient)
     h = chain_ids(range(6))
@@ -76,7 +80,7 @@ def test_match_longest_prefix_per_instance(kind: str, rclient: redis.Redis) -> N
     assert idx.size() == 2 + 4 + 3 and idx.entries("a") == []
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_ttl_and_global_cap(kind: str, rclient: redis.Redis) -> None:
     idx = make_index(kind, rclient, max_entries=10, ttl_s=100.0)
     h = chain_ids(range(8))
@@ -94,6 +98,7 @@ def test_ttl_and_global_cap(kind: str, rclient: redis.Redis) -> None:
     assert [x for x, _ in idx.entries("e")] == [h[0]]
 
 
+@pytest.mark.cluster  # a redis-server
 @settings(max_examples=40, deadline=None)
 @given(
     ops=st.lists(
@@ -167,7 +172,7 @@ def test_backends_agree_with_reference(
             assert got == [sorted((h, t) for (h, j), (t, _) in ref.items() if j == i)] * 2
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_linked_blocks_take_their_parents_last_use(kind: str, rclient: redis.Redis) -> None:
     """A chain recorded in pieces (a chunked prefill's events) ages as one: its later pieces take
     the head's last use, so under the cap its deepest blocks go first, never its head."""
@@ -190,7 +195,7 @@ def test_linked_blocks_take_their_parents_last_use(kind: str, rclient: redis.Red
         idx.record("a", h[:1], now=1.0, depth=-1)
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_leases_versions_and_expiry(kind: str, rclient: redis.Redis) -> None:
     book = make_book(kind, rclient)
     l0 = book.loads(["p0", "p1"], now=0.0)
@@ -215,7 +220,7 @@ def test_leases_versions_and_expiry(kind: str, rclient: redis.Redis) -> None:
     assert (got.leases, got.reserved_s, got.reserved_tokens) == (1, 1.5, 20)  # r2 expired at 10, r4 renewed
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_heartbeats_and_liveness(kind: str, rclient: redis.Redis) -> None:
     book = make_book(kind, rclient)
     rep = WorkerReport(queued_tokens=300, running_tokens=50, running_requests=2, kv_usage=0.25, at=100.0)
@@ -228,6 +233,7 @@ def test_heartbeats_and_liveness(kind: str, rclient: redis.Redis) -> None:
     assert book.live(104.0) == {}
 
 
+@pytest.mark.cluster  # a redis-server
 def test_redis_concurrent_reserves_count_every_lease(redis_url: str) -> None:
     """Threads reserving through separate connections: every lease is counted once, and a
     compare-and-reserve on stale versions never succeeds."""

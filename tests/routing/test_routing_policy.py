@@ -1,5 +1,5 @@
-"""Selection, balance guard, length buckets, compute-aware priority and the dispatcher (on both
-backends: the in-memory one and a real redis-server)."""
+"""Selection, balance guard, length buckets and the dispatcher (on both backends: the in-memory one
+and a real redis-server)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from swaserve.routing.policy import (
     wait_s,
 )
 from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
-from swaserve.sched.cost import MIMO_V2_FLASH_H200, CostModel, preset
-from swaserve.sched.priority import ComputeAwarePriority
+from swaserve.sched.cost import CostModel
 
 COST = CostModel("unit", 0.0, 1e-3, 0.0, 0.01, 1e-3, 0.0)  # 1 ms per prefill token, no base
 
@@ -32,19 +31,6 @@ COST = CostModel("unit", 0.0, 1e-3, 0.0, 0.01, 1e-3, 0.0)  # 1 ms per prefill to
 def cand(name: str, cached: int = 0, reserved_s: float = 0.0, queued: int = 0) -> Candidate:
     report = WorkerReport(queued_tokens=queued) if queued else None
     return Candidate(name, cached, InstanceLoad(reserved_s=reserved_s, report=report))
-
-
-def test_cost_model() -> None:
-    m = CostModel("m", 0.5, 1e-3, 1e-6, 0.01, 1e-3, 1e-6, 100, 1000, 128, 1e6)
-    assert m.prefill_s(0, 10) == 0.0
-    assert m.prefill_s(10, 20) == pytest.approx(0.5 + 0.01 + 1e-6 * 10 * (20 + 5.5))
-    assert m.decode_step_s(4, 1000) == pytest.approx(0.01 + 0.004 + 0.001)
-    assert m.transfer_bytes(1000) == 100 * 1000 + 1000 * 128 and m.transfer_s(10) == pytest.approx(0.011)
-    # the H200 preset: a 64K prefill takes seconds, not minutes; a cached 60K makes it ~10x cheaper
-    assert 0.3 < MIMO_V2_FLASH_H200.prefill_s(65536) < 2.0
-    assert MIMO_V2_FLASH_H200.prefill_s(65536 - 60000, 60000) < MIMO_V2_FLASH_H200.prefill_s(65536) / 5
-    with pytest.raises(ValueError, match="known"):
-        preset("nope")
 
 
 def test_cache_aware_prefers_hit_until_queue_outweighs_it() -> None:
@@ -137,24 +123,11 @@ def test_buckets() -> None:
     assert len(PRODUCTION_BUCKETS) == 3 and PRODUCTION_BUCKETS[2][1] > 1 << 20
 
 
-def test_priority_key_orders_short_first_and_bounds_waiting() -> None:
-    pr = ComputeAwarePriority(COST, max_wait_s=10.0, wait_weight=1.0)
-    now = 100.0
-    long_old = pr.key(arrival=95.0, uncached=8000, cached=0, now=now)  # 8 s of work, waited 5 s
-    short_new = pr.key(arrival=100.0, uncached=100, cached=0, now=now)
-    assert short_new < long_old
-    assert pr.key(95.0, 100, 0, now) < pr.key(99.0, 100, 0, now)  # equal work: older first
-    overdue = pr.key(arrival=89.0, uncached=100_000, cached=0, now=now)  # waited 11 s > 10 s
-    assert overdue < short_new and overdue[0] == 0
-    assert pr.key(88.0, 10**6, 0, now) < pr.key(89.0, 1, 0, now)  # overdue: arrival order
-    assert ComputeAwarePriority(COST, max_wait_s=0.0).key(5.0, 1, 0, 5.0) == (0, 5.0)  # FCFS
-
-
-@pytest.fixture(params=["memory", "redis"])
-def dispatcher_parts(request: pytest.FixtureRequest, redis_url: str):  # type: ignore[no-untyped-def]
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.cluster)])  # redis: a redis-server
+def dispatcher_parts(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     if request.param == "memory":
         return InMemoryPrefixIndex(), InMemoryLoadBook()
-    rc = redis.Redis.from_url(redis_url, decode_responses=True)
+    rc = redis.Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=True)
     ns = f"t-{uuid.uuid4().hex}"
     return RedisPrefixIndex(rc, namespace=ns), RedisLoadBook(rc, namespace=ns)
 

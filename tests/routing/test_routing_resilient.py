@@ -13,6 +13,7 @@ from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
 from swaserve.routing.resilient import FallbackBook, FallbackIndex, SharedState
 
 
+@pytest.mark.cluster  # a redis-server, stopped and restarted
 def test_fallback_and_resync_across_a_redis_restart() -> None:
     server = RedisServer().start()
     try:
@@ -78,6 +79,7 @@ def test_a_hung_probe_is_not_repeated_at_once() -> None:
     assert probes == [1.0, 4.0]
 
 
+@pytest.mark.cluster  # a redis-server, stopped and restarted
 def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers() -> None:
     from services.router.routing import RouterRouting, RoutingOptions
     from swaserve.v1 import worker_pb2 as pb
@@ -133,6 +135,7 @@ def test_router_routing_precise_mode_survives_redis_loss_and_drops_dead_workers(
         server.stop()
 
 
+@pytest.mark.cluster  # a redis-server, stopped and restarted
 def test_precise_follower_over_fallback_index_across_a_redis_restart() -> None:
     """The router's precise-mode stack (``IndexFollower`` -> ``FallbackIndex`` over Redis) and a
     worker's publisher, through a Redis restart: the router re-syncs its local copy (linked

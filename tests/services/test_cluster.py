@@ -26,8 +26,10 @@ from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
+from tests.helpers.cluster import WORKER_ARGS, _scrape, _value, wait_idle
 
-WORKER_ARGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", "16MiB", "--page-size", "4"]
+pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
+
 NEW = 10
 
 
@@ -67,34 +69,6 @@ async def complete_all(url: str, ps: list[list[int]], max_tokens: int = NEW) -> 
             return r.json()
 
         return await asyncio.gather(*(one(p) for p in ps))
-
-
-def loads(c: Cluster) -> dict[str, pb.Load]:
-    out = {}
-    for role, addrs in c.worker_addresses.items():
-        for i, a in enumerate(addrs):
-            if not c.services[f"{role}-{i}"].alive():
-                continue
-            with grpc.insecure_channel(a) as ch:
-                out[f"{role}-{i}"] = wgrpc.WorkerStub(ch).GetLoad(pb.GetLoadRequest(), timeout=10)
-    return out
-
-
-def wait_idle(c: Cluster, timeout_s: float = 30.0) -> dict[str, pb.Load]:
-    """Every live worker has no request, no request-owned page and nothing staged."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ls = loads(c)
-        busy = {
-            n: (x.running, x.waiting, x.staged_bytes, {k: p.request_pages for k, p in x.pools.items()})
-            for n, x in ls.items()
-            if x.running or x.waiting or x.staged_bytes or any(p.request_pages for p in x.pools.values())
-        }
-        if not busy:
-            return ls
-        if time.monotonic() > deadline:
-            raise AssertionError(f"workers still hold requests or pages: {busy}")
-        time.sleep(0.2)
 
 
 def test_outputs_equal_single_engine_and_transformers(cluster: Cluster, tiny_dir: Path, hf_tiny) -> None:  # type: ignore[no-untyped-def]
@@ -273,21 +247,6 @@ def test_sse_chunks_equal_serve(cluster: Cluster, tiny_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Router /metrics
-
-
-def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {
-        (smp.name, frozenset(smp.labels.items())): smp.value
-        for fam in text_string_to_metric_families(text)
-        for smp in fam.samples
-    }
-
-
-def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    return samples.get((name, frozenset({"model_name": "mimo-v2-tiny-v1", **labels}.items())), 0.0)
 
 
 def test_router_metrics_count_tokens_and_show_worker_loads(cluster: Cluster) -> None:

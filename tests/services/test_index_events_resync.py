@@ -26,7 +26,9 @@ from swaserve.redis_server import RedisServer
 from swaserve.routing.index import InMemoryPrefixIndex
 from swaserve.routing.redis.events import IndexFollower, RedisEventPublisher, stream_key
 from swaserve.routing.redis.store import RedisPrefixIndex
-from tests.test_index_events import cached_blocks, tree_blocks
+from tests.helpers.prefix import cached_blocks, tree_blocks
+
+pytestmark = pytest.mark.cluster  # starts a redis-server as child processes
 
 B = 4
 INST = "10.0.0.9:7000"

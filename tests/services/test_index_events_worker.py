@@ -27,6 +27,8 @@ from swaserve.routing.redis.events import IndexFollower, stream_key
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 
+pytestmark = pytest.mark.cluster  # starts a prefill worker and a redis-server as child processes
+
 B = 4
 
 

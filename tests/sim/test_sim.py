@@ -18,7 +18,7 @@ from swaserve.sim.cluster import SimConfig, Simulator
 from swaserve.sim.run import deployment, simulate
 from swaserve.sim.workload import SimRequest, Workload, mooncake, scale_for_load
 
-TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace.jsonl"
 COST = CostModel("unit", 0.0, 1e-3, 0.0, 1e-3, 1e-4, 0.0)  # 1 ms per prefill token
 FLASH = model_config(shape("MiMo-V2-Flash"))
 

@@ -18,7 +18,9 @@ import pytest
 
 from swaserve.config import ModelConfig
 from swaserve.launcher import Cluster
-from tests.test_cluster import WORKER_ARGS, _scrape, _value, wait_idle
+from tests.helpers.cluster import WORKER_ARGS, _scrape, _value, wait_idle
+
+pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
 
 # the tiny model: 384 bytes of full KV per token + the SWA window (8 tokens x 2304 bytes); 48 KiB
 # stage a 40-token prompt (33.8 KB) but never a 120-token one (64.5 KB)

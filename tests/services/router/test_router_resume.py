@@ -25,20 +25,22 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from cluster_harness import running
 
 from swaserve.launcher import Cluster
-from tests.test_cluster import wait_idle
-from tests.test_router_workers import (
+from tests.helpers.cluster import (
     CLIENT_TIMEOUT,
     MODEL,
     WORKER_ARGS,
     metric,
     prompt,
     retried,
+    running,
     wait_for,
+    wait_idle,
     workers,
 )
+
+pytestmark = pytest.mark.cluster  # starts router, workers and Redis (``Cluster``) as child processes
 
 NS = f"test-resume-{uuid.uuid4().hex[:8]}"
 ROUTER_ARGS = ["--request-timeout", "120", "--poll-interval", "0.2", "--poll-timeout", "2", "--hung-polls", "2",

@@ -4,7 +4,7 @@ equals an uninterrupted run's (UTF-8 characters split across tokens, a stop stri
 boundary, a stop token, two resumes), the resumed request carries the remaining budget and no stop
 strings, and usage counts the whole output. The workers' outputs are built here the way the engine
 emits them (``IncrementalDetokenizer``, one token per output); the cluster test is
-``tests/test_router_resume.py``.
+``tests/services/router/test_router_resume.py``.
 """
 
 from __future__ import annotations

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import shutil
 import signal
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +32,6 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from cluster_harness import running
 from transformers import AutoTokenizer
 
 from swaserve.config import ModelConfig
@@ -42,14 +39,25 @@ from swaserve.launcher import Cluster
 from swaserve.model.identity import model_identity
 from swaserve.procs import ServiceProcess, free_port, grpc_ready, http_ready
 from swaserve.redis_server import RedisServer
-from tests.test_cluster import _scrape, _value, wait_idle
+from tests.helpers.cluster import (
+    CLIENT_TIMEOUT,
+    MODEL,
+    WORKER_ARGS,
+    _scrape,
+    metric,
+    prompt,
+    retried,
+    running,
+    wait_for,
+    wait_idle,
+    workers,
+)
 
-MODEL = "mimo-v2-tiny-v1"
-WORKER_ARGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", "16MiB", "--page-size", "4"]
+pytestmark = pytest.mark.cluster  # starts routers, workers and Redis (``Cluster``) as child processes
+
 NS = f"test-workers-{uuid.uuid4().hex[:8]}"
 ROUTER_ARGS = ["--request-timeout", "120", "--poll-interval", "0.2", "--poll-timeout", "2", "--hung-polls", "2",
                "--block-tokens", "16", "--namespace", NS]  # fmt: skip
-CLIENT_TIMEOUT = 60.0  # < the routers' --request-timeout
 
 
 @pytest.fixture(scope="module")
@@ -116,31 +124,8 @@ def streamed_ids(events: list[Any]) -> list[int]:
     ]
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """One sample of a router's /metrics (``model_name`` added to ``labels``; 0 if absent)."""
-    return _value(_scrape(url), name, **labels)
-
-
 def dispatched(url: str, role: str, addr: str) -> float:
     return metric(url, "swaserve:router_dispatches_total", role=role, instance=addr)
-
-
-def retried(url: str, reason: str) -> float:
-    return metric(url, "swaserve:router_retries_total", reason=reason)
-
-
-def workers(url: str) -> dict[str, dict[str, Any]]:
-    r = httpx.get(f"{url}/workers", timeout=10)
-    assert r.status_code == 200, r.text
-    return {w["url"]: w for w in r.json()["data"]}
-
-
-def wait_for(what: str, cond: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def all_up(c: Cluster) -> None:
@@ -156,11 +141,6 @@ def leases_left(c: Cluster) -> int:
     assert c.redis_url is not None
     r = redis.Redis.from_url(c.redis_url, decode_responses=True)
     return sum(int(r.hlen(k)) for k in r.scan_iter(match="{" + NS + "}:lease:*"))
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +188,7 @@ def test_requests_on_a_hung_prefill_worker_finish_on_the_other(cluster: Cluster)
 def test_a_hung_decode_worker_ends_a_started_stream_with_an_error_event(cluster: Cluster) -> None:
     # the only decode worker: the request is resumed on it (max_retries = 2 times), each resume is
     # cancelled when a poll finds it down again, and the stream ends with a 503-class error event
-    # (tests/test_router_resume.py: resumes that succeed)
+    # (tests/services/router/test_router_resume.py: resumes that succeed)
     url = cluster.urls[0]
     unavailable = metric(url, "swaserve:router_requests_total", status="unavailable")
     resumed = retried(url, "resumed")

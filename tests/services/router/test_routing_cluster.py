@@ -18,8 +18,10 @@ import pytest
 
 from swaserve.launcher import Cluster
 from swaserve.redis_server import RedisServer
+from tests.helpers.routing_cluster import WORKER_ARGS, cached, metric, send
 
-WORKER_ARGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", "16MiB", "--page-size", "4"]
+pytestmark = pytest.mark.cluster  # starts routers, workers and Redis (``Cluster``) as child processes
+
 ROUTER_ARGS = ["--request-timeout", "120", "--poll-interval", "0.2", "--block-tokens", "16"]
 
 
@@ -39,35 +41,6 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
     mp = pytest.MonkeyPatch()
     yield mp
     mp.undo()
-
-
-def body(prompt: list[int], max_tokens: int = 4) -> dict[str, object]:
-    return {"model": "mimo-v2-tiny-v1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
-
-
-async def send(pairs: list[tuple[str, list[int]]], max_tokens: int = 4) -> list[dict]:
-    async with httpx.AsyncClient(timeout=180) as client:
-
-        async def one(url: str, p: list[int]) -> dict:
-            r = await client.post(f"{url}/v1/completions", json=body(p, max_tokens))
-            assert r.status_code == 200, r.text
-            return r.json()
-
-        return await asyncio.gather(*(one(u, p) for u, p in pairs))
-
-
-def cached(resp: dict) -> int:
-    return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def metric(url: str, name: str) -> dict[str, float]:
-    """``{labels: value}`` of one metric family on a router's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {}
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
 
 
 def prefill_dispatches(c: Cluster) -> dict[str, float]:

@@ -14,7 +14,9 @@ import redis
 
 from swaserve.launcher import Cluster
 from swaserve.routing.redis.events import stream_key
-from tests.test_routing_cluster import WORKER_ARGS, cached, metric, send
+from tests.helpers.routing_cluster import WORKER_ARGS, cached, metric, send
+
+pytestmark = pytest.mark.cluster  # starts routers, workers and Redis (``Cluster``) as child processes
 
 
 @pytest.fixture(scope="module")
