@@ -291,3 +291,55 @@ def test_up_outputs_equal_inline_and_separate(tiny_dir: Path) -> None:
         with running(Cluster(tiny_dir, 1, 1, worker_args=args, redis=False)) as c:
             got[mode] = outputs(c.url)
     assert got["inline"] == got["separate"]
+
+
+def test_worker_exits_non_zero_when_its_core_is_killed(tiny_dir: Path) -> None:
+    """A prefill worker with a separate core: kill -9 of the core mid-``Generate`` -> the stream
+    gets a retryable error envelope, the worker exits 1 (its supervisor restarts it)."""
+    import sys
+    import threading
+
+    import grpc
+
+    from services.convert import params_to_proto
+    from swaserve.procs import ServiceProcess, free_port, grpc_ready
+    from swaserve.v1 import worker_pb2 as pb
+    from swaserve.v1 import worker_pb2_grpc as wgrpc
+
+    addr = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "services.prefill", "--model", str(tiny_dir), "--port", addr.split(":")[1],
+           "--engine-process", "separate", "--max-num-batched-tokens", "8", "--page-size", "4",
+           "--kv-cache-memory", "8MiB", "--num-threads", "1"]  # fmt: skip
+    worker = ServiceProcess("prefill-0", cmd, grpc_ready(addr))
+    worker.start()
+    try:
+        worker.wait_ready(300)
+        assert worker.proc is not None
+        params = params_to_proto(SamplingParams(max_tokens=1, temperature=0.0))
+        req = pb.GenerateRequest(
+            request_id="long", prompt_token_ids=[5 + i % 300 for i in range(3000)], sampling=params
+        )
+        got: list[pb.GenerateResponse] = []
+        in_flight = threading.Event()
+
+        def call() -> None:
+            with grpc.insecure_channel(addr) as ch:
+                stream = wgrpc.WorkerStub(ch).Generate(req, timeout=60)
+                in_flight.set()
+                got.extend(stream)
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert in_flight.wait(30)
+        import time
+
+        time.sleep(0.5)  # the 3000-token prompt prefills 8 tokens a step: still running
+        (core,) = _children(worker.proc.pid)
+        os.kill(core, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "the Generate stream hangs"
+        assert got and got[-1].WhichOneof("kind") == "error" and got[-1].error.retryable, got
+        assert "engine core process exited" in got[-1].error.message
+        assert worker.proc.wait(timeout=15) == 1
+    finally:
+        worker.stop()
