@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from swaserve.config import EngineConfig
 from swaserve.engine.async_engine import AsyncLLMEngine
@@ -75,14 +76,22 @@ async def _started(engine: LocalEngineClient) -> LocalEngineClient:
     return engine
 
 
-async def test_separate_core_equals_inline(tiny_dir: Path) -> None:
-    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, CFG))
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_separate_core_equals_inline(tiny_dir: Path, device: str) -> None:
+    cfg = dataclasses.replace(CFG, device=device)
+    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, cfg))
     try:
         want = await run_all(inline)
         want_stats = inline.stats()
     finally:
         await inline.stop()
-    sep = await _started(MPEngineClient(tiny_dir, CFG))
+    sep = await _started(MPEngineClient(tiny_dir, cfg))
     try:
         assert sep.max_model_len == inline.max_model_len and sep.limits is not None
         got = await run_all(sep)
@@ -104,16 +113,18 @@ async def test_separate_core_equals_inline(tiny_dir: Path) -> None:
     assert not sep.running
 
 
-async def test_pd_through_separate_cores_equals_inline(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+async def test_pd_through_separate_cores_equals_inline(tiny_dir: Path, device: str) -> None:
     """Prefill exports KV (tensors over IPC frames), decode imports it: outputs = one engine."""
+    cfg = dataclasses.replace(CFG, device=device)
     prompt, params = [*STEM, 21, 22, 23], SamplingParams(max_tokens=10, temperature=0.7, seed=5, logprobs=1)
-    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, CFG))
+    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, cfg))
     try:
         want = [t async for o in inline.generate(prompt, params, "r") for t in o.new_token_ids]
     finally:
         await inline.stop()
-    pre = await _started(MPEngineClient(tiny_dir, CFG))
-    dec = await _started(MPEngineClient(tiny_dir, dataclasses.replace(CFG, enable_prefix_caching=False)))
+    pre = await _started(MPEngineClient(tiny_dir, cfg))
+    dec = await _started(MPEngineClient(tiny_dir, dataclasses.replace(cfg, enable_prefix_caching=False)))
     try:
         outs = [o async for o in pre.generate(prompt, params, "r", export_kv=True)]
         last = outs[-1]
