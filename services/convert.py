@@ -1,4 +1,6 @@
-"""Conversions between the engine's value types and the swaserve.v1 protobuf messages."""
+"""Conversions between the engine's value types and the swaserve.v1 protobuf messages: sampling
+parameters, output chunks, KV pages, and the KV transfer stream (a header, then pages of up to
+``PAGES_PER_MESSAGE`` pages each)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,10 @@
 """A prefill worker's side of the precise-mode prefix index: its prefix cache's block events go to
-the cluster's Redis stream (``routing.redis.events``) without ever holding up the engine, and whatever
+the cluster's Redis stream (``routing.redis.events``) without ever holding up the engine, and what
 is lost on the way is repaired by re-publishing the cache's whole state.
 
-``EventPump.run`` (a task on the worker's loop) drains the engine's events every ``interval_s``
-(between steps: inline, the step runs on the same loop; in a separate engine process, the events
-come with the core's outputs and a snapshot is a call answered between steps) and hands each
-batch to one publishing thread through a bounded queue. Redis being slow, down or failing costs
-events, never requests: a full queue drops the batch, a failed publish drops it; both are counted
-and logged (once per outage, not per batch).
-
-Loss and re-send. Batches are numbered by *generation*: each snapshot (``drain(resync=True)``:
-``cleared`` + the whole cache, taken on the loop like a drain) starts a new one. After a loss in
-the current generation, the loop stops queueing (it drains and discards: the snapshot will cover
-it) and the thread skips what is queued of it; once Redis answers again (``publisher.check`` every
-``check_s`` s) the thread asks the loop for a snapshot, which is queued behind nothing of the lost
-generation, so events drained after it are published after it. The thread also asks for one when
-``check`` says so (a router saw a gap in this instance's events, or Redis restarted empty: see
-``routing.redis.events``), and the first pump always sends one: a new process clears what a previous
-one under the same name left in the index. A snapshot that fails to publish is retried after a
-doubling pause (``check_s`` up to 30 s): a Redis that answers but refuses writes does not make the
-loop walk the whole cache every second.
-"""
+``EventPump``: drains on the loop, publishes from one thread through a bounded queue (a Redis
+failure drops events, never requests), asks for a snapshot after a loss, when asked, and at start.
+Loss and re-send: docs/DESIGN.md#servicesindex_eventspy"""
 
 from __future__ import annotations
 

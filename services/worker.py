@@ -1,29 +1,11 @@
 """The worker service shell: one engine in the prefill or decode role behind gRPC.
 
-* ``Worker`` (protos/swaserve/v1/worker.proto): ``Generate`` streams chunk / complete / error
-  envelopes with cumulative usage; ``Abort``; ``GetLoad`` (running, waiting, outstanding tokens,
-  pool pages: also the debug view tests use to check that no page leaks; the model's identity
-  (``swaserve.model.identity``: routers refuse a worker of another model) and a ``boot_id``
-  drawn at start (routers refuse one process registered under two addresses)).
-* prefill role: ``Generate`` runs to the first token with ``export_kv``; unless the request ended
-  there, the prompt's KV is pushed to ``kv_target`` (``KVTransfer.Push``) before ``complete``
-  (finish reason ``handoff``, ``kv_bytes_sent``). A failed push is an ``error`` envelope whose
-  ``code`` is the push's gRPC status (RESOURCE_EXHAUSTED: the target's staging is full).
-* the chunk of a request's last token carries its ``finish_reason`` (``complete`` follows), so
-  the router ends the client's stream on that chunk, as ``swaserve serve`` does.
-* decode role: also serves ``KVTransfer.Push`` into host-memory staging (``KVStaging``: checksum
-  and shape verified page by page, DATA_LOSS on a bad page, RESOURCE_EXHAUSTED when staging is
-  full; transfers not claimed within ``staging_ttl_s`` are dropped);
-  ``Generate`` with ``first_token`` claims the staged KV and decodes.
-* ``grpc.health.v1`` reports NOT_SERVING until the model is loaded and one warm-up request ran;
-  server reflection lists the services.
-* prefill role with ``redis_url``: the prefix cache's stored / removed block events go to the
-  cluster's Redis stream for the routers' precise-mode index (``services.index_events``; from a
-  thread, best effort: a Redis failure drops events, never a request).
+``Worker`` (``Generate``, ``Abort``, ``GetLoad``), on decode workers ``KVTransfer.Push`` into verified
+host staging, ``grpc.health.v1`` (SERVING after load and warm-up), reflection; a prefill worker runs
+to the first token and pushes the KV to ``kv_target``, and with ``redis_url`` publishes its cache's
+block events. The engine is a ``LocalEngineClient``; the module holds no policy.
 
-The engine is a ``LocalEngineClient`` (inline, or its core in a child process); this module
-holds no policy.
-"""
+Design notes: docs/DESIGN.md#servicesworkerpy"""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """``swaserve up``: the disaggregated cluster (router + prefill and decode workers) as local processes.
 
-Each service is its own process (``python -m services.prefill|decode|router``) on 127.0.0.1 and a
-free port (the router on ``port`` when given: a port that cannot be bound stops ``start`` before
-any worker is started), with its output prefixed by its name (``[prefill-0] ...``). Workers are ready when
-their ``grpc.health.v1`` check says SERVING (model loaded and warmed up), the router when
-``GET /health`` answers 200. Every child runs in its own process group and gets SIGTERM when the
-launcher dies (Linux ``PR_SET_PDEATHSIG``), and ``Cluster.stop`` terminates them all (SIGKILL after
-a grace period), so nothing is left behind.
-"""
+Each service (``python -m services.prefill|decode|router``) runs on 127.0.0.1 and a free port (the
+router on ``port`` when given, checked before any worker starts), output prefixed by its name
+(``[prefill-0] ...``). Workers are ready when ``grpc.health.v1`` says SERVING, the router when
+``GET /health`` answers 200. Every child has its own process group and gets SIGTERM when the
+launcher dies (``PR_SET_PDEATHSIG``); ``Cluster.stop`` terminates all (SIGKILL after a grace period)."""
 
 from __future__ import annotations
 

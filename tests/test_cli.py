@@ -285,6 +285,13 @@ def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
             capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         assert len(children) == 3, "router + 1 prefill + 1 decode worker"
+        cores = subprocess.run(
+            ["pgrep", "-P", ",".join(children), "-f", "swaserve.engine.core_proc"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        assert len(cores) == 2, "each worker's engine core (--engine-process auto = separate)"
+        children += cores
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError):

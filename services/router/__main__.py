@@ -1,5 +1,6 @@
 """``python -m services.router --help``: the OpenAI HTTP API over prefill and decode workers, plus
-``GET/POST/DELETE /workers`` (``swaserve.api.workers``) to list, add and remove workers at runtime."""
+``GET/POST/DELETE /workers`` (``swaserve.api.workers``) to list, add and remove workers at runtime.
+Flags: workers and polling, routing (``--policy``, ``--redis-url``, ``--index-mode``, ...): docs/OPERATIONS.md."""
 
 from __future__ import annotations
 

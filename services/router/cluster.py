@@ -1,36 +1,11 @@
 """The router's engine backend: the OpenAI server (``swaserve.api.server``) over prefill and decode
 workers instead of a local engine.
 
-``ClusterEngine`` is an ``EngineClient`` (``swaserve.engine.client``: ``generate`` yielding
-``RequestOutput`` deltas, ``stats``, ``start``/``stop``, ...), so endpoints, validation and errors
-are the same as ``swaserve serve``.
-
-One request: pick a prefill and a decode worker among the reachable ones (``routing.RouterRouting``:
-length bucket, prefix-cache affinity and load, with leases counted at dispatch, shared between
-router replicas through Redis), then run an attempt on them (``attempt.AttemptRunner``: prefill
-with ``kv_target`` = the decode worker, then decode, relaying its stream). A failure before the
-decode worker produced anything (prefill worker down or marked down while the request was on it,
-KV transfer refused, decode worker down at the call) is retried on other workers under a new
-attempt id: the prefill runs again (a prefix-cache hit) and its first token must equal the one
-already sent, else the client gets an error event. A retryable failure after decode output reached
-the client (decode worker dead or marked down mid-generation) resumes the request on another
-prefill + decode pair (``attempt.Progress``: prompt + generated tokens, the remaining budget; text
-and stop strings over the whole output; one seamless stream, streaming or not; a seeded sampled
-request may differ from an uninterrupted run after the resume). Retries and resumes share
-``max_retries``. Closing the stream (client gone) cancels the calls and aborts on both workers.
-
-Workers come from the command line and from the runtime worker registry (``admin.WorkerAdmin``,
-``POST/DELETE/GET /workers``), polled with the routing state; ``workers.WorkerPool`` keeps their
-handles, polls them, cancels the requests on a worker marked down and drains removed ones.
-
-When the retries run out on capacity or reachability (a decode worker's KV staging full:
-``Overloaded``; no worker reachable: ``NoWorkerAvailable``) ``generate`` raises an ``Unavailable``
-(HTTP 503, or an error event with its code in a started stream); other failures a RuntimeError,
-except for a request whose output had started: it always ends with an ``Unavailable`` (the two
-above by the last failure's code, else ``Interrupted``), so a non-streaming client gets a 503.
-``stats``/``router_stats`` feed ``/metrics``: token counters of the relayed requests, the workers'
-``GetLoad`` (pools, running, waiting, outstanding tokens), requests by status and retries.
-"""
+``ClusterEngine`` is an ``EngineClient``: per request a prefill + decode pair (``routing``), an
+attempt on them (``attempt``), retries under a new attempt id before decode output and resumes
+after it within ``max_retries``, ``Unavailable`` (503) when out of capacity or workers; stats for
+``/metrics``. Workers: ``workers.WorkerPool``, ``admin.WorkerAdmin``.
+Retries, resume and errors: docs/DESIGN.md#servicesrouterclusterpy"""
 
 from __future__ import annotations
 
@@ -87,7 +62,7 @@ class ClusterEngine(EngineClient):
     prefill, decode: worker addresses ``host:port`` (more can be added at runtime).
     model_name: served model name. request_timeout_s: per-request deadline (seconds).
     max_retries: re-dispatches of a request: retries of one that failed before its decode output
-    started, and resumes of one that failed after (module doc).
+    started, and resumes of one that failed after (docs/DESIGN.md#servicesrouterclusterpy).
     poll_s: seconds between ``GetLoad`` polls (worker health and load) and registry syncs.
     routing: worker selection and shared state (default: cache-aware, in this process).
     poll_timeout_s: a poll's deadline (seconds); hung_polls: deadlines missed in a row that mark

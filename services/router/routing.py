@@ -1,17 +1,9 @@
-"""The router's routing state: the sans-IO core (``swaserve.routing``) over this router's view of
-its workers, with the shared state in Redis when ``redis_url`` is given (stateless replicas) or in
-this process otherwise.
+"""The router's routing state: the sans-IO core (``swaserve.routing``) over this router's view of its
+workers, with the shared state in Redis when ``redis_url`` is given (stateless replicas) or in this
+process otherwise. ``choose``/``release`` reserve and return work, ``observe`` turns polls into
+heartbeats and buckets, ``sync_workers`` merges the worker registry; Redis calls run on one thread.
 
-``RouterRouting.choose`` picks a prefill worker (``Dispatcher.route_prefill``: length bucket,
-prefix index, leases, policy) and a decode worker (``route_decode``), reserving work on both;
-``release`` gives it back. ``observe`` turns each ``GetLoad`` poll into a heartbeat and a length
-bucket, and drops a worker's index entries when it becomes unreachable (its cache is gone).
-Redis calls are blocking: the async router runs them on one thread (``executor``), which also
-serializes the in-memory backend. In ``precise`` index mode an ``IndexFollower`` applies the
-prefill workers' stored/removed block events from Redis before each decision instead of recording
-dispatches (while Redis is down it records them in the local index, as approximate mode does). The worker registry (``swaserve.routing.registry``: workers added or removed at runtime)
-lives in the same Redis; ``sync_workers`` merges this router's copy with it.
-"""
+Design notes: docs/DESIGN.md#servicesrouterroutingpy"""
 
 from __future__ import annotations
 

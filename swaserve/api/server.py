@@ -1,31 +1,10 @@
 """OpenAI-compatible HTTP server around one ``EngineClient`` (inline engine, engine process, router).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as SSE streams),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. The first output is awaited before the
+response starts (admission errors stay 400 / 503); a client disconnect aborts the engine request.
 
-Request flow::
-
-    JSON body --pydantic--> request model --tokenize, check--> (prompt ids, SamplingParams)
-        --> engine.generate() --first output--> stream (SSE) or collect (JSON)
-
-The first output is awaited before the response starts, so a ValueError the engine raises while
-admitting the request still becomes a 400 (and not an error event inside a 200 stream), and an
-``Unavailable`` (no capacity, no worker: the router's ``Overloaded`` / ``NoWorkerAvailable``) a
-503. Later failures end the stream with an error event (``code`` set for ``Unavailable``). An
-engine that is not running refuses requests and fails ``/health`` with a 503: the ``Unavailable``
-its optional ``unavailable()`` returns (the router: ``no_worker_available`` naming the role that
-has no worker), else ``engine_not_running``.
-
-Client disconnects abort the engine request, which frees its KV pages:
-
-* streaming: sse-starlette listens for ``http.disconnect`` and cancels the task that iterates our
-  event generator; the cancellation lands inside ``engine.generate``'s iterator (or, if we are
-  suspended at a ``yield``, sse-starlette closes our generator, whose ``finally`` closes the
-  engine iterator);
-* non-streaming (and the wait for the first output of a stream): the work runs in a task next to a
-  watcher that blocks on ``receive()`` until ``http.disconnect``; whichever finishes first wins
-  and the other is cancelled.
-"""
+Request flow, errors, disconnects: docs/DESIGN.md#apiserverpy"""
 
 from __future__ import annotations
 

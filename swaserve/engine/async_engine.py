@@ -9,13 +9,14 @@ failure ends every open stream with an error and the loop keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from swaserve.config import EngineConfig
-from swaserve.engine.client import LocalEngineClient
+from swaserve.engine.client import LocalEngineClient, queue_stream
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
@@ -99,21 +100,16 @@ class AsyncLLMEngine(LocalEngineClient):
         self._queues[request_id] = queue
         extra = {"export_kv": export_kv, "prefilled": prefilled}
         self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.core.clock(), extra))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._submit("abort", request_id)
+        async with contextlib.aclosing(
+            queue_stream(queue, lambda ended: self._closed(request_id, ended))
+        ) as s:
+            async for out in s:
+                yield out
+
+    def _closed(self, request_id: str, ended: bool) -> None:
+        self._queues.pop(request_id, None)
+        if not ended:
+            self._submit("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
@@ -172,12 +168,7 @@ class AsyncLLMEngine(LocalEngineClient):
 
     def _fail_all(self, message: str) -> None:
         """Abort every engine request and end every open stream with an error (never a hang)."""
-        for rid in list(self.engine.requests):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # keep going: every stream must be ended
-                log.exception("abort of %s failed", rid)
-                self.engine.requests.pop(rid, None)
-                self.engine.processor.remove(rid)
+        for rid in self.engine.core.abort_all():
+            self.engine.processor.remove(rid)
         for q in self._queues.values():
             q.put_nowait(RuntimeError(message))

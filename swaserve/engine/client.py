@@ -8,8 +8,9 @@ strings and streaming always happen in the caller's process.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from swaserve.config import EngineConfig, ModelConfig
@@ -122,3 +123,24 @@ class LocalEngineClient(EngineClient):
     @abstractmethod
     async def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:
         """Prefix-cache block events since the last call (``EngineCore.drain_cache_events``)."""
+
+
+async def queue_stream(
+    queue: asyncio.Queue[RequestOutput | BaseException], on_close: Callable[[bool], None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """Yield the deltas put on ``queue`` up to the last one; an exception put on it is raised.
+    ``on_close(ended)`` runs when the stream closes (``ended`` False: its consumer left early,
+    so the request must be aborted). Close it with ``contextlib.aclosing``."""
+    ended = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                ended = True
+                raise item
+            ended = item.finished
+            yield item
+            if ended:
+                return
+    finally:
+        on_close(ended)

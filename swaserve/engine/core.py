@@ -269,6 +269,18 @@ class EngineCore:
         req.finish_reason = FinishReason.ABORT
         return self._output(req, [], [])
 
+    def abort_all(self) -> list[str]:
+        """Abort every request (after a failed step); returns their ids. A request whose abort
+        fails is dropped anyway (logged): nothing may stay half-finished."""
+        rids = list(self.requests)
+        for rid in rids:
+            try:
+                self.abort_request(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+                self.requests.pop(rid, None)
+        return rids
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

@@ -134,13 +134,7 @@ class CoreLoop:
         except Exception as e:  # an engine bug: fail the requests in flight, keep serving
             log.exception("engine step failed")
             self._failure = f"engine failed: {e}"
-            for rid in list(self.core.requests):
-                try:
-                    self.core.abort_request(rid)
-                except Exception:  # keep going: every request must be ended
-                    log.exception("abort of %s failed", rid)
-                    self.core.requests.pop(rid, None)
-                self._failed.append(rid)
+            self._failed.extend(self.core.abort_all())
 
     def flush(self) -> None:
         """Send what happened since the last flush (nothing if nothing did)."""

@@ -11,6 +11,7 @@ called (the serve and worker shells exit non-zero, for their supervisor to resta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -29,7 +30,7 @@ import zmq.asyncio
 from transformers import AutoTokenizer
 
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.engine.client import EngineDead, LocalEngineClient
+from swaserve.engine.client import EngineDead, LocalEngineClient, queue_stream
 from swaserve.engine.core_proc import CoreSpec
 from swaserve.engine.ipc import (
     MAX_MESSAGE_BYTES,
@@ -255,22 +256,17 @@ class MPEngineClient(LocalEngineClient):
         self.processor.add(request_id, list(prompt_token_ids), params, first)
         arrival = time.monotonic()  # CLOCK_MONOTONIC: the core's clock too
         self._send(AddRequest(request_id, list(prompt_token_ids), params, arrival, export_kv, first, payload))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            self.processor.remove(request_id)
-            if not finished:
-                self._send(Abort([request_id]))
+        async with contextlib.aclosing(
+            queue_stream(queue, lambda ended: self._closed(request_id, ended))
+        ) as s:
+            async for out in s:
+                yield out
+
+    def _closed(self, request_id: str, ended: bool) -> None:
+        self._queues.pop(request_id, None)
+        self.processor.remove(request_id)
+        if not ended:
+            self._send(Abort([request_id]))
 
     async def abort(self, request_id: str) -> None:
         self._send(Abort([request_id]))

@@ -1,4 +1,6 @@
-"""A request's life inside the engine core: tokens, progress, sampling state."""
+"""A request's life inside the engine core: ``Request`` holds its prompt and output token ids,
+``num_computed`` (tokens of both whose KV is in the pools), its status, times and sampling state,
+and in the PD roles the KV payload it exports or imports."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Snapshot of engine state (requests, pools, prefix cache), for metrics, benches and tests."""
+"""Snapshot of engine state, for metrics, benches and tests: ``EngineStats`` (running and waiting
+requests, token totals, each pool's ``PoolStats``, the prefix cache's ``CacheStats`` and pages,
+outstanding and prefill tokens). Its kvcache types are imported at run time: msgspec decodes them."""
 
 from __future__ import annotations
 

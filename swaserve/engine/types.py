@@ -1,4 +1,6 @@
-"""Plain request/response value types shared by the engine, sampler and API layers."""
+"""Plain request/response value types shared by the engine, sampler and API layers: ``SamplingParams``,
+``RequestOutput`` (a per-step delta with cumulative usage), ``TokenLogprob``, ``FinishReason``, and
+``EngineLimits`` (what a request may ask; checked in the front and again in the core)."""
 
 from __future__ import annotations
 

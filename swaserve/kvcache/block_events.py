@@ -1,36 +1,10 @@
 """The prefix cache's event log (sans IO): which blocks of ``block_tokens`` tokens became cached or
 left the cache, for the router's precise-mode index (``routing.redis.events``).
 
-A block ``b`` of a token sequence (tokens ``[b*B, (b+1)*B)``) is *cached* while the radix tree
-holds a path for all of ``[0, (b+1)*B)``, i.e. while the full-attention KV of the block and of
-everything before it is on device or host. The rule is about full-attention KV only:
-
-* a node created by an insert stores the blocks ending inside it: a ``stored`` event;
-* a node unlinked from the tree (device eviction without a host copy, host-tier drop, subtree
-  deletion, flush) removes the blocks ending inside it and inside its descendants: ``removed``;
-* splits and merges only reshape nodes, host <-> device moves and SWA trimming / tombstoning /
-  revival leave the full KV where it is: nothing is emitted for them. A prefix whose SWA window
-  is gone still saves the full-layer work when its window is recomputed.
-
-A block ending inside a node is owned by that node alone (its end position lies in exactly one
-node's span ``(start, end]`` on the path), so each block is stored and removed exactly once per
-stay in the tree, and applying the events in order to an index yields the tree's block set.
-Blocks only partly covered by the tree are not cached.
-
-A stored event carries only the new blocks, linked to the block before them (``parent``, ``depth``),
-when the path continues a chain this log sent whole less than ``refresh_s`` seconds before (the
-next chunk of a chunked prefill, the next turn of a conversation): the index gives them the
-parent's last use, so a long prompt costs O(blocks) index writes, not O(blocks^2). Otherwise the
-event carries the whole chain from the root block, which refreshes the ancestors' last use in the
-index, so a chain in use is never older there than ``refresh_s`` plus a drain interval. Time is the
-caller's clock at the last ``drain(now)`` (before the first one: the first one's; no clock ever
-given: time stands still, every continuation is linked). Consecutive stored events of one chain between two drains merge into one.
-
-Chain keys are ``kvcache.hashing.block_hashes`` over the path tokens from the root; the last few
-chains are remembered (tokens compared in C, not re-hashed), so a chunk costs O(chunk) hashing.
-``snapshot`` walks the whole tree into ``cleared`` + stored chains (one per leaf, each linked to
-its branch point): the re-send after lost events. Nothing at all is done while the log is disabled.
-"""
+A block is cached while the tree holds the full-attention KV of it and of everything before it,
+on device or host; splits, merges, tier moves and SWA-only changes emit nothing. ``BlockEventLog``:
+stored chains (or new blocks linked to a chain sent whole less than ``refresh_s`` ago), removed
+blocks, and ``snapshot`` (``cleared`` + every cached block). Rules: docs/DESIGN.md#kvcacheblock_eventspy"""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Block hash chains: the keys of the router's prefix index.
 
-A prompt is cut into blocks of ``block_tokens`` tokens; block ``i``'s key is
-``h_i = H(h_{i-1}, tokens of block i)`` with ``h_{-1} = H(salt)``, so equal keys mean equal whole
-prefixes (the chained-hash scheme of vLLM's prefix caching / nano-vllm's block manager). Only
-whole blocks get keys: a prompt of ``n`` tokens has ``n // block_tokens`` of them.
-
-``H`` is BLAKE2b with an 8-byte digest read as an unsigned 64-bit integer. It is stable across
-processes and machines (unlike Python's ``hash``), which the Redis index shared by several routers
-needs.
-"""
+Block ``i`` of ``block_tokens`` tokens has the key ``h_i = H(h_{i-1}, tokens of block i)``, ``h_{-1} =
+H(salt)``, so equal keys mean equal whole prefixes (vLLM prefix caching / nano-vllm's block manager);
+only whole blocks get keys. ``H`` is BLAKE2b with an 8-byte digest as an unsigned 64-bit integer,
+stable across processes and machines (unlike Python's ``hash``), as the shared Redis index needs.
+Design notes: docs/DESIGN.md#kvcachehashingpy"""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """Consistency checks of pools, page tables, the radix tree and the host tier (tests, debugging).
 
-``check(kv)`` raises ``AssertionError`` naming the first broken invariant:
+``check(kv)`` raises ``AssertionError`` naming the first broken invariant: page ownership across
+pools and tiers, reservations, admissions and locks, tree shape, SWA eviction categories.
 
-* every page of every pool (device full/SWA, host full/SWA) is free, or owned by exactly one
-  owner: a tree node or one request (its private pages); nothing is both free and referenced;
-* a request's shared pages are pages of the tree; reservations add up to the pool's;
-* every admitted request has one ``Admission`` and a full page table, and its cache lock (if
-  any) is a live lock handle;
-* lock counts are non-negative and equal the number of live lock handles covering the node;
-* every node holds its full KV on device or host; device SWA implies device full KV; nodes off
-  the device have no descendant on it; every SWA-locked node has live SWA KV;
-* (SWA-aware) no unlocked leaf on device is a SWA tombstone;
-* every node is in the SWA eviction category its state implies, with a live LRU entry.
-"""
+The invariants: docs/DESIGN.md#kvcacheinvariantspy"""
 
 from __future__ import annotations
 

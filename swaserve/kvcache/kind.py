@@ -1,16 +1,11 @@
-"""Page tables of one attention kind over one ``PagePool``: one manager class per kind behind
-the ``KindManager`` interface (as vLLM's ``SingleTypeKVCacheManager`` subclasses).
+"""Page tables of one attention kind over one ``PagePool``: one manager class per kind behind the
+``KindManager`` interface (as vLLM's ``SingleTypeKVCacheManager`` subclasses).
 
-``FullAttentionManager`` keeps every token's pages. ``SlidingWindowManager`` holds the pages of
-``[start - window, end)`` of the chunk being computed; pages wholly before ``start - window`` go
-back to the pool when the next chunk is allocated (after the previous step finished, so no page a
-step in flight reads is recycled). ``kv_layout="full"`` (the SWA-unaware baseline) manages the SWA
-pool with a ``FullAttentionManager``. ::
+``FullAttentionManager`` keeps every token's pages; ``SlidingWindowManager`` holds the pages of
+``[start - window, end)`` of the chunk being computed and frees older ones when the next chunk is
+allocated. ``kv_layout="full"`` (the SWA-unaware baseline) manages the SWA pool as full.
 
-    positions   0 ... 15 | 16 ... 31 | 32 ... 47 | 48 ... 63 |      (page_size 16, window 20)
-    chunk [50, 60):  SWA keys needed from 30  ->  page 0 freed, pages 1..3 held
-    full pool:                                    pages 0..3 held
-"""
+Example: docs/DESIGN.md#kvcachekindpy"""
 
 from __future__ import annotations
 

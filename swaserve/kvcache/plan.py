@@ -1,5 +1,6 @@
-"""The split of a KV byte budget into the full and SWA pools (``kvcache.sizing.plan_pools``
-computes it; the storage, the host tier and the manager read it)."""
+"""The split of a KV byte budget into the full and SWA pools: ``PoolPlan`` (pages and bytes per page
+of each pool; ``kvcache.sizing.plan_pools`` computes it; the storage, the host tier and the manager
+read it), and ``cdiv``."""
 
 from __future__ import annotations
 

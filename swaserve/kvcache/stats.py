@@ -1,4 +1,6 @@
-"""Snapshot of one KV pool's page accounting, for engine stats, metrics, benches and tests."""
+"""Snapshot of one KV pool's page accounting (``PoolStats``: pages in use, peak, cached, page bytes), for
+engine stats, metrics, benches and tests. It lives in ``kvcache`` (the bottom layer) so that the
+pools and the manager need nothing from ``engine``."""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """The worker registry: prefill and decode workers added or removed at runtime, shared by the
 stateless router replicas of one cluster.
 
-Each router starts with the workers of its command line (``flags``); the registry holds changes
-on top of them, one ``WorkerEntry`` per worker address: ``active`` (use it, with its role) or
-``removed`` (drain it, also when a router's flags name it), stamped with the wall-clock time
-of the change. Entries merge last-writer-wins: the later ``at`` wins, ties broken by
-``(state, role)`` so every replica picks the same one (a removal wins a tie).
+One ``WorkerEntry`` per address (active with a role, or removed: a tombstone), merged
+last-writer-wins; each router keeps a ``RegistryReplica`` over its command-line workers and syncs
+it with the shared backend every poll (Redis: ``routing.redis.registry``).
 
-A router keeps its own copy (``RegistryReplica``): its own changes are applied to it at once, and
-every poll it ``sync``s the copy with the shared backend: the backend stores each entry unless
-it holds a newer one and returns everything it holds, which the copy merges. So a change made on
-one router reaches the others within a poll; a change made while the backend is unreachable stays
-local and is written when it is back; a backend restarted empty is refilled by the routers' copies.
-Removed entries are kept (tombstones): a router started later with the removed worker in its
-flags must still leave it out. Re-adding the address revives it.
-
-The Redis backend: ``routing.redis.registry``.
-"""
+Design notes: docs/DESIGN.md#routingregistrypy"""
 
 from __future__ import annotations
 

@@ -1,37 +1,11 @@
-"""Cost model: seconds of prefill and decode work, for routing estimates and the simulator.
+"""Cost model: seconds of prefill and decode work, for routing estimates and the simulator::
 
-Prefill of ``u`` uncached tokens after ``c`` cached ones (one request alone)::
+    prefill_s(u, c) = base + token * u + attn * u * (c + (u + 1) / 2)   u tokens after c cached
+    decode_step_s(batch, kv_tokens) = step_base + seq * batch + kv * kv_tokens   (full-layer KV)
 
-    prefill_s(u, c) = base + token * u + attn * u * (c + (u + 1) / 2)
-
-``token`` covers everything linear in the tokens computed (projections, MoE, and SWA attention,
-whose keys are capped at the window); ``attn`` the full-attention layers, where each new token
-attends to every earlier one (``c + (u+1)/2`` keys on average). A decode step of a batch::
-
-    decode_step_s(batch, kv_tokens) = step_base + seq * batch + kv * kv_tokens
-
-with ``kv_tokens`` the full-layer context summed over the batch (SWA reads are O(window) per
-sequence and folded into ``seq``). KV transfer: ``transfer_s(n) = n_bytes(n) / link``.
-
-Presets (``PRESETS``):
-
-* ``cpu-tiny``: the bundled default checkpoint on this project's 2-core CPU machine, fitted to
-  measurements (``python -m bench.cost_calibrate``; numbers and date beside the preset).
-* ``mimo-v2-flash-h200``: MiMo-V2-Flash (48 layers: 9 full + 39 SWA, W=128, 64 query heads,
-  qk/v head dims 192/128, 4 (full) / 8 (SWA) KV heads, 15B active of 309B params) on one
-  instance of 8 x H200 with expert parallelism, derived, not measured:
-  - linear: 2 x 15e9 FLOP/token + SWA attention 39 x 128 keys x 40,960 FLOP, at 50% of
-    8 x 989 TFLOP/s dense BF16 -> 7.6e-6 s/token;
-  - full attention: 9 layers x 40,960 FLOP per (query, key) pair at 40% -> 1.16e-10 s/pair;
-  - base 10 ms per prefill (launches, EP all-to-all latency);
-  - decode: weights are read once per step: 15 GB of active FP8 experts at small batch, growing
-    with the batch as more experts are touched (0.05 ms per sequence, saturating near 11 ms when all
-    309 GB are read; the linear term is the small-batch slope), 70% of 8 x 4.8 TB/s -> step base
-    0.6 ms + launch/all-to-all 4.4 ms = 5 ms; full-layer KV 23,040 B/token read at the same rate
-    -> 8.6e-10 s/token;
-  - KV transfer at 50 GB/s per instance (8 x 400 Gb/s RDMA at ~100%... halved for protocol and
-    contention), 23,040 B/token full layers + 199,680 B/token SWA for min(n, 128) tokens.
-"""
+plus KV transfer seconds (``transfer_bytes(n) / link_bytes_per_s``). Presets (``PRESETS``):
+``cpu-tiny`` (measured on the 2-core CPU), ``mimo-v2-flash-h200`` (derived from FLOPs and HBM
+bandwidth). Terms and the derivation: docs/DESIGN.md#schedcostpy"""
 
 from __future__ import annotations
 

@@ -1,31 +1,11 @@
-"""Compute-aware priority for a prefill queue: fewest uncached tokens first, with a waiting-time
-term and a hard bound against starvation.
-
-For a request that arrived at ``t_a`` with ``u`` uncached prompt tokens (``c`` cached), at time
-``now`` (waited ``w = now - t_a``)::
+"""Compute-aware priority for a prefill queue: fewest uncached tokens first, with a waiting-time term
+and a hard bound against starvation::
 
     key = (0, t_a)                                   if w >= max_wait_s   (overdue: FCFS first)
-    key = (1, prefill_s(u, c) - wait_weight * w)     otherwise
+    key = (1, prefill_s(u, c) - wait_weight * w)     otherwise   (smallest first; w = now - t_a)
 
-Smallest key runs first. Shortest-job-first lowers mean and tail TTFT when prompt lengths vary
-widely (the reported production gain is -30% TTFT p90); the ``wait_weight`` term ages a request
-so that after ``w`` seconds it competes as if it were ``wait_weight * w`` seconds of work smaller;
-the overdue class makes the bound hard: once a request has waited ``max_wait_s`` nothing that is
-not itself overdue runs before it, and overdue requests run in arrival order. So a request starts
-at most ``max_wait_s`` plus the time to finish what was already running and the overdue requests
-that arrived before it (the starvation bound; tested with an adversarial stream of short
-requests). ``max_wait_s = 0`` is FCFS.
-
-Defaults: ``wait_weight = 0.1`` (a second of waiting is worth 0.1 s of work: a long request
-overtakes new short ones after waiting ten times the work it has beyond them). Measured in the
-simulator on the conversation trace (8 instances, load 0.8, ``bench/routing_sim.py``), TTFT p90
-over FCFS: with the router's wait estimate made for FCFS queues (``routing.policy.wait_s``
-``fcfs``), 0.94 with ``wait_weight = 1`` (aging as fast as the work it weighs, it is nearly
-FCFS), 0.58 with 0.1, 0.60 with 0 (pure shortest-first; p99 is worse); with the estimate made
-for compute-ordered queues (the default when workers report this order), 0.53 with 1, 0.51 with
-0.1, 0.51 with 0 (2026-11-30). The hard bound, not the weight, guards against starvation. ``max_wait_s = 30`` s (a TTFT SLO beyond which latency
-matters more than throughput).
-"""
+``max_wait_s = 0`` is FCFS; defaults ``max_wait_s = 30`` s, ``wait_weight = 0.1``.
+The starvation bound and the defaults: docs/DESIGN.md#schedprioritypy"""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""Simulated prefill and decode instances: the real ``KVCacheManager`` (radix cache, pools, host
-tier; page accounting, no tensors) and the real priority queue, with step times from a
-``CostModel``.
+"""Simulated prefill and decode instances: the real ``KVCacheManager`` (radix cache, pools, host tier;
+page accounting, no tensors) and the real priority queue, with step times from a ``CostModel``.
+A prefill instance runs one request at a time (``cost.prefill_s(uncached, cached)``), in chunks as
+the engine does; a decode instance runs continuous batching (``cost.decode_step_s``).
 
-A prefill instance runs one request at a time (unlike the engine, which batches prefill chunks of
-several requests and, under the compute priority, pauses a long prefill between chunks for a
-shorter request): admission matches the longest window-safe cached
-prefix (``admit``), the rest is prefilled in chunks of ``chunk`` tokens as the engine does
-(``max_chunk``/``allocate``, the computed prefix inserted after each chunk), and the prompt is
-inserted on completion (``free``); the request takes ``cost.prefill_s(uncached, cached)``.
-A decode instance runs continuous batching: each step gives every running request one token and
-takes ``cost.decode_step_s(batch, context tokens)``; requests are admitted in arrival order while
-the batch has room in ``max_batch`` and ``kv_tokens``.
-"""
+Design notes: docs/DESIGN.md#siminstancespy"""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """Simulator workloads: trace requests with arrival times, prompts, output lengths and the block
-chains the router indexes.
+chains the router indexes (Mooncake: 512-token blocks; agent sessions: 64-token blocks, closed loop
+per session). ``scale_for_load`` picks the ``time_scale`` that offers a prefill load of ``load``
+relative to the work an infinite prefix cache would leave.
 
-* Mooncake traces (``hash_ids``, 512 tokens per id): prompts are ``TokenBlocks`` (256 token ids,
-  made on demand, as ``bench/prefix_cache`` does); the router's chain is ``chain_ids(hash_ids)``
-  of the whole 512-token blocks (``block_tokens = 512``).
-* Agent sessions (``messages``): the default model's real prompt ids; chains of 64-token blocks.
-  Closed loop per session: a call is sent at its (scaled) time or when the session's previous
-  call has finished, whichever is later (an agent needs the reply before its next call).
-
-``time_scale`` multiplies the trace's inter-arrival times. ``scale_for_load`` picks it so that the
-offered prefill load is ``load``: the work an infinite prefix cache would leave
-(``ideal_work_s``, the lower bound every policy pays) over ``instances x span``. With a finite
-cache every policy does more work than that, so ``load=0.8`` means 80% busy for an oracle and more
-for real policies: the regime where routing and queue order matter.
-"""
+Design notes: docs/DESIGN.md#simworkloadpy"""
 
 from __future__ import annotations
 
@@ -156,7 +146,7 @@ def ideal_work_s(reqs: Sequence[SimRequest], block_tokens: int, cost: CostModel)
 
 
 def scale_for_load(work: Workload, cost: CostModel, instances: int, load: float) -> float:
-    """``time_scale`` giving an offered prefill load of ``load`` (module docstring).
+    """``time_scale`` giving an offered prefill load of ``load`` (docs/DESIGN.md#simworkloadpy).
 
     Raises:
         ValueError: ``load`` not in (0, 2] or the trace has no time span.

@@ -1,21 +1,11 @@
 """Prefill -> decode KV transfer, sans IO: what is sent, how it is cut into pages, how it is staged.
 
-For a prompt of ``n`` tokens the decode worker needs, to compute position ``n`` onwards:
+For a prompt of ``n`` tokens: full-attention layers' K/V of positions ``[0, n)``, SWA layers' K/V of
+``[max(0, n - W), n)``. ``KVPayload`` (``gather``/``scatter`` against the pools), ``to_pages`` (wire
+pages with CRC-32), ``KVStaging`` (decode-side host staging, verified page by page). Nothing here
+touches device pools.
 
-* full-attention layers: K/V of every prompt token, positions ``[0, n)``;
-* sliding-window layers: K/V of the last ``W`` prompt tokens, positions ``[max(0, n - W), n)``
-  (a query at ``n`` sees the ``W`` previous tokens; older SWA KV is never read again).
-
-So the bytes moved per request are ``n * full_bytes_per_token + min(n, W) * swa_bytes_per_token``
-(+ headers), about 1/7 of a full-KV transfer for MiMo-V2.5-Pro's 10 full + 60 SWA layers.
-
-The payload is cut into ``KVPage`` s: one per (kind, layer, page) with the page's token range, the
-K and V bytes and a CRC-32 over both. ``KVStaging`` (decode side) assembles pages per request in
-host memory, rejects a page whose checksum, shape or range is wrong (``TransferError``), and yields
-a complete ``KVPayload`` once every page has arrived. Nothing here touches device pools: the
-engine copies a staged payload into its pools when it admits the request
-(``LLMEngine.add_prefilled``).
-"""
+Design notes: docs/DESIGN.md#transferkv_transferpy"""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from swaserve.config import EngineConfig
 from swaserve.engine.async_engine import AsyncLLMEngine
@@ -75,14 +76,22 @@ async def _started(engine: LocalEngineClient) -> LocalEngineClient:
     return engine
 
 
-async def test_separate_core_equals_inline(tiny_dir: Path) -> None:
-    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, CFG))
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_separate_core_equals_inline(tiny_dir: Path, device: str) -> None:
+    cfg = dataclasses.replace(CFG, device=device)
+    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, cfg))
     try:
         want = await run_all(inline)
         want_stats = inline.stats()
     finally:
         await inline.stop()
-    sep = await _started(MPEngineClient(tiny_dir, CFG))
+    sep = await _started(MPEngineClient(tiny_dir, cfg))
     try:
         assert sep.max_model_len == inline.max_model_len and sep.limits is not None
         got = await run_all(sep)
@@ -104,16 +113,18 @@ async def test_separate_core_equals_inline(tiny_dir: Path) -> None:
     assert not sep.running
 
 
-async def test_pd_through_separate_cores_equals_inline(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+async def test_pd_through_separate_cores_equals_inline(tiny_dir: Path, device: str) -> None:
     """Prefill exports KV (tensors over IPC frames), decode imports it: outputs = one engine."""
+    cfg = dataclasses.replace(CFG, device=device)
     prompt, params = [*STEM, 21, 22, 23], SamplingParams(max_tokens=10, temperature=0.7, seed=5, logprobs=1)
-    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, CFG))
+    inline = await _started(AsyncLLMEngine.from_model_dir(tiny_dir, cfg))
     try:
         want = [t async for o in inline.generate(prompt, params, "r") for t in o.new_token_ids]
     finally:
         await inline.stop()
-    pre = await _started(MPEngineClient(tiny_dir, CFG))
-    dec = await _started(MPEngineClient(tiny_dir, dataclasses.replace(CFG, enable_prefix_caching=False)))
+    pre = await _started(MPEngineClient(tiny_dir, cfg))
+    dec = await _started(MPEngineClient(tiny_dir, dataclasses.replace(cfg, enable_prefix_caching=False)))
     try:
         outs = [o async for o in pre.generate(prompt, params, "r", export_kv=True)]
         last = outs[-1]
@@ -291,3 +302,55 @@ def test_up_outputs_equal_inline_and_separate(tiny_dir: Path) -> None:
         with running(Cluster(tiny_dir, 1, 1, worker_args=args, redis=False)) as c:
             got[mode] = outputs(c.url)
     assert got["inline"] == got["separate"]
+
+
+def test_worker_exits_non_zero_when_its_core_is_killed(tiny_dir: Path) -> None:
+    """A prefill worker with a separate core: kill -9 of the core mid-``Generate`` -> the stream
+    gets a retryable error envelope, the worker exits 1 (its supervisor restarts it)."""
+    import sys
+    import threading
+
+    import grpc
+
+    from services.convert import params_to_proto
+    from swaserve.procs import ServiceProcess, free_port, grpc_ready
+    from swaserve.v1 import worker_pb2 as pb
+    from swaserve.v1 import worker_pb2_grpc as wgrpc
+
+    addr = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "services.prefill", "--model", str(tiny_dir), "--port", addr.split(":")[1],
+           "--engine-process", "separate", "--max-num-batched-tokens", "8", "--page-size", "4",
+           "--kv-cache-memory", "8MiB", "--num-threads", "1"]  # fmt: skip
+    worker = ServiceProcess("prefill-0", cmd, grpc_ready(addr))
+    worker.start()
+    try:
+        worker.wait_ready(300)
+        assert worker.proc is not None
+        params = params_to_proto(SamplingParams(max_tokens=1, temperature=0.0))
+        req = pb.GenerateRequest(
+            request_id="long", prompt_token_ids=[5 + i % 300 for i in range(3000)], sampling=params
+        )
+        got: list[pb.GenerateResponse] = []
+        in_flight = threading.Event()
+
+        def call() -> None:
+            with grpc.insecure_channel(addr) as ch:
+                stream = wgrpc.WorkerStub(ch).Generate(req, timeout=60)
+                in_flight.set()
+                got.extend(stream)
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert in_flight.wait(30)
+        import time
+
+        time.sleep(0.5)  # the 3000-token prompt prefills 8 tokens a step: still running
+        (core,) = _children(worker.proc.pid)
+        os.kill(core, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "the Generate stream hangs"
+        assert got and got[-1].WhichOneof("kind") == "error" and got[-1].error.retryable, got
+        assert "engine core process exited" in got[-1].error.message
+        assert worker.proc.wait(timeout=15) == 1
+    finally:
+        worker.stop()

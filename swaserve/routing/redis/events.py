@@ -1,45 +1,10 @@
-"""Precise mode of the prefix index: prefill workers publish the blocks their prefix cache stores
-and removes, and the router's index follows them (instead of guessing at dispatch). ::
+"""Precise mode of the prefix index over Redis: ``RedisEventPublisher`` (a prefill worker XADDs its
+cache's block events, with a per-instance ``seq``, to the ``{ns}:events`` stream) and
+``IndexFollower`` (a router XREADs after its last id and applies them to its ``PrefixIndex``).
+A lost event is never repaired one by one: the instance re-publishes a snapshot, asked for by a
+``seq`` gap or a lost marker key. Redis errors propagate to the callers.
 
-    worker: PrefixCache event log --drain--> RedisEventPublisher --XADD--> {ns}:events (a stream)
-    router: IndexFollower --XREAD after its last id--> apply_events --> PrefixIndex.record / evict
-
-Events (``BlockEvent``) are about *full-attention KV presence* on one instance, device or host
-tier. ``stored`` carries blocks that just became cached: a chain from the root block, or (``parent``
-set) only the new blocks continuing a chain stored a moment before, at ``depth`` (the first new
-block's position; ``parent`` is the key of the block before it). The index gives linked blocks
-their parent's last use, so a long prompt stored chunk by chunk costs O(blocks) index writes, not
-O(blocks^2); the worker's log sends the whole chain again when its last whole-chain event is older
-than ``kvcache.block_events.REFRESH_S``, which refreshes the ancestors' last use. ``removed``
-carries keys of blocks whose full KV left the instance's cache on every tier. ``cleared`` (no
-hashes) drops every entry of the instance (``remove_instance``): it starts a *snapshot*, the
-instance's whole state as ``stored`` chains. SWA-only changes emit nothing: the index says where
-the expensive full-layer KV is. The event log itself lives in ``kvcache.block_events``, the
-entry format and ``apply_events`` in ``routing.events``.
-
-Loss and recovery. Events can be lost: the worker drops batches while Redis is slow or down
-(``services.index_events``), a Redis restarted without persistence loses the stream and the index,
-and the stream is capped (``XADD MAXLEN ~``, ``DEFAULT_STREAM_MAXLEN``), so a follower further
-behind than the cap misses entries. A lost event is never repaired one by one; the instance
-re-publishes a snapshot, after which the index holds exactly its cache again. Who notices:
-
-* the worker, after a dropped batch or a failed publish: it re-publishes once Redis answers;
-* the worker, when Redis lost its marker key ``{ns}:pub:<instance>`` (set by each snapshot to the
-  publisher's random ``epoch``; ``check`` reads it every second): Redis restarted empty, or
-  another process took this instance's name; a new worker process always starts with one;
-* a follower, when an instance's ``seq`` skips (trimmed entries, a follower that started after the
-  instance, entries a pipeline lost): it applies the entry anyway and asks for a snapshot by adding
-  the instance to the set ``{ns}:resync``, which the worker's ``check`` reads and clears.
-
-A snapshot's ``cleared`` entry resets a follower's expected ``seq``. Events drained after the
-snapshot are published after it, so they apply after it. An instance that publishes nothing after
-a follower's gap is not noticed by that follower (it cannot know the instance); the index's TTL
-bounds that. With several routers on one Redis index, every follower applies every entry; a
-lagging one re-applies old entries for a while (the same state once it catches up).
-
-Redis errors propagate from both classes; callers decide (the worker drops and re-sends later, a
-router falls back to its local index).
-"""
+Events, loss and recovery: docs/DESIGN.md#routingrediseventspy"""
 
 from __future__ import annotations
 

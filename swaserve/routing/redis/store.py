@@ -1,26 +1,9 @@
-"""Redis backends of the prefix index and the load book: state shared by stateless router
-replicas. Every multi-key operation is one Lua script (atomic on the server, one round trip).
+"""Redis backends of the prefix index and the load book: state shared by stateless router replicas.
+Every multi-key operation is one Lua script (atomic on the server, one round trip); keys live under
+the hash tag ``{ns}`` (one Redis Cluster slot); 64-bit hashes, times and seconds of work travel as
+strings (Lua numbers are doubles, and are truncated to integers on return).
 
-Keys (``{ns}`` is a hash tag, so a Redis Cluster keeps them in one slot)::
-
-    {ns}:b:<hash>        HASH instance -> last use (s)            a block's holders
-    {ns}:lru             ZSET "<rdepth>|<instance>|<hash>" -> last use   global LRU (cap, TTL)
-    {ns}:i:<instance>    HASH hash -> its member in {ns}:lru          an instance's entries
-
-    {ns}:lease:<inst>    HASH lease id -> "work_s tokens expires"  live leases
-    {ns}:ver:<inst>      INT  bumped by every reserve / release    compare-and-reserve
-    {ns}:hb:<inst>       HASH heartbeat fields                     last report
-    {ns}:live            ZSET instance -> heartbeat expiry (s)
-
-``rdepth`` is ``999999999 - depth`` (the block's position in its chain) zero-padded, so among
-entries last used at the same time the deepest blocks sort (and are evicted) first: a chain that
-lost its head matches nothing. The in-memory backend keeps exactly this order (``index.member``).
-``record`` with a ``parent`` reads the parent's last use from ``{ns}:b:<parent>`` in the same script,
-so a chain recorded chunk by chunk writes only its new blocks' keys.
-
-Hashes travel as decimal strings (Lua numbers are doubles and would round 64-bit values); times
-and seconds of work as strings too (a Lua number returned to Redis is truncated to an integer).
-"""
+Key layout and eviction order: docs/DESIGN.md#routingredisstorepy"""
 
 from __future__ import annotations
 
@@ -238,7 +221,7 @@ def _report(fields: Sequence[str] | Mapping[str, str]) -> WorkerReport | None:
 
 
 class RedisLoadBook(LoadBook):
-    """``LoadBook`` in Redis (see the module docstring for keys)."""
+    """``LoadBook`` in Redis (keys: docs/DESIGN.md#routingredisstorepy)."""
 
     def __init__(self, client: Any, namespace: str = "swaserve") -> None:
         self.r, self.ns = client, _ns(namespace)
