@@ -6,7 +6,7 @@ RUN_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test bench lint clean
+.PHONY: venv run test test-core bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# the core without child processes (no workers, routers, Redis or engine-core process): < 2 min
+test-core: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not cluster"
 
 bench: $(STAMP)
 	$(BIN)/swaserve bench kv-capacity --json bench/results/kv_capacity.json
@@ -39,6 +43,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check swaserve services bench tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache --no-logo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

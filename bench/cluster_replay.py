@@ -1,13 +1,9 @@
 """The ``make run`` trace replay through ``swaserve serve`` and through ``swaserve up``, in one run.
 
-Same workload both times (a slice of the Mooncake conversation trace: 512-token blocks scaled to
-``--block-tokens``, outputs capped, arrival times divided by ``--time-scale``), the single-process
-server first, then the disaggregated cluster (router + ``--prefill`` + ``--decode`` workers) on the
-same machine. Reports TTFT and ITL p50/p90 of each and the ratios cluster / serve. On one small CPU
-machine the cluster splits the same cores between separate processes (and adds a gRPC hop and a KV
-copy per request), so this measures the cost of disaggregation, not its gain; the gain needs
-prefill and decode on separate machines.
-"""
+Same workload, same machine, the single process first: TTFT and ITL p50/p90 of each and the ratios
+cluster / serve. On one small CPU machine this measures the cost of disaggregation, not its gain.
+
+Design notes: docs/DESIGN.md#benchcluster_replaypy"""
 
 from __future__ import annotations
 
@@ -42,7 +38,8 @@ def main(
 ) -> dict[str, Any]:
     from swaserve.launcher import Cluster
     from swaserve.model.checkpoint import default_model_dir
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.procs import free_port
+    from swaserve.run_demo import ServerProcess
 
     model_dir = Path(default_model_dir())
     reports: dict[str, dict] = {}

@@ -4,7 +4,7 @@ Prefill: requests alone with ``max_tokens=1``: ``u`` new tokens after ``c`` cach
 request of ``c`` tokens puts them in the prefix cache); seconds from ``add_request`` to the first
 token, best of ``--repeats``. Decode: ``b`` requests of ``ctx`` prompt tokens decoding together;
 the mean seconds of the steps where all of them decode. Least squares on the ``CostModel``
-formulas (``swaserve.routing.cost``) gives the coefficients; the table shows measured vs fitted.
+formulas (``swaserve.sched.cost``) gives the coefficients; the table shows measured vs fitted.
 Run on an idle machine: concurrent load inflates every number.
 """
 
@@ -100,7 +100,7 @@ def main(model_dir: Path, repeats: int = 2, json_path: Path | None = None) -> di
     prefill = measure_prefill(eng, repeats, vocab)
     decode = measure_decode(eng, vocab)
     coef = fit(prefill, decode)
-    from swaserve.routing.cost import CostModel
+    from swaserve.sched.cost import CostModel
 
     m = CostModel(
         "fitted", prefill_base_s=coef["prefill_base_s"], prefill_token_s=coef["prefill_token_s"],

@@ -1,16 +1,10 @@
 """Our engine vs transformers ``generate()`` in static batches, same checkpoint, same run.
 
-Workload: the first ``--requests`` requests of the bundled Mooncake conversation trace, all
-arriving at t=0 (an offline burst). Prompt lengths keep the trace's spread, scaled from 512-token
-blocks to ``block_tokens`` (default 16, so the trace's 12k-token mean becomes ~380 tokens); output
-lengths are the trace's divided by ``output_divisor`` (default 8), at least 1. Both sides decode
-greedily and ignore EOS, so both produce exactly the requested output lengths.
+Workload: the first ``--requests`` Mooncake requests as an offline burst, prompts scaled to
+``block_tokens``-token blocks, outputs the trace's divided by ``output_divisor``; greedy, EOS
+ignored. transformers runs static batches of ``hf_batch`` (left padding).
 
-transformers runs static batches of ``hf_batch`` requests in trace order (left padding; a batch
-runs until its longest request is done, as static batching does). A request's TTFT is measured
-from t=0 to its first token (for transformers: when the batch's first decoding step starts).
-Output tokens/s counts only the tokens each request asked for.
-"""
+Workload and measurement: docs/DESIGN.md#benchengine_benchpy"""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """KV capacity of the hybrid layout vs an SWA-unaware (full) layout, by the real allocator.
 
-For each public MiMo-V2 shape and context length, requests are admitted into an 80 GB KV budget
-(pools sized by ``plan_pools``) and prefilled in chunks through ``KVCacheManager`` (no tensors),
-then take one decode step; we report the bytes each request holds and how many fit.
-
-Shapes (from the models' config.json on the Hugging Face hub, XiaomiMiMo/MiMo-V2-Flash and
-XiaomiMiMo/MiMo-V2.5-Pro: ``hybrid_layer_pattern``, ``num_key_value_heads``,
-``swa_num_key_value_heads``, ``head_dim``, ``v_head_dim``, ``sliding_window_size``):
-
-* MiMo-V2-Flash: 48 layers = 9 full (4 KV heads) + 39 SWA (8 KV heads); q/k head 192, v head 128; W 128.
-* MiMo-V2.5-Pro: 70 layers = 10 full + 60 SWA, 8 KV heads each; q/k head 192, v head 128; W 128.
-
-KV in bf16 (2 bytes), page size 16. ``ratio`` = full-layout bytes / hybrid bytes per request;
-``theoretical_ratio`` is the same with token-exact SWA KV (exactly W previous tokens, no paging).
-"""
+For each public MiMo-V2 shape (``swaserve.shapes``) and context length, requests are admitted into an
+80 GB KV budget (``plan_pools``), prefilled in chunks through ``KVCacheManager`` (no tensors) and take
+one decode step; bf16 KV, page 16. ``ratio`` = full-layout / hybrid bytes per request;
+``theoretical_ratio`` the same with exactly W SWA tokens (no paging). docs/DESIGN.md#benchkv_capacitypy"""
 
 from __future__ import annotations
 
@@ -55,7 +45,7 @@ def _fill(cfg: ModelConfig, layout: str, context: int, max_num_seqs: int) -> tup
     n, per_req = 0, 0
     while n < max_num_seqs:
         rid = f"r{n}"
-        if not kv.admit(rid, context + 1):
+        if kv.admit(rid, context + 1) is None:
             break
         done = 0
         while done < context:

@@ -1,19 +1,10 @@
 """Prefill -> decode KV transfer: bytes per request vs a full-KV transfer, and loopback throughput.
 
-Bytes (no model run): for a prompt of ``n`` tokens the decode worker gets the full-attention
-layers' K/V of all ``n`` tokens and the SWA layers' K/V of the last ``min(n, W)``
-(``disagg.kv_transfer``), cut into one page message per (kind, layer, page). The header bytes are
-measured by serializing the real protobuf messages (``protos/swaserve/v1/kv_transfer.proto``) with
-empty K/V. The baseline is an SWA-unaware transfer of every layer's K/V for all ``n`` tokens, in
-the same page messages. ``transfer_ratio`` = hybrid bytes / full bytes, per prompt length: the
-Mooncake conversation trace's length percentiles and fixed lengths. Shapes: MiMo-V2-Flash and
-MiMo-V2.5-Pro (bf16 KV, page 16).
+Bytes (no model): full layers' K/V of all ``n`` prompt tokens + SWA layers' of the last ``min(n, W)``
+in page messages with real protobuf headers, vs every layer for every token (MiMo-V2-Flash and
+V2.5-Pro, bf16, page 16). Throughput: a real KVTransfer gRPC server into ``KVStaging`` on 127.0.0.1.
 
-Throughput: a real KVTransfer gRPC server (``services.worker.KVTransferService`` into
-``KVStaging``, checksums verified) on 127.0.0.1, fed by the prefill side's code path
-(``transfer_messages``) with payloads of the default model's shape (fp32); reported as payload
-bytes per second, end to end (serialization, CRC-32 both sides, copy into staging).
-"""
+Design notes: docs/DESIGN.md#benchpd_transferpy"""
 
 from __future__ import annotations
 
@@ -98,10 +89,10 @@ def bytes_table() -> list[dict[str, Any]]:
 async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     import grpc
 
+    from services.convert import PAGES_PER_MESSAGE, transfer_messages
     from services.worker import KVTransferService, WorkerMetrics
-    from swaserve.disagg.convert import PAGES_PER_MESSAGE, transfer_messages
-    from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
     from swaserve.model.checkpoint import default_model_dir
+    from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
     from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
     cfg = ModelConfig.from_pretrained(default_model_dir())

@@ -1,42 +1,11 @@
 """Prefix-cache hit rates of a trace, replayed through the real cache at a memory budget, no model.
 
-Each request goes through ``KVCacheManager`` (page accounting only, no tensors) as the engine runs a
-request that is alone: ``admit`` (matches the longest window-safe cached prefix, loads host pages
-back), chunked prefill of the rest (``max_chunk`` / ``allocate``, chunks of ``--chunk`` tokens,
-default 512 = the engine's default ``max_num_batched_tokens``), then ``free`` with the prompt tokens,
-which inserts the prompt's whole pages into the radix tree. Requests run one at a time in arrival
-order. Nothing is decoded (a request reserves its prompt plus one output token), and only prompt
-tokens are cached: the traces have no output token ids.
+Each request runs alone through ``KVCacheManager`` (page accounting only): ``admit``, chunked prefill
+(``cache_partial`` after each chunk, as ``LLMEngine.step``), ``free``. Hit rates per tier vs the
+infinite-cache ideal, hybrid vs full layout at equal bytes; budgets are shares of the trace's
+footprint. Mooncake traces or agent sessions; shape MiMo-V2.5-Pro, bf16 KV, page 16.
 
-As ``LLMEngine.step`` does, ``cache_partial`` inserts the computed prefix after each non-final
-chunk (default; ``--no-cache-partial`` turns it off): every chunk end then keeps its SWA window in
-the tree as a checkpoint (evictable, least recently used first), so a later prompt that branches
-off at a chunk boundary deep inside an earlier one still gets a window-safe hit. Without it only
-each prompt's last chunk keeps SWA KV, plus the point where a prompt left the cached tree
-(``max_chunk`` ends a chunk there and it is inserted: a branch point found by traffic).
-
-Workloads (``--trace``; the format is detected from the first record):
-
-* Mooncake (``hash_ids``): ``TokenBlocks`` at the trace's own 512 tokens per hash id (unscaled)
-  over 256 token ids (CPython's small-int singletons, so a cached token costs one 8-byte pointer).
-* Agent sessions (``session_id``/``messages``): real prompt ids from the default model's tokenizer
-  (``read_agent_sessions`` + ``tokenize_calls``).
-
-Shape: MiMo-V2.5-Pro (10 full + 60 SWA layers, 8 KV heads each, W = 128, bf16 KV), page 16. A page
-costs 0.82 MB in the full-attention pool and 4.92 MB in the SWA pool, so a full-layout page (both)
-is 7x what the hybrid layout needs for a cached token outside the window.
-
-Ideal: an infinite cache (any layout): for each request, the tokens of its longest page-aligned
-prefix (at most ``len - 1`` tokens) whose pages all appeared in an earlier prompt, over all prompt
-tokens. *Footprint*: the trace's distinct page chains x full-layout bytes per page (full + SWA);
-budgets are given as shares of it (default device budget 0.25; default host tier: none for
-Mooncake traces, the whole footprint for agent sessions).
-
-Hybrid split (``hybrid_plan``): the engine's (``plan_pools`` with prefix caching): ``r`` SWA pages
-per full page (``--swa-ratio``, default 1/9, see ``kvcache.sizing``), at least one running
-request's need. The full layout splits a budget into equal page counts
-(``plan_pools(kv_layout="full")``).
-"""
+Method: docs/DESIGN.md#benchprefix_cachepy"""
 
 from __future__ import annotations
 
@@ -49,7 +18,8 @@ from pathlib import Path
 
 from bench.kv_capacity import SHAPES, model_config
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.kvcache.manager import KVCacheManager, PoolPlan
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.plan import PoolPlan
 from swaserve.kvcache.sizing import DEFAULT_SWA_FULL_TOKENS_RATIO, host_plan, page_bytes, plan_pools
 from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, TraceError, detect_kind, read_mooncake
 
@@ -273,10 +243,11 @@ def replay(
     for i, prompt in enumerate(work.prompts()):
         rid, n = str(i), len(prompt)
         out.prompt_tokens += n
-        if not kv.admit(rid, n + 1, prompt):
+        adm = kv.admit(rid, n + 1, prompt)
+        if adm is None:
             out.rejected += 1
             continue
-        hit, from_host = kv.hits[rid]
+        hit, from_host = adm.hit_tokens, adm.host_tokens
         out.hits_device += hit - from_host
         out.hits_host += from_host
         start = hit
@@ -286,7 +257,7 @@ def replay(
                 out.stalled += 1
                 break
             start += step
-            if start < n and (cache_partial or start == kv.diverge.get(rid)):
+            if start < n and (cache_partial or start == adm.diverge):
                 kv.cache_partial(rid, prompt[:start])
         kv.free(rid, prompt[:start])
     out.seconds = time.perf_counter() - t0

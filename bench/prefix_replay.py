@@ -1,20 +1,10 @@
 """Trace replay through ``swaserve serve`` with the prefix cache off, then on, in one run.
 
-Each mode starts its own server on the default model (same flags apart from the cache) and replays
-the same workload; ratios are cache-on over cache-off, so a TTFT ratio below 1 is the cache's gain.
-Both servers run on the same machine one after the other, so the ratio compares like with like;
-absolute times depend on the machine. Workloads (``--workload``):
+Both servers run one after the other on the same machine; ratios are cache-on / cache-off (a TTFT
+ratio below 1 is the cache's gain). Workloads (``--workload``): ``conversation`` (the ``make run``
+slice of the Mooncake trace, open loop) and ``agent`` (real agent sessions, closed loop).
 
-* ``conversation``: a slice of the Mooncake conversation trace, open loop (the ``make run``
-  workload: 512-token blocks scaled to ``--block-tokens``, outputs capped, arrival times divided by
-  ``--time-scale``); TTFT/ITL percentiles and cached tokens come from the replay report. Little of
-  it is reusable at this scale (a few percent of prompt tokens).
-* ``agent``: real agent sessions (``data/agentic``, ChatML token ids of the default model's
-  tokenizer), closed loop: ``--sessions`` sessions run concurrently, each sending its first
-  ``--calls`` calls one after the other (call k+1 when call k has finished). Call k+1's prompt is
-  call k's prompt + the trace's reply + new messages, so nearly all of it is cached: the reuse the
-  prefix cache exists for.
-"""
+Design notes: docs/DESIGN.md#benchprefix_replaypy"""
 
 from __future__ import annotations
 
@@ -37,8 +27,9 @@ def run_mode(
     name: str, server_args: list[str], limit: int, block_tokens: int, max_output: int, time_scale: float
 ) -> dict[str, Any]:
     from swaserve.model.checkpoint import default_model_dir
+    from swaserve.procs import free_port
     from swaserve.replay import ReplayOptions, run_replay, token_space_from_model_dir
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.run_demo import ServerProcess
     from swaserve.traces import read_mooncake
 
     model_dir = Path(default_model_dir())
@@ -133,7 +124,8 @@ def run_agent_mode(
     name: str, server_args: list[str], sessions: list[list[list[int]]], max_output: int
 ) -> dict[str, Any]:
     from swaserve.model.checkpoint import default_model_dir
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.procs import free_port
+    from swaserve.run_demo import ServerProcess
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

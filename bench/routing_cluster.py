@@ -1,26 +1,10 @@
 """Routing policies on the real cluster on this CPU, next to the simulator on the same requests.
 
-Workloads (``--workload``): ``agent`` (default): the first ``--calls`` calls of the first
-``--sessions`` agent sessions (real ChatML token ids), closed loop: the sessions run concurrently,
-each call sent when the session's previous one has finished (``bench/prefix_replay``'s agent
-mode), so a session's next call reuses nearly all of its prompt if it lands where the last one
-ran. ``conversation``: a slice of the Mooncake conversation trace (512-token blocks scaled to
-``--block-tokens``, outputs capped, arrival times divided by ``--time-scale``; as ``make run``),
-open loop; at this scale it has little reuse (a few percent of prompt tokens).
+``swaserve up`` with ``--prefill`` prefill workers and one decode worker, once per row (round-robin,
+cache-aware, cache-aware + compute priority), on agent sessions (closed loop) or a Mooncake slice;
+then ``swaserve.sim`` (``cpu-tiny``) on exactly the requests sent: hit rate and TTFT p50/p90 side by side.
 
-The workload is sent through ``swaserve up`` with ``--prefill`` prefill workers and one decode
-worker, once per row: round-robin,
-cache-aware, and cache-aware with the compute-aware priority in the prefill workers' queues
-(``--schedule-policy compute``). The router indexes blocks of ``--block-tokens`` tokens. Each row
-is then simulated (``swaserve.sim``, deployment ``cpu-tiny``: the measured cost model) on exactly
-the requests the replay sent, and the table shows measured and simulated hit rate and TTFT
-p50/p90, and sim / measured.
-
-On 2 cores the workers share the CPU (each gets ``cores / workers`` torch threads), so measured
-prefill is slower than the cost model calibrated on an idle machine with 2 threads; the
-simulator models no contention. The comparison is about direction (which policy wins, by how
-much), which is what the simulator is used for.
-"""
+Design notes: docs/DESIGN.md#benchrouting_clusterpy"""
 
 from __future__ import annotations
 
@@ -36,7 +20,7 @@ def _agent_work(sessions: list[list[list[int]]], max_output: int, block_tokens: 
     """The closed-loop agent replay as a simulator workload (all sessions start at 0)."""
     import functools
 
-    from swaserve.routing.hashing import block_hashes
+    from swaserve.kvcache.hashing import block_hashes
     from swaserve.sim.workload import SimRequest, Workload
 
     reqs = []
@@ -69,7 +53,7 @@ def main(
     from swaserve.launcher import Cluster
     from swaserve.model.checkpoint import default_model_dir
     from swaserve.replay import ReplayOptions, plan_requests, run_replay, token_space_from_model_dir
-    from swaserve.routing.cost import CPU_TINY
+    from swaserve.sched.cost import CPU_TINY
     from swaserve.sim.cluster import SimConfig, Simulator
     from swaserve.sim.workload import from_planned
     from swaserve.traces import read_mooncake

@@ -1,21 +1,10 @@
-"""Routing policies in the simulator (``swaserve.sim``), on the conversation trace and the agent
-sessions, with 8 and 16 prefill instances at the same offered load (default 0.8, see
-``sim.workload.scale_for_load``), on the ``mimo-v2-flash-h200`` deployment. Agent sessions run
-closed loop (a call waits for its session's previous one) with as many copies of the trace's 49
-sessions as instances (``sim.workload.agent``), else they could not load the instances.
+"""Routing policies in the simulator (``swaserve.sim``, deployment ``mimo-v2-flash-h200``) on the
+conversation trace and the agent sessions, 8 and 16 prefill instances at offered load 0.8.
+Rows: round-robin, least-load, cache-aware (FCFS queues), cache-aware + compute priority, and
+cache-aware over FCFS queues with the compute-order wait estimate. Targets: hit rate cache-aware
+>= 1.25 x round-robin; TTFT p90 compute priority <= 0.7 x FCFS.
 
-Rows: ``round_robin``, ``least_load``, ``cache_aware`` (FCFS queues), and ``cache_aware`` with the
-compute-aware priority in the prefill queues. In both ``cache_aware`` rows the router's wait
-estimate follows the queue order the instances report (``routing.policy.wait_s``). A fifth row,
-``cache_aware`` over FCFS queues with the router estimating waits as if they were compute-ordered
-(``queue_order=compute``), separates what the estimate does from what the queue order does.
-JSON: per trace and instance count, per row ``hit_rate``, ``ttft_p50``, ``ttft_p90``,
-``ttft_p99`` (and the rest of ``SimResult.summary``; ``queue_order``), plus the target
-ratios measured in the same run:
-
-* hit rate of cache-aware >= 1.25 x round-robin;
-* TTFT p90 of cache-aware with compute-aware priority <= 0.7 x cache-aware with FCFS.
-"""
+Design notes: docs/DESIGN.md#benchrouting_simpy"""
 
 from __future__ import annotations
 

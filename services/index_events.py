@@ -1,37 +1,23 @@
 """A prefill worker's side of the precise-mode prefix index: its prefix cache's block events go to
-the cluster's Redis stream (``routing.events``) without ever holding up the engine, and whatever
+the cluster's Redis stream (``routing.redis.events``) without ever holding up the engine, and what
 is lost on the way is repaired by re-publishing the cache's whole state.
 
-The engine loop runs on the event-loop thread; ``EventPump.run`` (a task on the same loop) drains
-the engine's events every ``interval_s`` (so a drain never interleaves with a step) and hands each
-batch to one publishing thread through a bounded queue. Redis being slow, down or failing costs
-events, never requests: a full queue drops the batch, a failed publish drops it; both are counted
-and logged (once per outage, not per batch).
-
-Loss and re-send. Batches are numbered by *generation*: each snapshot (``drain(resync=True)``:
-``cleared`` + the whole cache, taken on the loop like a drain) starts a new one. After a loss in
-the current generation, the loop stops queueing (it drains and discards: the snapshot will cover
-it) and the thread skips what is queued of it; once Redis answers again (``publisher.check`` every
-``check_s`` s) the thread asks the loop for a snapshot, which is queued behind nothing of the lost
-generation, so events drained after it are published after it. The thread also asks for one when
-``check`` says so (a router saw a gap in this instance's events, or Redis restarted empty: see
-``routing.events``), and the first pump always sends one: a new process clears what a previous
-one under the same name left in the index. A snapshot that fails to publish is retried after a
-doubling pause (``check_s`` up to 30 s): a Redis that answers but refuses writes does not make the
-loop walk the whole cache every second.
-"""
+``EventPump``: drains on the loop, publishes from one thread through a bounded queue (a Redis
+failure drops events, never requests), asks for a snapshot after a loss, when asked, and at start.
+Loss and re-send: docs/DESIGN.md#servicesindex_eventspy"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from swaserve.routing.events import BlockEvent
+from swaserve.kvcache.block_events import BlockEvent
 
 log = logging.getLogger("swaserve.worker.index")
 
@@ -39,9 +25,10 @@ Batch = tuple[int, bool, list[BlockEvent]]  # (generation, is a snapshot, events
 
 
 class Drain(Protocol):
-    """``LLMEngine.drain_cache_events``: pending events, or with ``resync`` a snapshot."""
+    """``LLMEngine.drain_cache_events`` or ``EngineClient.drain_cache_events`` (a coroutine):
+    pending events, or with ``resync`` a snapshot."""
 
-    def __call__(self, resync: bool = False) -> list[BlockEvent]: ...
+    def __call__(self, resync: bool = False) -> list[BlockEvent] | Awaitable[list[BlockEvent]]: ...
 
 
 class Publisher(Protocol):
@@ -91,18 +78,34 @@ class EventPump:
 
     def pump(self) -> int:
         """Drain the engine once (or take the snapshot asked for) and queue the batch; returns
-        the events queued (0 if none, dropped, or discarded while a re-send is awaited)."""
+        the events queued (0 if none, dropped, or discarded while a re-send is awaited). For a
+        ``drain`` that returns its events (``LLMEngine``); an awaitable one needs ``pump_async``."""
+        resync, gen, lost = self._begin()
+        events = self.drain(resync=resync)
+        if inspect.isawaitable(events):
+            raise TypeError("this drain is a coroutine: use pump_async")
+        return self._queue(resync, gen, lost, events)
+
+    async def pump_async(self) -> int:
+        """``pump`` for a ``drain`` that may be a coroutine (``EngineClient.drain_cache_events``)."""
+        resync, gen, lost = self._begin()
+        events = self.drain(resync=resync)
+        if inspect.isawaitable(events):
+            events = await events
+        return self._queue(resync, gen, lost, events)
+
+    def _begin(self) -> tuple[bool, int, bool]:
         with self._lock:
             resync, self._snapshot_due = self._snapshot_due, False
-            gen, lost = self._gen, self._lost_gen >= self._gen
+            return resync, self._gen, self._lost_gen >= self._gen
+
+    def _queue(self, resync: bool, gen: int, lost: bool, events: list[BlockEvent]) -> int:
         if resync:
-            events = self.drain(resync=True)
             with self._lock:
                 self._gen += 1
                 gen = self._gen
             self.snapshots += 1
             return self._put((gen, True, events))
-        events = self.drain()
         if not events:
             return 0
         if lost:  # the snapshot after the outage covers them
@@ -123,11 +126,13 @@ class EventPump:
         """Pump every ``interval_s`` until cancelled."""
         while True:
             await asyncio.sleep(self.interval_s)
-            self.pump()
+            await self.pump_async()
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Queue what is pending, let the thread publish it (up to ``timeout_s``), stop it."""
-        self.pump()
+    def close(self, timeout_s: float = 2.0, final_pump: bool = True) -> None:
+        """Queue what is pending (``final_pump``: drain once more; a sync ``drain`` only), let
+        the thread publish it (up to ``timeout_s``), stop it."""
+        if final_pump:
+            self.pump()
         try:
             self._q.put(None, timeout=timeout_s)
         except queue.Full:

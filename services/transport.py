@@ -11,8 +11,8 @@ from typing import Protocol
 
 import grpc
 
-from swaserve.disagg.convert import transfer_messages
-from swaserve.disagg.kv_transfer import KVPayload, TransferError
+from services.convert import transfer_messages
+from swaserve.transfer.kv_transfer import KVPayload, TransferError
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
 

@@ -1,32 +1,16 @@
 """The worker service shell: one engine in the prefill or decode role behind gRPC.
 
-* ``Worker`` (protos/swaserve/v1/worker.proto): ``Generate`` streams chunk / complete / error
-  envelopes with cumulative usage; ``Abort``; ``GetLoad`` (running, waiting, outstanding tokens,
-  pool pages: also the debug view tests use to check that no page leaks; the model's identity
-  (``swaserve.model.identity``: routers refuse a worker of another model) and a ``boot_id``
-  drawn at start (routers refuse one process registered under two addresses)).
-* prefill role: ``Generate`` runs to the first token with ``export_kv``; unless the request ended
-  there, the prompt's KV is pushed to ``kv_target`` (``KVTransfer.Push``) before ``complete``
-  (finish reason ``handoff``, ``kv_bytes_sent``). A failed push is an ``error`` envelope whose
-  ``code`` is the push's gRPC status (RESOURCE_EXHAUSTED: the target's staging is full).
-* the chunk of a request's last token carries its ``finish_reason`` (``complete`` follows), so
-  the router ends the client's stream on that chunk, as ``swaserve serve`` does.
-* decode role: also serves ``KVTransfer.Push`` into host-memory staging (``KVStaging``: checksum
-  and shape verified page by page, DATA_LOSS on a bad page, RESOURCE_EXHAUSTED when staging is
-  full; transfers not claimed within ``staging_ttl_s`` are dropped);
-  ``Generate`` with ``first_token`` claims the staged KV and decodes.
-* ``grpc.health.v1`` reports NOT_SERVING until the model is loaded and one warm-up request ran;
-  server reflection lists the services.
-* prefill role with ``redis_url``: the prefix cache's stored / removed block events go to the
-  cluster's Redis stream for the routers' precise-mode index (``services.index_events``; from a
-  thread, best effort: a Redis failure drops events, never a request).
+``Worker`` (``Generate``, ``Abort``, ``GetLoad``), on decode workers ``KVTransfer.Push`` into verified
+host staging, ``grpc.health.v1`` (SERVING after load and warm-up), reflection; a prefill worker runs
+to the first token and pushes the KV to ``kv_target``, and with ``redis_url`` publishes its cache's
+block events. The engine is a ``LocalEngineClient``; the module holds no policy.
 
-All engine work runs on the asyncio loop of ``AsyncLLMEngine``; this module holds no policy.
-"""
+Design notes: docs/DESIGN.md#servicesworkerpy"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -38,21 +22,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from services.convert import chunk_message, page_from_proto, params_from_proto, usage
 from services.index_events import EventPump
 from services.transport import GrpcKVSender, KVSender
 from swaserve.config import FULL, SWA
-from swaserve.disagg.convert import (
-    chunk_message,
-    page_from_proto,
-    params_from_proto,
-    usage,
-)
-from swaserve.disagg.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
-from swaserve.engine.async_engine import AsyncLLMEngine
+from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.types import FinishReason, SamplingParams
 from swaserve.model.identity import model_identity
 from swaserve.routing.buckets import ALL_LENGTHS
-from swaserve.routing.events import RedisEventPublisher, stream_key
+from swaserve.routing.redis.events import RedisEventPublisher, stream_key
+from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 from swaserve.v1 import worker_pb2 as pb
@@ -108,7 +87,7 @@ class WorkerMetrics:
         )
 
 
-def staging_for(engine: AsyncLLMEngine, max_bytes: int) -> KVStaging:
+def staging_for(engine: LocalEngineClient, max_bytes: int) -> KVStaging:
     cfg, ecfg = engine.model_config, engine.engine_config
     return KVStaging(
         {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
@@ -118,13 +97,13 @@ def staging_for(engine: AsyncLLMEngine, max_bytes: int) -> KVStaging:
         },
         cfg.window if ecfg.kv_layout == "hybrid" else 1 << 40,
         ecfg.page_size,
-        engine.engine.dtype,
+        engine.kv_dtype,
         max_bytes,
     )
 
 
 class WorkerService(wgrpc.WorkerServicer):
-    def __init__(self, engine: AsyncLLMEngine, opts: WorkerOptions, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: LocalEngineClient, opts: WorkerOptions, metrics: WorkerMetrics) -> None:
         self.engine, self.opts, self.metrics = engine, opts, metrics
         self.staging = staging_for(engine, opts.staging_bytes) if opts.role == "decode" else None
         self.staged_at: dict[str, float] = {}  # staged transfers (open or complete) -> when begun
@@ -229,7 +208,7 @@ class WorkerService(wgrpc.WorkerServicer):
     # -- Abort / GetLoad ------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         rid = request.request_id
-        found = rid in self.engine.engine.requests
+        found = self.engine.has_request(rid)
         await self.engine.abort(rid)
         if self.staging is not None:
             self.aborted[rid] = time.monotonic()  # the KV may still be on its way
@@ -240,15 +219,7 @@ class WorkerService(wgrpc.WorkerServicer):
         return pb.AbortResponse(found=found)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
-        eng = self.engine.engine
-        st = eng.stats()
-        outstanding = sum(
-            (r.num_prompt - r.num_computed if r.num_computed < r.num_prompt else 0)
-            + r.params.max_tokens
-            - len(r.output_token_ids)
-            for r in eng.requests.values()
-        )
-        prefill_tokens = sum(max(0, r.num_prompt - r.num_computed) for r in eng.requests.values())
+        st = self.engine.stats()
         lo, hi = self.opts.prompt_range or (0, 0)
         pools = {
             name: pb.PoolLoad(
@@ -264,15 +235,15 @@ class WorkerService(wgrpc.WorkerServicer):
             role=self.opts.role,
             running=st.num_running,
             waiting=st.num_waiting,
-            outstanding_tokens=max(0, outstanding),
+            outstanding_tokens=max(0, st.outstanding_tokens),
             pools=pools,
             staged_bytes=self.staging.staged_bytes if self.staging is not None else 0,
             open_requests=self.open,
-            prefill_tokens=prefill_tokens,
+            prefill_tokens=st.prefill_tokens,
             min_prompt_tokens=lo,
             max_prompt_tokens=0 if hi >= ALL_LENGTHS[1] else hi,
-            index_block_tokens=eng.config.index_block_tokens or 0,
-            queue_order=eng.config.schedule_policy,
+            index_block_tokens=self.engine.engine_config.index_block_tokens or 0,
+            queue_order=self.engine.engine_config.schedule_policy,
             model_fingerprint=self.identity.fingerprint,
             model_description=self.identity.description,
             boot_id=self.boot_id,
@@ -361,16 +332,16 @@ class KVTransferService(kvgrpc.KVTransferServicer):
         return kvpb.TransferAck(request_id=rid, bytes_received=received, pages=pages)
 
 
-async def _warm_up(engine: AsyncLLMEngine) -> None:
+async def _warm_up(engine: LocalEngineClient) -> None:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     async for _ in engine.generate([3, 4, 5, 6, 7], params, "warmup"):
         pass
-    engine.engine.kv.flush_cache()
-    engine.engine.drain_cache_events()  # the warm-up's blocks came and went: nothing to publish
+    await engine.flush_cache()
+    await engine.drain_cache_events()  # the warm-up's blocks came and went: nothing to publish
 
 
 def start_event_pump(
-    engine: AsyncLLMEngine, opts: WorkerOptions, port: int, metrics: WorkerMetrics
+    engine: LocalEngineClient, opts: WorkerOptions, port: int, metrics: WorkerMetrics
 ) -> EventPump | None:
     """The publisher of a prefill worker's cache events (None: not configured)."""
     if opts.role != "prefill" or not opts.redis_url:
@@ -392,14 +363,14 @@ def start_event_pump(
         stream_key(opts.index_namespace),
     )
     return EventPump(
-        engine.engine.drain_cache_events,
+        engine.drain_cache_events,
         publisher,
         on_count=lambda outcome, n: metrics.index_events.labels(outcome).inc(n),
     )
 
 
 async def serve_worker(
-    engine: AsyncLLMEngine, opts: WorkerOptions, ready: asyncio.Event | None = None
+    engine: LocalEngineClient, opts: WorkerOptions, ready: asyncio.Event | None = None
 ) -> None:
     """Run the worker until cancelled. Binds ``opts.host:opts.port`` (0 = a free port, logged as
     ``listening on HOST:PORT``)."""
@@ -444,11 +415,16 @@ async def serve_worker(
             ready.set()
         await server.wait_for_termination()
     finally:
+        for name in ("", *names):  # a dead engine core, or a stop: no new requests
+            await health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         expire.cancel()
         await server.stop(grace=2.0)
         await worker.sender.close()
         if pump_task is not None:
             pump_task.cancel()
+        if pump is not None and engine.running:
+            with contextlib.suppress(Exception):
+                await pump.pump_async()  # the last events before the engine goes
         await engine.stop()
-        if pump is not None:  # the engine is stopped: draining from the pump's thread is safe
-            await asyncio.to_thread(pump.close)
+        if pump is not None:
+            await asyncio.to_thread(pump.close, 2.0, False)

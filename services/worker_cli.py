@@ -1,6 +1,6 @@
 """Command line of a worker process (``python -m services.prefill`` / ``python -m services.decode``).
 
-The engine flags are ``swaserve serve``'s (``swaserve.cli.ENGINE_OPTIONS``: same names, defaults
+The engine flags are ``swaserve serve``'s (``swaserve.options.ENGINE_OPTIONS``: same names, defaults
 and help), except that prefix caching defaults to on for prefill and off for decode workers. A
 prefill worker given ``--redis-url`` (explicitly: ``REDIS_URL`` in the environment is for routers,
 and a stream nobody reads in approximate mode would only cost work) publishes its prefix cache's block
@@ -19,9 +19,9 @@ from typing import Annotated
 
 import typer
 
-from swaserve.cli import _size_option, engine_options
 from swaserve.config import EngineConfig
-from swaserve.routing.hashing import DEFAULT_BLOCK_TOKENS
+from swaserve.kvcache.hashing import DEFAULT_BLOCK_TOKENS
+from swaserve.options import engine_options, size_option
 
 
 def _with_index_events(
@@ -62,7 +62,7 @@ def worker_app(role: str) -> typer.Typer:
         ] = None,
         engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
         staging_memory: Annotated[
-            int, typer.Option(parser=_size_option, metavar="BYTES", help="decode: host bytes for staged KV.")
+            int, typer.Option(parser=size_option, metavar="BYTES", help="decode: host bytes for staged KV.")
         ] = "1GiB",  # type: ignore[assignment]
         staging_ttl: Annotated[float, typer.Option(min=1.0, help="decode: seconds staged KV waits.")] = 120.0,
         num_threads: Annotated[
@@ -94,17 +94,22 @@ def worker_app(role: str) -> typer.Typer:
         ] = None,
     ) -> None:
         from services.worker import WorkerOptions, serve_worker
-        from swaserve.engine.async_engine import AsyncLLMEngine
+        from swaserve.engine.factory import build_engine_client
         from swaserve.model.checkpoint import default_model_dir
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-        if num_threads is not None:
-            import torch
-
-            torch.set_num_threads(num_threads)
         model_dir = model or Path(default_model_dir())
         engine_config = _with_index_events(role, engine_config, redis_url, index_block_tokens)
-        engine = AsyncLLMEngine.from_model_dir(model_dir, engine_config)
+        dead: list[str] = []
+        tasks: list[asyncio.Task[None]] = []
+
+        def on_dead(message: str) -> None:  # the engine core died: exit non-zero, to be restarted
+            logging.getLogger("swaserve.worker").error("%s: shutting down", message)
+            dead.append(message)
+            for t in tasks:
+                t.cancel()
+
+        engine = build_engine_client(model_dir, engine_config, on_dead=on_dead, num_threads=num_threads)
         from swaserve.routing.buckets import parse_range
 
         try:
@@ -116,6 +121,7 @@ def worker_app(role: str) -> typer.Typer:
 
         async def run() -> None:
             task = asyncio.create_task(serve_worker(engine, opts))
+            tasks.append(task)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, task.cancel)
@@ -123,5 +129,7 @@ def worker_app(role: str) -> typer.Typer:
                 await task
 
         asyncio.run(run())
+        if dead:
+            raise typer.Exit(1)
 
     return app

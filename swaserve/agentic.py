@@ -1,27 +1,11 @@
 """Reader for the agentic multi-turn request trace, and its ChatML token-id prompts.
 
-``data/agentic/agent_sessions.jsonl.gz`` holds 841 LLM calls from 49 real, public agent sessions
-(mini-swe-agent coding sessions and tau-bench airline tool-calling sessions; see
-``data/agentic/README.md``). Unlike the Mooncake trace it carries the full prompt text: every call
-sends the whole chat history so far, so consecutive calls of a session share almost their entire
-prompt. Within a session, call k+1's messages are call k's messages, then call k's assistant reply
-(``output_chars`` characters long), then the new tool or user message(s).
+``data/agentic/agent_sessions.jsonl.gz``: 841 calls of 49 public agent sessions, each call with the
+whole chat history so far. ``tokenize_calls`` tokenizes each distinct message once and concatenates
+the segments: exactly ``tokenize(render(messages))``, because every ChatML segment starts with an
+added special token, on which Hugging Face tokenizers split before BPE.
 
-``tokenize_calls`` gives the prompt token ids each call sends through the ChatML template of our
-checkpoints (``CHAT_TEMPLATE`` in ``swaserve/model/checkpoint.py``, no tools)::
-
-    <|im_start|>{role}\\n{content}<|im_end|>\\n      one segment per message, in order
-    <|im_start|>assistant\\n                         the generation prompt
-
-``<|im_start|>`` and ``<|im_end|>`` are special added tokens, and a Hugging Face tokenizer splits
-the text on added tokens before pre-tokenization and BPE. Every segment starts with one, so no
-pre-token or BPE merge ever crosses a segment boundary and::
-
-    tokenize(render(messages)) == tokenize(seg_1) + ... + tokenize(seg_n) + tokenize(gen_prompt)
-
-Each distinct (role, content) message is therefore tokenized once (in one batch) and the prompts
-are concatenations of cached segments.
-"""
+Design notes: docs/DESIGN.md#agenticpy"""
 
 from __future__ import annotations
 

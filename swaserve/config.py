@@ -1,23 +1,10 @@
-"""Model and engine configuration.
-
-``ModelConfig.from_dict`` reads a MiMo-V2 ``config.json`` in either spelling:
-
-* transformers style (``layer_types``, ``mlp_layer_types``, ``rope_parameters``, ``sliding_window``,
-  ``rms_norm_eps``), as written by ``MiMoV2FlashConfig.save_pretrained``;
-* hub style (``hybrid_layer_pattern`` 0=full/1=SWA, ``moe_layer_freq`` 0=dense/1=MoE,
-  ``swa_num_key_value_heads``, ``swa_num_attention_heads``, ``swa_head_dim``, ``swa_v_head_dim``,
-  ``rope_theta``, ``swa_rope_theta``, ``partial_rotary_factor``, ``layernorm_epsilon``,
-  ``sliding_window_size``, ``add_full_attention_sink_bias``, ``add_swa_attention_sink_bias``),
-  as in the XiaomiMiMo checkpoints on the Hugging Face hub.
-
-Hub keys win where both are present, because transformers silently ignores them: a checkpoint whose
-SWA layers differ from what transformers would assume must not load wrong. Anything we cannot run
-raises ``ConfigError``.
+"""Model and engine configuration: ``ModelConfig`` from a MiMo-V2 ``config.json`` (transformers or hub
+key spelling; hub keys win), ``EngineConfig``; a config we cannot run raises ``ConfigError``.
 
 Window convention: ``sliding_window`` counts the query itself (129 = 128 previous tokens + self), as
-transformers does; ``window`` (= sliding_window - 1) is the number of previous tokens a SWA query
-sees, which is what the KV pools must keep.
-"""
+transformers does; ``window`` (= sliding_window - 1) is what a SWA query sees and the KV pools keep.
+
+Design notes: docs/DESIGN.md#configpy"""
 
 from __future__ import annotations
 
@@ -291,11 +278,13 @@ class EngineConfig:
             default. The SWA pool then also holds cached windows (prompt ends, branch points,
             chunk checkpoints).
         schedule_policy: admission order of waiting requests: "fcfs" or "compute" (fewest uncached
-            tokens first with aging and a bound, ``routing.priority.ComputeAwarePriority``).
+            tokens first with aging and a bound, ``sched.priority.ComputeAwarePriority``).
         priority_max_wait_s, priority_wait_weight: its starvation bound (s) and aging weight.
-        cost_model: the ``routing.cost`` preset whose prefill times the priority compares.
+        cost_model: the ``sched.cost`` preset whose prefill times the priority compares.
         index_block_tokens: log the prefix cache's stored / removed blocks of this many tokens (a
             multiple of ``page_size``) for the router's precise-mode index; None = no events.
+        engine_process: where the engine core steps: "inline" (on the server's event loop),
+            "separate" (its own process behind an IPC client) or "auto" (``engine.factory``).
     """
 
     page_size: int = 16
@@ -316,3 +305,4 @@ class EngineConfig:
     priority_wait_weight: float = 0.1
     cost_model: str = "cpu-tiny"
     index_block_tokens: int | None = None
+    engine_process: str = "auto"

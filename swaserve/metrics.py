@@ -1,25 +1,11 @@
-"""Prometheus metrics for one serving process, in the ``swaserve:`` namespace.
+"""Prometheus metrics for one serving process, in the ``swaserve:`` namespace (vLLM's names, units and
+buckets, prefix ``vllm:`` -> ``swaserve:``).
 
-Two sources feed the exposition:
+Engine state is read from ``EngineStats`` at scrape time (``EngineStatsCollector``), request
+latencies observed per request (``RequestTimer``); the router adds per-worker KV pool gauges and its
+own counters (``RouterStats``). Each ``ServerMetrics`` owns its ``CollectorRegistry``.
 
-* Engine state (running / waiting requests, KV pool pages, token totals) is read from
-  ``EngineStats`` when Prometheus scrapes, through ``EngineStatsCollector``; nothing has to keep
-  those gauges up to date between scrapes.
-* Request latencies are observed by the HTTP layer from each request's ``RequestOutput`` stream
-  through a ``RequestTimer`` (one per request).
-
-The router of ``swaserve up`` (``services/router``) serves the same families over its
-``ClusterEngine``: token counters from the requests it relays, KV pool gauges per worker (labels
-``role``, ``instance`` = the worker's ``host:port``) from its ``GetLoad`` polls, and its own
-``router_requests_total{status}``, ``router_retries_total{reason}`` and ``worker_*`` gauges
-(``RouterStats``).
-
-Every ``ServerMetrics`` owns its own ``CollectorRegistry``, so several apps can live in one process
-(tests, benches) without name clashes in the global registry.
-
-Names, units and bucket boundaries follow vLLM's, so dashboards and autoscalers written for vLLM
-work after swapping the ``vllm:`` prefix for ``swaserve:``.
-"""
+Design notes: docs/DESIGN.md#metricspy"""
 
 from __future__ import annotations
 
@@ -32,8 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from swaserve.engine.stats import EngineStats, PoolStats
+from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput
+from swaserve.kvcache.stats import PoolStats
 
 PREFIX = "swaserve:"
 

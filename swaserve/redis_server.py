@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from swaserve.launcher import ClusterError, ServiceProcess, free_port
+from swaserve.procs import ClusterError, ServiceProcess, free_port
 
 
 def redis_binary() -> str:

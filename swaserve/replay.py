@@ -1,19 +1,11 @@
 """Open-loop trace replay against an OpenAI-compatible ``/v1/completions`` endpoint.
 
-Each trace request is sent at its arrival time divided by ``time_scale`` (open loop: a slow server
-does not delay later arrivals), as a token-id prompt built by ``swaserve.traces.TokenBlocks``, with
-``max_tokens`` = the trace's output length (optionally capped), ``ignore_eos``, greedy sampling and
-a streamed response. Per request we record:
+Each request is sent at its arrival time / ``time_scale`` as a streamed ``TokenBlocks`` prompt (greedy,
+``ignore_eos``, ``max_tokens`` = the trace's output length, optionally capped). The report: TTFT (send
+-> first chunk with an output token), ITL (seconds per token), failures, and the KV pools' peak and
+total pages from ``GET /metrics``.
 
-* TTFT: send -> first chunk that carries at least one output token;
-* ITL: the gap between consecutive token-carrying chunks, split evenly over the tokens of the later
-  chunk (one value per token after the first chunk).
-
-A request fails on an HTTP error status, an ``error`` object in the stream, a stream that ends
-without ``[DONE]`` or without a ``finish_reason``, a transport error, or the per-request timeout;
-the replay itself never waits longer than the slowest request's timeout. At the end the client
-scrapes ``GET /metrics`` for the KV pools' peak and total pages.
-"""
+Design notes: docs/DESIGN.md#replaypy"""
 
 from __future__ import annotations
 

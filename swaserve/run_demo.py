@@ -1,21 +1,10 @@
 """``make run``: bring up the cluster on the default model, replay a slice of the Mooncake trace, report.
 
-Steps: make sure the checkpoint exists (the default preset is built on first use), start the
-disaggregated cluster (``swaserve up``: router + ``--prefill`` prefill and ``--decode`` decode
-workers, one each by default, sized for 2 cores) or, with ``--mode serve``, the single-process
-``swaserve serve``, on 127.0.0.1 and free ports; wait until ready, replay the first ``--limit``
-trace requests, print the report, then keep serving until Ctrl-C / SIGTERM. With ``--once`` it
-exits after the report: status 0 only if no request failed.
+Builds the default checkpoint on first use, starts ``swaserve up`` (or, ``--mode serve``, ``swaserve
+serve``) on free ports, replays the first ``--limit`` trace requests, prints the report, then serves
+until Ctrl-C / SIGTERM (``--once``: exits after the report, status 0 only if no request failed).
 
-The server runs in its own process group (so it does not see the terminal's Ctrl-C before we do)
-and is told to exit when this process dies (Linux ``PR_SET_PDEATHSIG``), so it is never orphaned.
-
-Usage::
-
-    python -m swaserve.run_demo [--once] [--mode cluster|serve] [--prefill N] [--decode M]
-                                [--model DIR] [--limit N] [--time-scale S]
-                                [--block-tokens B] [--max-output-tokens M] [--json PATH]
-"""
+Usage: ``python -m swaserve.run_demo --help``. Design notes: docs/DESIGN.md#run_demopy"""
 
 from __future__ import annotations
 
@@ -25,7 +14,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from swaserve.launcher import Cluster, ClusterError, ServiceProcess, free_port, http_ready
+from swaserve.launcher import Cluster
+from swaserve.procs import ClusterError, ServiceProcess, free_port, http_ready
 
 DEFAULT_LIMIT = 250
 DEFAULT_BLOCK_TOKENS = 16

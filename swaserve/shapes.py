@@ -1,13 +1,10 @@
-"""Public MiMo-V2 shapes (attention layout and KV sizes; weights not needed): for KV sizing,
-transfer and simulation without a checkpoint.
-
-From the models' config.json on the Hugging Face hub (XiaomiMiMo/MiMo-V2-Flash and
-XiaomiMiMo/MiMo-V2.5-Pro: ``hybrid_layer_pattern``, ``num_key_value_heads``,
+"""Public MiMo-V2 shapes (attention layout and KV sizes; weights not needed) as ``ModelConfig``s, for KV
+sizing, transfer and simulation without a checkpoint. From the models' hub config.json
+(XiaomiMiMo/MiMo-V2-Flash, XiaomiMiMo/MiMo-V2.5-Pro: ``hybrid_layer_pattern``, ``num_key_value_heads``,
 ``swa_num_key_value_heads``, ``head_dim``, ``v_head_dim``, ``sliding_window_size``):
 
 * MiMo-V2-Flash: 48 layers = 9 full (4 KV heads) + 39 SWA (8 KV heads); q/k head 192, v head 128; W 128.
-* MiMo-V2.5-Pro: 70 layers = 10 full + 60 SWA, 8 KV heads each; q/k head 192, v head 128; W 128.
-"""
+* MiMo-V2.5-Pro: 70 layers = 10 full + 60 SWA, 8 KV heads each; q/k head 192, v head 128; W 128."""
 
 from __future__ import annotations
 

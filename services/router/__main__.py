@@ -1,5 +1,6 @@
 """``python -m services.router --help``: the OpenAI HTTP API over prefill and decode workers, plus
-``GET/POST/DELETE /workers`` (``swaserve.api.workers``) to list, add and remove workers at runtime."""
+``GET/POST/DELETE /workers`` (``swaserve.api.workers``) to list, add and remove workers at runtime.
+Flags: workers and polling, routing (``--policy``, ``--redis-url``, ``--index-mode``, ...): docs/OPERATIONS.md."""
 
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ def main(
             policy, cost_model, block_tokens, redis_url, namespace, index_mode, index_max_entries, index_ttl,
             balance_abs, balance_rel, queue_order=queue_order,
         )  # fmt: skip
-        from swaserve.routing.cost import preset
         from swaserve.routing.policy import make_policy
+        from swaserve.sched.cost import preset
 
         preset(cost_model)
         make_policy(policy, **({"queue_order": queue_order} if policy == "cache_aware" else {}))

@@ -1,20 +1,9 @@
-"""Runtime worker management of one router: what ``POST/DELETE/GET /workers``
-(``swaserve.api.workers``) call.
+"""Runtime worker management of one router: what ``POST/DELETE/GET /workers`` (``swaserve.api.workers``)
+call. A change is a worker-registry entry, applied here at once and synced through Redis to every
+replica (local only without it); adding checks URL, role, reachability, model and process identity
+(that ``GetLoad`` is the first poll); removing drains (a warning for the last worker of a role).
 
-A change is an entry of the worker registry (``swaserve.routing.registry``): written to this
-router's copy and applied here at once, then to the shared registry in Redis, which every router
-replica merges at each of its polls (``sync``), so one call reaches all replicas. Without Redis
-(no ``--redis-url``, or Redis unreachable) the change holds on this router only and the response
-says so; an unreachable Redis gets it when it is back.
-
-Adding checks the worker first: the URL must be ``host:port`` (or ``grpc://host:port``), the role
-``prefill`` or ``decode``, and the worker must answer ``GetLoad`` within ``check_timeout_s``
-reporting that role, the router's model (``model_fingerprint``) and a process (``boot_id``) not
-already registered under another address. That answer counts as the worker's first poll, so the
-response shows its state and load. Removing drains the worker (``workers.WorkerPool.drain``);
-removing the last worker of a role is accepted (an operator may be replacing it) with a
-``warning``: requests fail with 503 ``no_worker_available`` until one is added.
-"""
+Design notes: docs/DESIGN.md#servicesrouteradminpy"""
 
 from __future__ import annotations
 

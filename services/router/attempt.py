@@ -1,20 +1,10 @@
-"""One attempt of a request: ``Generate`` on a prefill worker with ``kv_target`` = the decode
-worker (it streams the first token, pushes the KV, completes with ``handoff``), then ``Generate``
-on the decode worker with ``first_token``, relaying its stream as ``RequestOutput`` deltas.
+"""One attempt of a request: ``Generate`` on a prefill worker with ``kv_target`` = the decode worker,
+then ``Generate`` on the decode worker with ``first_token``, relayed as ``RequestOutput`` deltas.
+Failures become ``DispatchError`` (worker to avoid, gRPC code, retry reason) or ValueError.
+``Progress``: what a request sent its client across attempts, and its resume after output started
+(original prompt + generated tokens, router-side text and stop strings).
 
-Failures become ``DispatchError`` (the worker to avoid on a retry, the gRPC code, the retry reason)
-or ValueError (the worker refused the request as invalid). An attempt is registered on the
-workers it occupies (``workers.WorkerPool.begin``), so a worker marked down cancels it; the
-cancellation surfaces here as a ``DispatchError`` with reason ``worker_down``.
-
-The workers mark the chunk of a request's last token with its finish reason; that chunk becomes the
-final ``RequestOutput`` (tokens and finish reason together, as ``AsyncLLMEngine`` yields it).
-
-``Progress`` is what a request sent its client across attempts; after output started it turns a
-failure into a resume (recompute, as vLLM does for a preempted request): the next attempt's prompt
-is the original prompt + the tokens generated so far, with the remaining ``max_tokens``, and the
-router detokenizes and matches stop strings over the whole output itself (``Progress`` docstring).
-"""
+Design notes: docs/DESIGN.md#servicesrouterattemptpy"""
 
 from __future__ import annotations
 
@@ -25,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.convert import finish_reason, output_from_chunk, params_to_proto
 from services.router.workers import Attempt, WorkerHandle, WorkerPool
-from swaserve.api.server import Unavailable
-from swaserve.disagg.convert import finish_reason, output_from_chunk, params_to_proto
+from swaserve.engine.client import Unavailable
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
 from swaserve.routing.load import Lease

@@ -1,36 +1,11 @@
 """The router's engine backend: the OpenAI server (``swaserve.api.server``) over prefill and decode
 workers instead of a local engine.
 
-``ClusterEngine`` has the interface ``build_app`` expects of ``AsyncLLMEngine`` (``generate``
-yielding ``RequestOutput`` deltas, ``tokenizer``, ``model_config``, ``max_model_len``, ``stats``,
-``start``/``stop``), so endpoints, validation and errors are the same as ``swaserve serve``.
-
-One request: pick a prefill and a decode worker among the reachable ones (``routing.RouterRouting``:
-length bucket, prefix-cache affinity and load, with leases counted at dispatch, shared between
-router replicas through Redis), then run an attempt on them (``attempt.AttemptRunner``: prefill
-with ``kv_target`` = the decode worker, then decode, relaying its stream). A failure before the
-decode worker produced anything (prefill worker down or marked down while the request was on it,
-KV transfer refused, decode worker down at the call) is retried on other workers under a new
-attempt id: the prefill runs again (a prefix-cache hit) and its first token must equal the one
-already sent, else the client gets an error event. A retryable failure after decode output reached
-the client (decode worker dead or marked down mid-generation) resumes the request on another
-prefill + decode pair (``attempt.Progress``: prompt + generated tokens, the remaining budget; text
-and stop strings over the whole output; one seamless stream, streaming or not; a seeded sampled
-request may differ from an uninterrupted run after the resume). Retries and resumes share
-``max_retries``. Closing the stream (client gone) cancels the calls and aborts on both workers.
-
-Workers come from the command line and from the runtime worker registry (``admin.WorkerAdmin``,
-``POST/DELETE/GET /workers``), polled with the routing state; ``workers.WorkerPool`` keeps their
-handles, polls them, cancels the requests on a worker marked down and drains removed ones.
-
-When the retries run out on capacity or reachability (a decode worker's KV staging full:
-``Overloaded``; no worker reachable: ``NoWorkerAvailable``) ``generate`` raises an ``Unavailable``
-(HTTP 503, or an error event with its code in a started stream); other failures a RuntimeError,
-except for a request whose output had started: it always ends with an ``Unavailable`` (the two
-above by the last failure's code, else ``Interrupted``), so a non-streaming client gets a 503.
-``stats``/``router_stats`` feed ``/metrics``: token counters of the relayed requests, the workers'
-``GetLoad`` (pools, running, waiting, outstanding tokens), requests by status and retries.
-"""
+``ClusterEngine`` is an ``EngineClient``: per request a prefill + decode pair (``routing``), an
+attempt on them (``attempt``), retries under a new attempt id before decode output and resumes
+after it within ``max_retries``, ``Unavailable`` (503) when out of capacity or workers; stats for
+``/metrics``. Workers: ``workers.WorkerPool``, ``admin.WorkerAdmin``.
+Retries, resume and errors: docs/DESIGN.md#servicesrouterclusterpy"""
 
 from __future__ import annotations
 
@@ -56,8 +31,8 @@ from services.router.attempt import (
 )
 from services.router.routing import RouterRouting, RoutingOptions
 from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
-from swaserve.api.server import Unavailable
 from swaserve.config import ModelConfig
+from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
@@ -65,6 +40,7 @@ from swaserve.metrics import RouterStats
 from swaserve.model.identity import model_identity
 from swaserve.routing.dispatch import NoInstanceError
 from swaserve.routing.load import Lease
+from swaserve.transfer.kv_transfer import KVPayload
 from swaserve.v1 import worker_pb2 as pb
 
 __all__ = [
@@ -80,13 +56,13 @@ __all__ = [
 log = logging.getLogger("swaserve.router")
 
 
-class ClusterEngine:
+class ClusterEngine(EngineClient):
     """Args:
     model_dir: checkpoint dir (tokenizer, config: the workers must serve the same one).
     prefill, decode: worker addresses ``host:port`` (more can be added at runtime).
     model_name: served model name. request_timeout_s: per-request deadline (seconds).
     max_retries: re-dispatches of a request: retries of one that failed before its decode output
-    started, and resumes of one that failed after (module doc).
+    started, and resumes of one that failed after (docs/DESIGN.md#servicesrouterclusterpy).
     poll_s: seconds between ``GetLoad`` polls (worker health and load) and registry syncs.
     routing: worker selection and shared state (default: cache-aware, in this process).
     poll_timeout_s: a poll's deadline (seconds); hung_polls: deadlines missed in a row that mark
@@ -249,12 +225,18 @@ class ClusterEngine:
 
     # -- one request --------------------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        export_kv: bool = False,
+        prefilled: tuple[int, KVPayload] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas of one request through a prefill and a decode worker (module doc).
 
         Raises:
-            ValueError: the workers refused the request (bad input), before any output.
+            ValueError: the workers refused the request (bad input), before any output; KV
+                export or import asked of the router (workers move KV, not the router).
             Overloaded, NoWorkerAvailable: no capacity / no reachable worker in any attempt.
             Interrupted: output had started and the request could not be resumed (resumes used
                 up on another failure, or the resumed request refused).
@@ -267,6 +249,8 @@ class ClusterEngine:
         attempt = 0
         finished = False
         status = "cancelled"  # unless it ends otherwise
+        if export_kv or prefilled is not None:
+            raise ValueError("the router moves no KV itself: export_kv/prefilled go to a worker engine")
         self.in_flight += 1
         try:
             params.validate()

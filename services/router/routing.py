@@ -1,17 +1,9 @@
-"""The router's routing state: the sans-IO core (``swaserve.routing``) over this router's view of
-its workers, with the shared state in Redis when ``redis_url`` is given (stateless replicas) or in
-this process otherwise.
+"""The router's routing state: the sans-IO core (``swaserve.routing``) over this router's view of its
+workers, with the shared state in Redis when ``redis_url`` is given (stateless replicas) or in this
+process otherwise. ``choose``/``release`` reserve and return work, ``observe`` turns polls into
+heartbeats and buckets, ``sync_workers`` merges the worker registry; Redis calls run on one thread.
 
-``RouterRouting.choose`` picks a prefill worker (``Dispatcher.route_prefill``: length bucket,
-prefix index, leases, policy) and a decode worker (``route_decode``), reserving work on both;
-``release`` gives it back. ``observe`` turns each ``GetLoad`` poll into a heartbeat and a length
-bucket, and drops a worker's index entries when it becomes unreachable (its cache is gone).
-Redis calls are blocking: the async router runs them on one thread (``executor``), which also
-serializes the in-memory backend. In ``precise`` index mode an ``IndexFollower`` applies the
-prefill workers' stored/removed block events from Redis before each decision instead of recording
-dispatches (while Redis is down it records them in the local index, as approximate mode does). The worker registry (``swaserve.routing.registry``: workers added or removed at runtime)
-lives in the same Redis; ``sync_workers`` merges this router's copy with it.
-"""
+Design notes: docs/DESIGN.md#servicesrouterroutingpy"""
 
 from __future__ import annotations
 
@@ -23,14 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.routing.buckets import ALL_LENGTHS, LengthBuckets
-from swaserve.routing.cost import preset
 from swaserve.routing.dispatch import Dispatcher, NoInstanceError
-from swaserve.routing.hashing import block_hashes
 from swaserve.routing.index import IndexConfig, InMemoryPrefixIndex, PrefixIndex
 from swaserve.routing.load import InMemoryLoadBook, Lease, LoadBook, WorkerReport
 from swaserve.routing.policy import Decision, make_policy
-from swaserve.routing.registry import RedisWorkerRegistry, RegistryReplica, WorkerRegistry
+from swaserve.routing.redis.registry import RedisWorkerRegistry
+from swaserve.routing.registry import RegistryReplica, WorkerRegistry
+from swaserve.sched.cost import preset
 from swaserve.v1 import worker_pb2 as pb
 
 log = logging.getLogger("swaserve.router")
@@ -90,7 +83,7 @@ class RouterRouting:
         if opts.redis_url:
             import redis
 
-            from swaserve.routing.redis_store import RedisLoadBook, RedisPrefixIndex
+            from swaserve.routing.redis.store import RedisLoadBook, RedisPrefixIndex
             from swaserve.routing.resilient import FallbackBook, FallbackIndex, SharedState
 
             client = redis.Redis.from_url(
@@ -105,7 +98,7 @@ class RouterRouting:
             book = FallbackBook(RedisLoadBook(client, opts.namespace), self.state)
             self.registry = RedisWorkerRegistry(client, opts.namespace)
             if opts.index_mode == "precise":
-                from swaserve.routing.events import IndexFollower
+                from swaserve.routing.redis.events import IndexFollower
 
                 self.follower = IndexFollower(index, client, opts.namespace, clock)
         else:

@@ -1,40 +1,10 @@
 """This router's workers: one ``WorkerHandle`` per worker address, one ``GetLoad`` poll loop each,
 hung-worker detection that cancels the calls in flight, and the drain of a removed worker.
 
-Liveness: a poll refused (UNAVAILABLE) marks a worker down at once; a busy worker answers between
-engine steps, so only ``hung_polls`` polls in a row past ``poll_timeout_s`` (a stopped or wedged
-process) do. Detection of a hung worker thus takes about ``hung_polls x (poll_timeout_s +
-poll_s)`` (defaults 3 x (10 + 1) s). It is not shortened for workers with requests in flight:
-their streams are silent during a long engine step exactly as the poll is (a prefill stream says
-nothing until the first token), so they give no earlier evidence of a hang, and marking a busy
-worker down re-runs its requests elsewhere (double work, under load). Deployments with short steps
-(GPU) lower ``--poll-timeout`` instead.
-
-Cancellation: each attempt of a request (``Attempt``) is registered on the workers it occupies:
-the prefill worker until its part is done (first token streamed, KV pushed, ``complete``), the
-decode worker from the start (the prefill pushes the KV to it) to the end. A prefill that handed
-its KV off is a decode-side request: the prefill worker going down no longer concerns it. Every
-poll that finds a worker down cancels the calls of the attempts registered on it; the attempt's
-reader turns the cancellation into a ``DispatchError`` (reason ``worker_down``), which the
-request retries elsewhere if no decode output reached the client yet, or ends with an error event.
-
-Drain: a removed worker gets no new attempts; when the last one this router has on it ends, its
-poll loop stops, its channel closes and its routing state (index entries, leases, bucket) is
-dropped. Its index entries are dropped already when the drain starts (nothing new goes there).
-
-Refusal: every poll also vets what the worker reports (``vet``). A worker whose
-``model_fingerprint`` differs from the router's model (``swaserve.model.identity``; an empty one,
-from an older worker, is not checked) is refused with ``model_mismatch``; one whose ``boot_id``
-equals that of another worker in use under another address (the same process named twice, e.g.
-``127.0.0.1:P`` and ``localhost:P``) is refused as a ``duplicate``: of the names of one process
-that answer, the smallest address (as text) is used, so every router replica picks the same one
-(also when two routers accepted the two names at once, before their registries synced); a name in
-use is refused as soon as a smaller one answers. A refused worker answers but counts as down and gets no requests, not even as a last resort
-(its requests in flight are left alone: a duplicate's run fine); the reason is logged as an error
-and shown by ``GET /workers``. A worker restarted with the right model, or whose twin left, is
-taken back at its next poll. At start the router waits for the first poll of its command-line
-workers (``settle``) so no request reaches one that is refused.
-"""
+A refused poll marks a worker down at once, ``hung_polls`` missed ``poll_timeout_s`` deadlines in a
+row too; each answer is vetted (another model, or a process already in use under another address:
+refused, kept out of routing with its reason). Attempts registered on a worker marked down are
+cancelled. Liveness, cancellation, drain, refusal: docs/DESIGN.md#servicesrouterworkerspy"""
 
 from __future__ import annotations
 
@@ -49,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from services.router.routing import RouterRouting
-from swaserve.engine.stats import PoolStats
+from swaserve.kvcache.stats import PoolStats
 from swaserve.metrics import WorkerStats
 from swaserve.model.identity import ModelIdentity
 from swaserve.v1 import worker_pb2 as pb

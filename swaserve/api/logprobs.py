@@ -1,4 +1,6 @@
-"""Logprobs in OpenAI's completion and chat formats, with the raw text/bytes of single tokens."""
+"""Logprobs in OpenAI's completion and chat formats (from the engine's ``TokenLogprob`` s), with the
+raw text/bytes of single tokens: a token that starts or ends mid-character (byte-level BPE) has no
+text of its own and is shown by its bytes (``bytes:...``), as OpenAI does."""
 
 from __future__ import annotations
 

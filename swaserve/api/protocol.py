@@ -1,14 +1,11 @@
 """OpenAI-compatible request and response models, and their translation to engine types.
 
-Requests are validated strictly (a string where a number belongs is a 400, not a silent cast);
-unknown fields are ignored because OpenAI clients send many we do not use. Everything a model
-cannot check alone (context length, vocabulary range, sampling ranges) is checked by the helpers
-here and reported as ``ProtocolError``, which the server turns into an OpenAI error body.
+Strict validation (a string where a number belongs is a 400; unknown fields ignored); what a model
+cannot check alone (context length, vocabulary, sampling ranges) raises ``ProtocolError``.
+Extensions (vLLM's spelling): ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``, ``skip_special_tokens``, ``return_token_ids``.
 
-Extensions beyond OpenAI's schema (vLLM's spelling where one exists): ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and
-``return_token_ids`` (adds ``prompt_token_ids`` and ``token_ids`` to each choice).
-"""
+Design notes: docs/DESIGN.md#apiprotocolpy"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Response rendering for the OpenAI endpoints: one accepted request (``Job``) and the renderers
-that turn its engine outputs into completion or chat objects and stream chunks."""
+"""Response rendering for the OpenAI endpoints: one accepted request (``Job``: what it asks and what
+it produced so far) and the renderers that turn its engine outputs into completion or chat objects
+and SSE stream chunks."""
 
 from __future__ import annotations
 

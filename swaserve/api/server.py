@@ -1,31 +1,10 @@
-"""OpenAI-compatible HTTP server around one ``AsyncLLMEngine``.
+"""OpenAI-compatible HTTP server around one ``EngineClient`` (inline engine, engine process, router).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as SSE streams),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. The first output is awaited before the
+response starts (admission errors stay 400 / 503); a client disconnect aborts the engine request.
 
-Request flow::
-
-    JSON body --pydantic--> request model --tokenize, check--> (prompt ids, SamplingParams)
-        --> engine.generate() --first output--> stream (SSE) or collect (JSON)
-
-The first output is awaited before the response starts, so a ValueError the engine raises while
-admitting the request still becomes a 400 (and not an error event inside a 200 stream), and an
-``Unavailable`` (no capacity, no worker: the router's ``Overloaded`` / ``NoWorkerAvailable``) a
-503. Later failures end the stream with an error event (``code`` set for ``Unavailable``). An
-engine that is not running refuses requests and fails ``/health`` with a 503: the ``Unavailable``
-its optional ``unavailable()`` returns (the router: ``no_worker_available`` naming the role that
-has no worker), else ``engine_not_running``.
-
-Client disconnects abort the engine request, which frees its KV pages:
-
-* streaming: sse-starlette listens for ``http.disconnect`` and cancels the task that iterates our
-  event generator; the cancellation lands inside ``engine.generate``'s iterator (or, if we are
-  suspended at a ``yield``, sse-starlette closes our generator, whose ``finally`` closes the
-  engine iterator);
-* non-streaming (and the wait for the first output of a stream): the work runs in a task next to a
-  watcher that blocks on ``receive()`` until ``http.disconnect``; whichever finishes first wins
-  and the other is cancelled.
-"""
+Request flow, errors, disconnects: docs/DESIGN.md#apiserverpy"""
 
 from __future__ import annotations
 
@@ -36,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,11 +37,9 @@ from swaserve.api.protocol import (
 )
 from swaserve.api.render import ChatRenderer, CompletionRenderer, Job, Renderer, sse_data
 from swaserve.config import EngineConfig
+from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.metrics import RequestTimer, ServerMetrics
-
-if TYPE_CHECKING:
-    from swaserve.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,15 +47,6 @@ T = TypeVar("T")
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the work it asked for was done."""
-
-
-class Unavailable(RuntimeError):
-    """The engine cannot serve a request now (no capacity, no worker that can run it); retrying
-    later may work. Engines raise it (or a subclass: the router's ``Overloaded`` and
-    ``NoWorkerAvailable``) from ``generate``; the client gets a 503 with ``code``, or an error event
-    with ``code`` in a stream that had started."""
-
-    code = "service_unavailable"
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -115,11 +83,11 @@ class OpenAIServer:
     """Request handling shared by the endpoints: checks, engine calls, streaming, disconnects.
 
     Args:
-        engine: A started (or to-be-started) AsyncLLMEngine.
+        engine: A started (or to-be-started) engine client.
         metrics: Where to record latencies and finished requests.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = engine.model_name
@@ -270,12 +238,11 @@ class OpenAIServer:
 # Errors
 
 
-def not_running(engine: Any) -> Unavailable | ProtocolError:
-    """The 503 of an engine that is not running: its own reason (``engine.unavailable()``, where
-    it has one: the router's missing worker role), else ``engine_not_running``."""
-    why = getattr(engine, "unavailable", None)
-    reason = why() if why is not None else None
-    if isinstance(reason, Unavailable):
+def not_running(engine: EngineClient) -> Unavailable | ProtocolError:
+    """The 503 of an engine that is not running: its own reason (``engine.unavailable()``: the
+    router's missing worker role, a dead engine core), else ``engine_not_running``."""
+    reason = engine.unavailable()
+    if reason is not None:
         return reason
     return ProtocolError("engine is not running", type="server_error", code="engine_not_running", status=503)
 
@@ -345,7 +312,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 # App
 
 
-def build_app(engine: AsyncLLMEngine, *, manage_engine: bool = True) -> FastAPI:
+def build_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -406,25 +373,41 @@ def build_app(engine: AsyncLLMEngine, *, manage_engine: bool = True) -> FastAPI:
 
 def serve(
     model_dir: str | None, host: str, port: int, engine_config: EngineConfig, model_name: str | None = None
-) -> None:
+) -> int:
     """Load the model, then serve it with uvicorn until interrupted.
 
     Args:
         model_dir: Checkpoint directory; None serves the default model.
         host: Interface to bind (e.g. "127.0.0.1", "0.0.0.0").
         port: TCP port.
-        engine_config: Engine knobs.
+        engine_config: Engine knobs (``engine_process``: inline or a separate core process).
         model_name: Served model name (default: the engine's, i.e. the directory's basename).
+
+    Returns:
+        The exit status: 0, or 1 if the engine core process died (open streams got an error
+        event or a 503 first), so that a supervisor restarts the server.
     """
     import uvicorn
 
-    from swaserve.engine.async_engine import AsyncLLMEngine
+    from swaserve.engine.factory import build_engine_client
 
     if model_dir is None:
         from swaserve.model.checkpoint import default_model_dir
 
         model_dir = str(default_model_dir())
-    engine = AsyncLLMEngine.from_model_dir(model_dir, engine_config, model_name=model_name)
+    dead: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_dead(message: str) -> None:
+        logger.error("%s: shutting down", message)
+        dead.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    engine = build_engine_client(model_dir, engine_config, model_name, on_dead=on_dead)
     app = build_app(engine)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        server.run()
+    return 1 if dead else 0

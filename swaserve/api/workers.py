@@ -1,29 +1,9 @@
-"""The router's worker-management endpoints (``swaserve up``'s router; ``swaserve serve`` has none).
+"""The router's worker-management endpoints (``swaserve up``'s router; ``swaserve serve`` has none):
+``GET /workers`` (state, reason, load, model and process identity of each), ``POST /workers`` (add,
+checked), ``DELETE /workers`` (drain and drop its index entries), over a ``WorkerAdmin``. Changes
+reach every router replica through Redis; bad input is a 4xx OpenAI-style error.
 
-* ``GET /workers`` — every worker the router knows: ``url``, ``instance``, ``role``, ``state``
-  (``up``, ``down``, ``draining``), ``reason`` (why it is down: unreachable, or refused:
-  ``model_mismatch: ...``, ``duplicate: ...``), ``source`` (``flag``: command line, ``registry``:
-  added or changed at runtime), ``bucket`` (prompt tokens ``[lo, hi)``; prefill), requests in
-  flight, and from its last ``GetLoad``: ``running``, ``waiting``, ``queue_order`` (``fcfs`` or
-  ``compute``), ``model_fingerprint``, ``model`` (its description) and ``boot_id`` (its process);
-  the list also has the router's own ``model_fingerprint`` and ``model``.
-* ``POST /workers`` ``{"url": "host:port", "role": "prefill"|"decode"}`` — add a worker (checked:
-  it must answer, report that role and the router's model fingerprint, and not be a process
-  already registered under another address). The response shows it as that check found it (its
-  state and load). ``url`` may be ``grpc://host:port``; it is the worker's name in the prefix
-  index too, so give it as the worker names itself (its ``--host``) for ``--index-mode precise``.
-* ``DELETE /workers?url=host:port`` (or a JSON body ``{"url": ...}``) — remove a worker: it drains
-  (no new requests, those in flight finish) and its prefix-index entries are dropped. Removing the
-  last worker of a role is accepted with a ``warning`` in the response: requests fail with 503
-  ``no_worker_available`` until one is added.
-
-Changes go to the routers' shared registry in Redis, so one call reaches every router replica
-within a poll; without Redis they hold on the router that got them, and the response says so
-(``shared: false`` and a ``note``). Bad input is a 4xx with an OpenAI-style error body (``code``:
-``invalid_role``, ``invalid_worker_url``, ``worker_unreachable``, ``role_mismatch``,
-``model_mismatch``, ``worker_exists`` (409: the address serves the other role, or the process is
-registered under another address), ``worker_not_found`` (404)).
-"""
+Reference: docs/OPERATIONS.md#http-router-only-workers; details: docs/DESIGN.md#apiworkerspy"""
 
 from __future__ import annotations
 

@@ -1,33 +1,34 @@
-"""asyncio wrapper around ``LLMEngine``: one background task steps the engine.
+"""The inline engine client: ``LLMEngine`` stepped by one task on the caller's event loop.
 
-Adds and aborts from request handlers are queued and applied by the loop task between steps, so
-the engine core is only ever touched by one step at a time and never while a step runs.
-
-The step runs on the event-loop thread and the loop yields to request handlers after every step.
-Running it in a worker thread (``asyncio.to_thread``) was measured 1.9x slower end to end on the
-2-core CPU machine (64 trace requests: 48 s vs 25 s; offline engine 20 s): the HTTP/SSE work and the
-step fight over the GIL and the cores. Moving the engine core to its own process is the next step.
+Adds and aborts from request handlers are queued and applied between steps; the loop yields
+1 ms to handlers after each step. A step blocks the loop while it runs (HTTP, gRPC and probes
+wait behind it): ``engine.mp_client`` runs the core in its own process instead. An engine
+failure ends every open stream with an error and the loop keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from swaserve.config import EngineConfig
+from swaserve.engine.client import LocalEngineClient, queue_stream
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
+from swaserve.kvcache.block_events import BlockEvent
+from swaserve.transfer.kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
 _YIELD_S = 0.001  # event-loop time given to request handlers after each step
 
 
-class AsyncLLMEngine:
-    """Serves many concurrent ``generate`` streams from one engine loop."""
+class AsyncLLMEngine(LocalEngineClient):
+    """Serves many concurrent ``generate`` streams from one engine loop (``EngineClient``)."""
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine = engine
@@ -35,6 +36,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.engine_config = engine.config
+        self.kv_dtype = engine.core.dtype
         self.max_model_len = engine.max_model_len
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending: list[tuple[str, Any]] = []
@@ -71,19 +73,24 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    async def flush_cache(self) -> None:
+        self.engine.kv.flush_cache()  # on the loop thread: never during a step
+
+    async def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:
+        return self.engine.drain_cache_events(resync)
+
     async def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
         export_kv: bool = False,
-        prefilled: tuple[int, Any] | None = None,
+        prefilled: tuple[int, KVPayload] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request. Raises ValueError (before any output) on bad input.
-
-        ``export_kv`` (prefill role): the final output carries the prompt's KV (``kv_payload``).
-        ``prefilled`` (decode role): ``(first_token, KVPayload)``; see ``LLMEngine.add_prefilled``.
-        """
+        """``EngineClient.generate``."""
         if not self.running:
             raise RuntimeError("engine loop is not running (call start())")
         if request_id in self._queues:
@@ -92,22 +99,17 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         extra = {"export_kv": export_kv, "prefilled": prefilled}
-        self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.clock(), extra))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._submit("abort", request_id)
+        self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.core.clock(), extra))
+        async with contextlib.aclosing(
+            queue_stream(queue, lambda ended: self._closed(request_id, ended))
+        ) as s:
+            async for out in s:
+                yield out
+
+    def _closed(self, request_id: str, ended: bool) -> None:
+        self._queues.pop(request_id, None)
+        if not ended:
+            self._submit("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
@@ -166,11 +168,7 @@ class AsyncLLMEngine:
 
     def _fail_all(self, message: str) -> None:
         """Abort every engine request and end every open stream with an error (never a hang)."""
-        for rid in list(self.engine.requests):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # keep going: every stream must be ended
-                log.exception("abort of %s failed", rid)
-                self.engine.requests.pop(rid, None)
+        for rid in self.engine.core.abort_all():
+            self.engine.processor.remove(rid)
         for q in self._queues.values():
             q.put_nowait(RuntimeError(message))

@@ -1,17 +1,10 @@
 """Incremental detokenization with stop strings, and the stop-token check.
 
-Streaming needs the text of each new token as soon as it is final, but a token's text is not a
-function of the token alone: byte-level BPE can split one multibyte UTF-8 character over several
-tokens, and some tokenizers (SentencePiece) render a token differently depending on what precedes
-it. :class:`IncrementalDetokenizer` therefore decodes a short window of recent tokens twice -- the
-already-printed part ("prefix") and the prefix plus the new tokens -- and prints the difference
-once it no longer ends in an incomplete character (U+FFFD). The window restarts at every clean
-point, so each call costs O(new tokens), not O(all tokens).
+``IncrementalDetokenizer`` decodes a short window of recent tokens twice (printed prefix, prefix +
+new tokens) and prints the difference once it no longer ends in an incomplete UTF-8 character:
+O(new tokens) per call. Text that could start a stop string is held back; output is cut before one.
 
-On top of that, stop strings are matched on the printed text: text that could be the beginning
-of a stop string is held back until it is known not to be one, and when a stop string appears the
-output is cut just before it.
-"""
+Design notes: docs/DESIGN.md#enginedetokenizerpy"""
 
 from __future__ import annotations
 

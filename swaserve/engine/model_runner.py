@@ -17,7 +17,8 @@ from torch.nn.utils.rnn import pad_sequence
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.engine.scheduler import ScheduledChunk
 from swaserve.kvcache.host import HostKVStorage
-from swaserve.kvcache.manager import KindManager, KVCacheManager
+from swaserve.kvcache.kind import KindManager
+from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.attention import KindMeta, SeqAttn
 from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM

@@ -1,4 +1,6 @@
-"""A request's life inside the engine: tokens, progress, sampling and detokenization state."""
+"""A request's life inside the engine core: ``Request`` holds its prompt and output token ids,
+``num_computed`` (tokens of both whose KV is in the pools), its status, times and sampling state,
+and in the PD roles the KV payload it exports or imports."""
 
 from __future__ import annotations
 
@@ -9,9 +11,8 @@ from typing import TYPE_CHECKING
 from swaserve.engine.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
-    from swaserve.disagg.kv_transfer import KVPayload
-    from swaserve.engine.detokenizer import IncrementalDetokenizer
     from swaserve.engine.sampler import SamplingState
+    from swaserve.transfer.kv_transfer import KVPayload
 
 
 class RequestStatus(Enum):
@@ -40,7 +41,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     sampling: SamplingState | None = None
-    detok: IncrementalDetokenizer | None = None
     cached_tokens: int = 0
     bypassed: int = 0  # waiting requests admitted ahead of this one while it was at the queue head
     export_kv: bool = False  # prefill role: capture the prompt's KV (``kv_payload``) when it finishes

@@ -1,28 +1,11 @@
 """Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
 
-One :meth:`Sampler.sample` call turns the last-position logits of every request scheduled in an
-engine step into one token per request. Semantics follow the OpenAI / vLLM conventions:
+One ``Sampler.sample`` call turns the last-position logits of a step's requests into one token
+each, by the OpenAI / vLLM conventions: repetition (CTRL, Keskar et al. 2019), frequency and
+presence penalties, greedy at temperature 0, top-k then top-p then min-p, one inverse-CDF draw per
+request (its own generator when seeded). Logprobs: ``log_softmax`` of the raw logits.
 
-1. Repetition penalty (CTRL, Keskar et al. 2019): for every token id seen in prompt + output, a
-   positive logit is divided by the penalty and a negative one multiplied by it.
-2. Frequency / presence penalties over output tokens only:
-   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-3. ``temperature == 0``: greedy ``argmax`` of the penalized logits (bit-identical to
-   ``torch.argmax``), otherwise the logits are divided by the temperature.
-4. top-k, then top-p (smallest set of most likely tokens whose mass reaches ``top_p``; the top
-   token is always kept), then min-p (drop tokens with ``p < min_p * p_max``).
-   Tokens whose probability is below 1e-38 of the top token's (not representable in float32)
-   are treated as zero.
-5. One draw from the resulting categorical distribution (inverse CDF with one uniform number per
-   request, taken from the request's own generator when it has a seed, else from the global RNG;
-   a seeded request therefore gets the same tokens whatever else is in the batch).
-
-Logprobs, when asked for, are ``log_softmax`` of the raw model logits (before penalties and
-temperature), like vLLM's default ``raw_logprobs`` mode.
-
-All work is batched over the rows that need it; the only per-row Python work is drawing one
-uniform number for each seeded request and building penalty index tensors.
-"""
+Exact semantics: docs/DESIGN.md#enginesamplerpy"""
 
 from __future__ import annotations
 
@@ -137,7 +120,7 @@ class SamplingState:
 
 
 class Sampler:
-    """Stateless batched sampler (see the module docstring for the exact semantics)."""
+    """Stateless batched sampler (exact semantics: docs/DESIGN.md#enginesamplerpy)."""
 
     def __init__(self, top_p_candidates: int = _TOP_P_CANDIDATES) -> None:
         """Args:

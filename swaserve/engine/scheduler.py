@@ -1,30 +1,11 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
-Each step: decoding requests first (one token each, so a long prefill never stalls them), then
-requests still prefilling, in admission order (each gets the next chunk that fits the remaining
-budget and the pools), then waiting requests are admitted, in arrival order (FCFS) or by
-``routing.priority.ComputeAwarePriority`` (fewest uncached tokens first, aged by waiting time,
-with a hard bound on waiting; the uncached count is the prefix cache's match when the request
-arrived; none for a request that arrives with its KV), while both pools can reserve their
-guaranteed pages and fewer than ``max_num_seqs`` run. Under the compute priority, prefills in
-progress compete with waiting requests by the same key over their *remaining* tokens
-(``key(arrival, tokens left, tokens computed, now)``): waiting requests with a smaller key than
-every prefill in progress are admitted first, then the prefills in progress get their chunks in
-key order, then the rest are admitted. So a short request does not wait for a long prompt that
-started before it (chunk-level preemption: the paused prefill keeps its pages and resumes where
-it stopped; outputs do not change). A prefill in progress that is overdue (``max_wait_s`` or more since it
-arrived) has key ``(0, arrival)`` and is paused only for older overdue requests, so the
-starvation bound holds. A request that does not fit yet (e.g. a chat
-whose default max_tokens fills the context) does not block smaller ones behind it, but only
-``max_bypass`` requests may overtake the head of the queue; then admission waits for the head, so
-it cannot starve. Prefill and decode share a step (Sarathi-Serve, Agrawal et al. OSDI'24,
-"stall-free batching"); requests join and leave between steps.
-
-The waiting order is kept incrementally (``WaitingQueue``), not sorted each step: with n waiting,
-``add`` and admission cost O(log n) comparisons (plus a list memmove), and a step O(m log n) for
-the m requests that became overdue since the previous one; the full sort it replaces cost
-O(n log n) key evaluations per step.
-"""
+Each step: decodes first, then prefills in progress, then waiting requests admitted FCFS or by
+``sched.priority`` (prefills in progress then compete by their remaining work: chunk-level
+preemption), while the pools can reserve their pages; at most ``max_bypass`` requests overtake a
+blocked head. Prefill and decode share a step (Sarathi-Serve, Agrawal et al. OSDI'24,
+"stall-free batching"); ``WaitingQueue`` keeps the order incrementally.
+Design notes: docs/DESIGN.md#engineschedulerpy"""
 
 from __future__ import annotations
 
@@ -35,7 +16,7 @@ from itertools import chain, islice
 
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.kvcache.manager import KVCacheManager
-from swaserve.routing.priority import ComputeAwarePriority
+from swaserve.sched.priority import ComputeAwarePriority
 
 
 @dataclass(frozen=True)
@@ -262,7 +243,7 @@ class Scheduler:
     def _admit(
         self, now: float, budget: int, chunks: list[ScheduledChunk], below: tuple[int, float] | None = None
     ) -> int:
-        """Admit waiting requests in order (bypass rules in the module docstring), each with its
+        """Admit waiting requests in order (bypass rules: docs/DESIGN.md#engineschedulerpy), each with its
         first chunk, while ``budget`` and ``max_num_seqs`` allow; with ``below``, only requests
         whose priority key is smaller. Returns the budget left."""
         i = 0
@@ -274,7 +255,8 @@ class Scheduler:
             req = self.waiting[i]
             imported = req.kv_payload is not None and not req.export_kv
             prompt = None if imported else req.prompt_token_ids  # imported KV: no cache lookup
-            if not self.kv.admit(req.request_id, req.max_total_tokens, prompt):
+            adm = self.kv.admit(req.request_id, req.max_total_tokens, prompt)
+            if adm is None:
                 i += 1  # a request that fits may go ahead of one that does not (yet)
                 continue
             if imported:
@@ -282,7 +264,7 @@ class Scheduler:
                     raise RuntimeError("request with KV to import but no importer (internal error)")
                 self.on_import(req)
             else:
-                req.num_computed = req.cached_tokens = self.kv.hit_tokens(req.request_id)
+                req.num_computed = req.cached_tokens = adm.hit_tokens
             self.waiting.pop(i)
             if i > 0:
                 self.waiting[0].bypassed += 1

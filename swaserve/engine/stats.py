@@ -1,55 +1,13 @@
-"""Snapshots of engine and KV-pool state, for metrics, benches and tests."""
+"""Snapshot of engine state, for metrics, benches and tests: ``EngineStats`` (running and waiting
+requests, token totals, each pool's ``PoolStats``, the prefix cache's ``CacheStats`` and pages,
+outstanding and prefill tokens). Its kvcache types are imported at run time: msgspec decodes them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from swaserve.kvcache.prefix_cache import CacheStats
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """Exact page accounting of one KV pool ("full" or "swa").
-
-    Attributes:
-        total_pages: Pages in the pool.
-        used_pages: Pages not free now: held by requests or by the prefix cache.
-        peak_used_pages: Most pages not free at once since start.
-        page_bytes: Bytes of one page across all layers of the pool (K and V).
-        num_layers: Layers whose KV lives in this pool.
-        cached_pages: Pages owned by the prefix cache (evictable unless a request locks them).
-    """
-
-    total_pages: int
-    used_pages: int
-    peak_used_pages: int
-    page_bytes: int
-    num_layers: int
-    cached_pages: int = 0
-
-    @property
-    def request_pages(self) -> int:
-        """Pages requests own (not counting cache pages they share)."""
-        return self.used_pages - self.cached_pages
-
-    @property
-    def free_pages(self) -> int:
-        return self.total_pages - self.used_pages
-
-    @property
-    def used_bytes(self) -> int:
-        return self.used_pages * self.page_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.total_pages * self.page_bytes
-
-    @property
-    def usage(self) -> float:
-        """Fraction of pages in use, 0..1."""
-        return self.used_pages / self.total_pages if self.total_pages else 0.0
+from swaserve.kvcache.prefix_cache import CacheStats  # at run time: msgspec decodes these (engine.ipc)
+from swaserve.kvcache.stats import PoolStats
 
 
 @dataclass(frozen=True)
@@ -61,3 +19,5 @@ class EngineStats:
     generation_tokens_total: int = 0
     prefix_cache: CacheStats | None = None
     cache_pages: dict[str, int] = field(default_factory=dict)  # pages the prefix cache holds per tier
+    outstanding_tokens: int = 0  # prompt tokens not computed yet + output tokens still allowed
+    prefill_tokens: int = 0  # prompt tokens not computed yet

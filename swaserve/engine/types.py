@@ -1,4 +1,6 @@
-"""Plain request/response value types shared by the engine, sampler and API layers."""
+"""Plain request/response value types shared by the engine, sampler and API layers: ``SamplingParams``,
+``RequestOutput`` (a per-step delta with cumulative usage), ``TokenLogprob``, ``FinishReason``, and
+``EngineLimits`` (what a request may ask; checked in the front and again in the core)."""
 
 from __future__ import annotations
 
@@ -110,4 +112,56 @@ class RequestOutput:
     arrival_time: float = 0.0  # engine clock (time.monotonic), seconds
     first_scheduled_time: float | None = None  # when the request first got a prefill slot
     first_token_time: float | None = None
-    kv_payload: Any = None  # prefill role, final output: the prompt's KV (``disagg.kv_transfer.KVPayload``)
+    kv_payload: Any = None  # prefill role, final output: the prompt's KV (``transfer.kv_transfer.KVPayload``)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What requests an engine can take; the front checks with these before a request reaches
+    the core (the core checks again).
+
+    Attributes:
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        max_model_len: longest prompt + ``max_tokens`` (tokens).
+        max_fit_tokens: longest prompt + ``max_tokens`` empty KV pools could ever hold.
+        page_size: tokens per KV page. kv_pages: pages of the full-attention pool.
+    """
+
+    vocab_size: int
+    max_model_len: int
+    max_fit_tokens: int
+    page_size: int
+    kv_pages: int
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a user-facing message if the request cannot be served."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                f"asks for {total} ({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens)"
+            )
+        if total > self.max_fit_tokens:
+            raise ValueError(
+                f"request of {total} tokens can never fit in the KV cache "
+                f"({self.kv_pages} pages of {self.page_size} tokens)"
+            )
+
+    def check_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, payload: Any
+    ) -> None:
+        """Raise ValueError unless ``payload`` (a ``KVPayload``) covers this prompt and
+        ``first_token`` is a token id."""
+        if payload.num_tokens != len(prompt_token_ids) or payload.request_id != request_id:
+            raise ValueError(
+                f"KV payload of {payload.request_id!r} covers {payload.num_tokens} tokens, "
+                f"prompt {request_id!r} has {len(prompt_token_ids)}"
+            )
+        if not 0 <= first_token < self.vocab_size:
+            raise ValueError(f"first token id {first_token} out of range")

@@ -1,48 +1,44 @@
 """The prefix cache's event log (sans IO): which blocks of ``block_tokens`` tokens became cached or
-left the cache, for the router's precise-mode index (``routing.events``).
+left the cache, for the router's precise-mode index (``routing.redis.events``).
 
-A block ``b`` of a token sequence (tokens ``[b*B, (b+1)*B)``) is *cached* while the radix tree
-holds a path for all of ``[0, (b+1)*B)``, i.e. while the full-attention KV of the block and of
-everything before it is on device or host. The rule is about full-attention KV only:
-
-* a node created by an insert stores the blocks ending inside it: a ``stored`` event;
-* a node unlinked from the tree (device eviction without a host copy, host-tier drop, subtree
-  deletion, flush) removes the blocks ending inside it and inside its descendants: ``removed``;
-* splits and merges only reshape nodes, host <-> device moves and SWA trimming / tombstoning /
-  revival leave the full KV where it is: nothing is emitted for them. A prefix whose SWA window
-  is gone still saves the full-layer work when its window is recomputed.
-
-A block ending inside a node is owned by that node alone (its end position lies in exactly one
-node's span ``(start, end]`` on the path), so each block is stored and removed exactly once per
-stay in the tree, and applying the events in order to an index yields the tree's block set.
-Blocks only partly covered by the tree are not cached.
-
-A stored event carries only the new blocks, linked to the block before them (``parent``, ``depth``),
-when the path continues a chain this log sent whole less than ``refresh_s`` seconds before (the
-next chunk of a chunked prefill, the next turn of a conversation): the index gives them the
-parent's last use, so a long prompt costs O(blocks) index writes, not O(blocks^2). Otherwise the
-event carries the whole chain from the root block, which refreshes the ancestors' last use in the
-index, so a chain in use is never older there than ``refresh_s`` plus a drain interval. Time is the
-caller's clock at the last ``drain(now)`` (before the first one: the first one's; no clock ever
-given: time stands still, every continuation is linked). Consecutive stored events of one chain between two drains merge into one.
-
-Chain keys are ``routing.hashing.block_hashes`` over the path tokens from the root; the last few
-chains are remembered (tokens compared in C, not re-hashed), so a chunk costs O(chunk) hashing.
-``snapshot`` walks the whole tree into ``cleared`` + stored chains (one per leaf, each linked to
-its branch point): the re-send after lost events. Nothing at all is done while the log is disabled.
-"""
+A block is cached while the tree holds the full-attention KV of it and of everything before it,
+on device or host; splits, merges, tier moves and SWA-only changes emit nothing. ``BlockEventLog``:
+stored chains (or new blocks linked to a chain sent whole less than ``refresh_s`` ago), removed
+blocks, and ``snapshot`` (``cleared`` + every cached block). Rules: docs/DESIGN.md#kvcacheblock_eventspy"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.kvcache.radix import RadixNode
-from swaserve.routing.events import BlockEvent
-from swaserve.routing.hashing import block_hashes
 
+EventOp = Literal["stored", "removed", "cleared"]
+OPS: tuple[EventOp, ...] = ("stored", "removed", "cleared")
 REFRESH_S = 10.0  # seconds a whole-chain event stays the base of linked ones (index TTL: 1 h)
 MEMO_CHAINS = 16  # chains remembered for linking and hashing (interleaved chunked prefills)
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """One change of an instance's cached blocks.
+
+    Attributes:
+        op: ``stored`` (``hashes``: blocks ``depth, depth + 1, ...`` of one chain that became
+            cached), ``removed`` (these blocks' full KV left the cache on every tier; any order) or
+            ``cleared`` (no hashes: forget every block of the instance; a snapshot follows).
+        hashes: block keys (``kvcache.hashing.block_hashes``), unsigned 64-bit ints.
+        parent: stored only: the key of block ``depth - 1`` when the blocks continue a chain stored
+            before (None: ``hashes`` start at the root block, ``depth`` 0).
+        depth: stored only: position of ``hashes[0]`` in its chain.
+    """
+
+    op: EventOp
+    hashes: tuple[int, ...]
+    parent: int | None = None
+    depth: int = 0
 
 
 def path_tokens(x: RadixNode | None) -> list[int]:
@@ -67,7 +63,7 @@ class BlockEventLog:
     Args:
         block_tokens: tokens per block (``B``), a positive multiple of ``page_size``.
         page_size: the tree's tokens per page.
-        salt: chain seed (``routing.hashing.root_hash``); the router must hash with the same.
+        salt: chain seed (``kvcache.hashing.root_hash``); the router must hash with the same.
         refresh_s: seconds (of the drain clock) a chain sent whole stays the base of linked events.
 
     Raises:

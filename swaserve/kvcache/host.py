@@ -1,17 +1,11 @@
 """Host-memory KV tier (L2): page tensors in host memory and the copies between tiers.
 
-Layout per attention kind and layer mirrors ``KVStorage`` at page granularity::
+Per kind and layer ``host_k [host_pages, page_size, num_kv_heads, head_dim]`` and ``host_v [...,
+v_head_dim]`` (pinned when CUDA is used). ``to_host`` copies device pages out; ``to_device`` copies
+them back layer by layer, on a GPU on a side stream so layer ``i + 1`` loads while layer ``i``
+computes (the layer-wise overlap of SGLang HiCache / Mooncake's store).
 
-    host_k[kind][layer]: [host_pages, page_size, num_kv_heads, head_dim]   (pinned when CUDA is used)
-    host_v[kind][layer]: [host_pages, page_size, num_kv_heads, v_head_dim]
-
-``to_host`` copies device pages out (at eviction, or write-through after a second hit).
-``to_device`` copies host pages back before a request that hit them runs, layer by layer: on a
-GPU each layer's copy goes on a side stream and records an event, and the model waits for layer
-``i``'s event just before layer ``i`` attends (``ForwardBatch.before_layer``), so layer ``i + 1``
-loads while layer ``i`` computes (the layer-wise overlap of SGLang HiCache / Mooncake's store). On a
-CPU the copies are synchronous: the tiers are still separate memory and every copy really happens.
-"""
+Design notes: docs/DESIGN.md#kvcachehostpy"""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Consistency checks of pools, page tables, the radix tree and the host tier (tests, debugging).
 
-``check(kv)`` raises ``AssertionError`` naming the first broken invariant:
+``check(kv)`` raises ``AssertionError`` naming the first broken invariant: page ownership across
+pools and tiers, reservations, admissions and locks, tree shape, SWA eviction categories.
 
-* every page of every pool (device full/SWA, host full/SWA) is free, or owned by exactly one
-  owner: a tree node or one request (its private pages); nothing is both free and referenced;
-* a request's shared pages are pages of the tree; reservations add up to the pool's;
-* lock counts are non-negative and equal the number of live lock handles covering the node;
-* every node holds its full KV on device or host; device SWA implies device full KV; nodes off
-  the device have no descendant on it; every SWA-locked node has live SWA KV;
-* (SWA-aware) no unlocked leaf on device is a SWA tombstone;
-* every node is in the SWA eviction category its state implies, with a live LRU entry.
-"""
+The invariants: docs/DESIGN.md#kvcacheinvariantspy"""
 
 from __future__ import annotations
 
@@ -85,6 +78,10 @@ def check(kv: KVCacheManager) -> None:
             assert all(p in tree_pages for p in shared), f"request {rid}: shared {name} page not in tree"
             _claim(owners[name], t.private(), f"request {rid}", name)
         assert sum(t.reserved for t in k.tables.values()) == k.pool.reserved, f"{name}: reservations"
+    assert set(kv.admitted) == set(kv.full.tables), "admitted requests and page tables differ"
+    live = {h.id for h in cache.tree.handles()} if cache is not None else set()
+    for rid, a in kv.admitted.items():
+        assert a.lock is None or a.lock.id in live, f"request {rid}: its cache lock is not a live handle"
     pools: dict[str, PagePool | None] = {"full": kv.full.pool, "swa": kv.swa.pool}
     if cache is not None:
         pools["host_full"], pools["host_swa"] = cache.host_full, cache.host_swa

@@ -1,17 +1,10 @@
 """Least-recently-used order per eviction category: lazy min-heaps keyed by a use stamp.
 
-SWA eviction works in stages (trim inner nodes, trim leaves, tombstone inner nodes; see
-``kvcache.prefix_cache``), each least recently used first. Scanning one LRU list per stage and
-skipping the nodes of other stages costs O(nodes) per eviction; here each stage has its own heap of
-``(stamp, id, node)`` so the next candidate of a stage is found in O(log n), amortized.
+``CategoryLRU``: one heap of ``(stamp, id, node)`` per SWA eviction stage, so the next candidate of a
+stage costs O(log n) amortized instead of a scan; a touch only sets the node's stamp, and stale or
+dead entries are fixed when they reach the top.
 
-A node is in at most one category at a time (``node.swa_q``); entries of other categories are
-dead and dropped when they reach the top. Touching a node only sets its stamp (O(1), as a cache
-hit touches every node of a long path): an entry that reaches the top with an older stamp than its
-node's is pushed again with the new one, so each touch costs at most one heap push, and only if
-the node is looked at. Moving a node between categories keeps its stamp, so its LRU position is
-kept too. A heap is rebuilt from its live entries when dead ones outnumber them.
-"""
+Design notes: docs/DESIGN.md#kvcachelrupy"""
 
 from __future__ import annotations
 

@@ -1,184 +1,45 @@
-"""Per-attention-kind KV page managers and the two-pool ``KVCacheManager``.
+"""``KVCacheManager``: the full and SWA pools, a ``KindManager`` each (``kvcache.kind``), and the
+prefix cache, managed together.
 
-Full-attention layers keep every token's KV: a request's page table grows with its length.
-Sliding-window layers only need the last ``window`` tokens before each query: a request holds the
-pages covering ``[start - window, end)`` of the chunk being computed, and pages wholly before
-``start - window`` go back to the pool when the next chunk is allocated — after the previous step
-has finished, so no page a step in flight reads is ever recycled. ::
-
-    positions   0 ... 15 | 16 ... 31 | 32 ... 47 | 48 ... 63 |      (page_size 16, window 20)
-    chunk [50, 60):  SWA keys needed from 30  ->  page 0 freed, pages 1..3 held
-    full pool:                                    pages 0..3 held
-
-Admission reserves, in each pool, the most pages the request can hold at once that it must be
-guaranteed (full: prompt + max_tokens; SWA: window + one token, i.e. ceil(window / page) + 2),
-so a running request never fails for lack of pages. Prefill chunks bigger than that draw on
-unreserved free pages; the scheduler sizes chunks with ``max_chunk``.
+Admission (``admit`` -> one ``Admission`` per request, or None: no room now) reserves, in each
+pool, the most pages the request can hold at once that it must be guaranteed (full: prompt +
+max_tokens; SWA: window + one token, i.e. ceil(window / page) + 2), so a running request never
+fails for lack of pages. Prefill chunks bigger than that draw on unreserved free pages; the
+scheduler sizes chunks with ``max_chunk``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from swaserve.config import FULL, SWA
-from swaserve.engine.stats import PoolStats
+from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import PageMover
+from swaserve.kvcache.kind import FullAttentionManager, KindManager, SlidingWindowManager
+from swaserve.kvcache.plan import PoolPlan
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.prefix_cache import Acquired, PrefixCache, WritePolicy
 from swaserve.kvcache.radix import CacheLock
-from swaserve.routing.events import BlockEvent
+from swaserve.kvcache.stats import PoolStats
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass(slots=True)
+class Admission:
+    """What an admitted request got (``KVCacheManager.admit``); one record per admitted request.
 
-
-@dataclass
-class PageTable:
-    """A request's pages in one pool: ``pages[i]`` holds logical page ``base + i``."""
-
-    base: int = 0
-    pages: list[int] = field(default_factory=list)
-    guarantee: int = 0  # pages this request is promised it can hold at once
-    reserved: int = 0  # part of the guarantee not allocated yet (held in the pool's reservation)
-    slot_cache: torch.Tensor | None = None  # slots of every held position, rebuilt when pages change
-    shared_end: int = 0  # logical pages below this belong to the prefix cache (locked, never freed here)
-
-    @property
-    def end_page(self) -> int:
-        return self.base + len(self.pages)
-
-    def private(self) -> list[int]:
-        """Pages this request owns (logical >= shared_end)."""
-        return self.pages[max(0, self.shared_end - self.base) :]
-
-
-class KindManager:
-    """Page tables of one attention kind over one ``PagePool``.
-
-    Args:
-        pool: the page pool. page_size: tokens per page.
-        window: previous tokens each query sees (None = full attention, keep everything).
+    Attributes:
+        hit_tokens: prompt tokens whose KV the prefix cache gave it (page-aligned; 0: none).
+        host_tokens: of ``hit_tokens``, those loaded from the host tier.
+        diverge: where its prompt leaves the cached tree past the hit without a SWA window there
+            (its first chunk ends there, see ``max_chunk``); None: nowhere worth a stop.
+        lock: its hold on the prefix cache (None: none); replaced when its own prefix is inserted.
     """
 
-    def __init__(self, pool: PagePool, page_size: int, window: int | None) -> None:
-        self.pool = pool
-        self.page_size = page_size
-        self.window = window
-        self.tables: dict[str, PageTable] = {}
-        self.keep_boundary_window = False  # set when a prefix cache will take the request's pages
-
-    def guarantee_for(self, max_total_tokens: int, cached_pages: int = 0) -> int:
-        """Own pages a request must be sure to get (``cached_pages`` come from the prefix cache)."""
-        total = cdiv(max_total_tokens, self.page_size)
-        if self.window is None:
-            return total - cached_pages
-        return min(total, cdiv(self.window, self.page_size) + 2)
-
-    def can_admit(self, max_total_tokens: int) -> bool:
-        return self.pool.can_reserve(self.guarantee_for(max_total_tokens))
-
-    def admit(
-        self, rid: str, max_total_tokens: int, base: int = 0, shared: list[int] | None = None, cached: int = 0
-    ) -> bool:
-        """Reserve the request's guarantee; its table starts with the cache's ``shared`` pages
-        (logical ``base ..``, ending at logical page ``cached``)."""
-        if rid in self.tables:
-            raise ValueError(f"request {rid} already admitted")
-        g = self.guarantee_for(max_total_tokens, cached)
-        if not self.pool.reserve(g):
-            return False
-        self.tables[rid] = PageTable(
-            base=base, pages=list(shared or []), guarantee=g, reserved=g, shared_end=cached
-        )
-        return True
-
-    def first_needed_page(self, start: int) -> int:
-        """Lowest logical page a chunk starting at ``start`` reads (with ``keep_boundary_window``:
-        or that the last page boundary ``b <= start`` needs, so the request can still be cached
-        window-safely up to ``b``; at most one more page, within the guarantee)."""
-        if self.window is None:
-            return 0
-        if self.keep_boundary_window:
-            start = start // self.page_size * self.page_size
-        return max(0, start - self.window) // self.page_size
-
-    def pages_to_add(self, rid: str, start: int, end: int) -> tuple[int, int]:
-        """(pages that would be freed, pages that must be allocated) for chunk [start, end)."""
-        t = self.tables[rid]
-        freed = max(0, min(self.first_needed_page(start), t.end_page) - t.base)
-        new = max(0, cdiv(end, self.page_size) - t.end_page)
-        return freed, new
-
-    def allocate(self, rid: str, start: int, end: int) -> bool:
-        """Free pages before the window of chunk [start, end) and add pages up to ``end``.
-
-        Returns False (nothing allocated, but out-of-window pages may have been freed) if the pool
-        has no room for the pages beyond the request's guarantee.
-        """
-        t = self.tables[rid]
-        first = self.first_needed_page(start)
-        if first > t.base:
-            k = min(first, t.end_page) - t.base
-            dropped, t.pages = t.pages[:k], t.pages[k:]
-            own = max(0, t.shared_end - t.base)  # dropped[:own] belong to the prefix cache
-            t.base = t.base + k if t.pages else first
-            self.pool.free(dropped[own:])
-            t.slot_cache = None
-            self._rebalance(t)
-        new = cdiv(end, self.page_size) - t.end_page
-        if new <= 0:
-            return True
-        from_res = min(new, t.reserved)
-        pages = self.pool.allocate(new, from_reserved=from_res)
-        if pages is None:
-            return False
-        t.reserved -= from_res
-        t.pages.extend(pages)
-        t.slot_cache = None
-        return True
-
-    def _rebalance(self, t: PageTable) -> None:
-        """After freeing, top the reservation back up to the guarantee."""
-        want = max(0, t.guarantee - len(t.private()))
-        if want > t.reserved:
-            if not self.pool.reserve(want - t.reserved):  # cannot fail: the freed pages are free
-                raise RuntimeError("reservation invariant broken")
-            t.reserved = want
-
-    def free(self, rid: str) -> None:
-        t = self.tables.pop(rid, None)
-        if t is None:
-            return
-        self.pool.free(t.private())
-        self.pool.unreserve(t.reserved)
-
-    def slots(self, rid: str, lo: int, end: int) -> torch.Tensor:
-        """Pool slots [end - lo] int64 of positions ``lo .. end-1`` (all within held pages)."""
-        t = self.tables[rid]
-        first = t.base * self.page_size
-        if lo < first or end > t.end_page * self.page_size or lo > end:
-            raise RuntimeError(f"request {rid}: positions [{lo}, {end}) outside held pages (internal error)")
-        if t.slot_cache is None:
-            pages = torch.tensor(t.pages, dtype=torch.int64)
-            t.slot_cache = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        return t.slot_cache[lo - first : end - first]
-
-    def held(self, rid: str) -> int:
-        return len(self.tables[rid].pages)
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """How a KV byte budget splits into the two pools (see ``plan_pools``)."""
-
-    full_pages: int
-    swa_pages: int
-    full_page_bytes: int
-    swa_page_bytes: int
+    hit_tokens: int = 0
+    host_tokens: int = 0
+    diverge: int | None = None
+    lock: CacheLock | None = None
 
 
 class KVCacheManager:
@@ -212,13 +73,14 @@ class KVCacheManager:
         if layout not in ("hybrid", "full"):
             raise ValueError(f"kv layout must be 'hybrid' or 'full', got {layout!r}")
         self.plan, self.page_size, self.window, self.layout = plan, page_size, window, layout
-        self.full = KindManager(
-            PagePool(plan.full_pages, plan.full_page_bytes, num_full_layers), page_size, None
+        self.full: KindManager = FullAttentionManager(
+            PagePool(plan.full_pages, plan.full_page_bytes, num_full_layers), page_size
         )
-        self.swa = KindManager(
-            PagePool(plan.swa_pages, plan.swa_page_bytes, num_swa_layers),
-            page_size,
-            window if layout == "hybrid" else None,
+        swa_pool = PagePool(plan.swa_pages, plan.swa_page_bytes, num_swa_layers)
+        self.swa: KindManager = (
+            SlidingWindowManager(swa_pool, page_size, window, keep_boundary_window=prefix_caching)
+            if layout == "hybrid"
+            else FullAttentionManager(swa_pool, page_size)  # the SWA-unaware baseline keeps every page
         )
         self.has_swa = num_swa_layers > 0
         self.cache: PrefixCache | None = None
@@ -237,10 +99,7 @@ class KVCacheManager:
                 mover,
                 write_policy,
             )
-            self.swa.keep_boundary_window = True
-        self.locks: dict[str, CacheLock | None] = {}
-        self.hits: dict[str, tuple[int, int]] = {}  # rid -> (cached tokens, of which from host)
-        self.diverge: dict[str, int] = {}  # rid -> where its prompt leaves the tree, past its hit
+        self.admitted: dict[str, Admission] = {}  # rid -> what it got at admission
 
     def _kinds(self) -> list[KindManager]:
         return [self.full, self.swa] if self.has_swa else [self.full]
@@ -252,12 +111,12 @@ class KVCacheManager:
     def can_admit(self, max_total_tokens: int) -> bool:
         return all(k.can_admit(max_total_tokens) for k in self._kinds())
 
-    def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None = None) -> bool:
-        """Reserve the request's guaranteed pages in both pools, or nothing.
+    def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None = None) -> Admission | None:
+        """Reserve the request's guaranteed pages in both pools, or nothing (None: no room now).
 
         With a prefix cache and ``prompt``, the longest window-safe cached prefix (page-aligned, at
         most ``len(prompt) - 1`` tokens) is locked and becomes the start of the request's page
-        tables; ``hit_tokens(rid)`` says how long it is. Cache pages are evicted to make room.
+        tables; the ``Admission`` says how long it is. Cache pages are evicted to make room.
         """
         P = self.page_size
         acq: Acquired | None = None
@@ -273,7 +132,7 @@ class KVCacheManager:
         if not all(k.pool.can_reserve(g) for k, g in zip(self._kinds(), gs, strict=True)):
             if acq is not None and self.cache is not None:
                 self.cache.release(acq.lock)
-            return False
+            return None
         if acq is None or n == 0:
             for k in self._kinds():
                 k.admit(rid, max_total_tokens)
@@ -288,15 +147,13 @@ class KVCacheManager:
                 self.swa.admit(rid, max_total_tokens, base, shared, n)  # type: ignore[arg-type]
         if acq is not None and self.cache is not None:
             self.cache.record(len(prompt or []), acq)
-        self.locks[rid] = acq.lock if acq is not None else None
-        self.hits[rid] = (acq.length, acq.host_tokens) if acq is not None else (0, 0)
-        if acq is not None and acq.diverge > acq.length and self.swa.window is not None and self.has_swa:
-            self.diverge[rid] = acq.diverge
-        return True
-
-    def hit_tokens(self, rid: str) -> int:
-        """Prompt tokens the request reuses from the prefix cache (0 if none or not admitted)."""
-        return self.hits.get(rid, (0, 0))[0]
+        adm = Admission()
+        if acq is not None:
+            adm.hit_tokens, adm.host_tokens, adm.lock = acq.length, acq.host_tokens, acq.lock
+            if acq.diverge > acq.length and self.swa.window is not None and self.has_swa:
+                adm.diverge = acq.diverge
+        self.admitted[rid] = adm
+        return adm
 
     def max_chunk(self, rid: str, start: int, end: int) -> int:
         """Largest n <= end - start such that chunk [start, start + n) can be allocated now
@@ -306,7 +163,7 @@ class KVCacheManager:
         (``diverge``): ``cache_partial`` after it keeps that window, so the next prompt branching
         at the same point gets a window-safe hit (a branch point found by traffic, not guessed).
         """
-        d = self.diverge.get(rid, 0)
+        d = self.admitted[rid].diverge or 0
         if start < d < end:
             end = d
         if self.cache is not None:
@@ -338,11 +195,15 @@ class KVCacheManager:
 
     def allocate(self, rid: str, start: int, end: int) -> bool:
         ok = all(k.allocate(rid, start, end) for k in self._kinds())
-        lock = self.locks.get(rid)
-        if ok and lock is not None and lock.swa_nodes and self.cache is not None:
-            t = self.swa.tables[rid]
-            if self.swa.window is not None and t.base >= t.shared_end:
-                self.cache.tree.unlock_swa(lock)  # the window has moved past the cached prefix
+        lock = self.admitted[rid].lock
+        if (
+            ok
+            and lock is not None
+            and lock.swa_nodes
+            and self.cache is not None
+            and self.swa.window_past_cache(rid)
+        ):
+            self.cache.tree.unlock_swa(lock)  # the window has moved past the cached prefix
         return ok
 
     def cache_partial(self, rid: str, tokens: list[int]) -> bool:
@@ -388,7 +249,8 @@ class KVCacheManager:
         assert self.cache is not None
         K = len(full)
         ft = self.full.tables[rid]
-        lock = self.locks.get(rid)
+        adm = self.admitted[rid]
+        lock = adm.lock
         shared = ft.shared_end
         after = (lock.node, shared) if lock is not None and shared > 0 else None
         if after is None:
@@ -398,10 +260,9 @@ class KVCacheManager:
             return
         new_lock = self.cache.tree.lock(node)
         self.cache.release(lock)
-        self.locks[rid] = new_lock
-        ft.guarantee -= K - ft.shared_end
+        adm.lock = new_lock
         ft.pages[shared:K] = tree_full
-        ft.shared_end = K
+        self.full.share(ft, K)
         ft.slot_cache = None
         if self.has_swa:
             st = self.swa.tables[rid]
@@ -409,9 +270,7 @@ class KVCacheManager:
                 page = tree_swa[i - shared]
                 assert page is not None, "window page of a cached prefix is a tombstone"
                 st.pages[i - st.base] = page
-            if self.swa.window is None:
-                st.guarantee -= K - st.shared_end
-            st.shared_end = K
+            self.swa.share(st, K)
             # cache pages before the next chunk's window leave the table now: the new lock does
             # not cover them, so the tree may evict them
             first = min(self.swa.first_needed_page(tokens_done), K)
@@ -419,7 +278,7 @@ class KVCacheManager:
                 st.pages = st.pages[first - st.base :]
                 st.base = first
             st.slot_cache = None
-            self.swa._rebalance(st)
+            self.swa.rebalance(st)
 
     def free(self, rid: str, tokens: list[int] | None = None) -> None:
         """Release a request (finished or aborted). With a prefix cache and ``tokens`` (the tokens
@@ -450,10 +309,9 @@ class KVCacheManager:
                     st.shared_end = st.base
         for k in (self.full, self.swa):
             k.free(rid)
+        adm = self.admitted.pop(rid, None)
         if self.cache is not None:
-            self.cache.release(self.locks.pop(rid, None))
-        self.hits.pop(rid, None)
-        self.diverge.pop(rid, None)
+            self.cache.release(adm.lock if adm is not None else None)
 
     def enable_cache_events(self, block_tokens: int) -> None:
         """Log the prefix cache's stored / removed blocks of ``block_tokens`` tokens
@@ -467,9 +325,9 @@ class KVCacheManager:
         """The prefix cache's block events since the last drain, oldest first (empty if off).
         ``now``: the caller's clock in seconds (``BlockEventLog.drain``; None keeps the log's).
         ``resync``: a snapshot of the whole cache instead (``BlockEventLog.snapshot``)."""
-        if self.cache is None or self.cache.tree.events is None:
+        if self.cache is None or self.cache.events is None:
             return []
-        log = self.cache.tree.events
+        log = self.cache.events
         return log.snapshot(self.cache.tree.root, now) if resync else log.drain(now)
 
     def flush_cache(self) -> None:

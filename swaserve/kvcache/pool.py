@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from swaserve.engine.stats import PoolStats
+from swaserve.kvcache.stats import PoolStats
 
 
 class PagePool:

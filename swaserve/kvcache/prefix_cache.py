@@ -1,25 +1,11 @@
 """The prefix cache: radix tree + independent SWA / full eviction + the host-memory tier.
 
-Eviction (device), two LRUs over the tree's nodes:
+``PrefixCache``: ``acquire`` (window-safe match, host pages loaded back, lock), SWA eviction in
+stages (trim to the window, tombstone inner nodes, evict leaves) and full eviction (leaves), each
+least recently used first; host tier (L2) with the ``on_evict`` or ``second_hit`` write policy;
+optional block events for the router's precise index.
 
-* **SWA** (hybrid layout only), when the SWA pool runs short, least recently used first in each
-  stage: trim unlocked inner nodes, then leaves, to their trailing window (split, tombstone the
-  head: a hit ending at the node's end needs only that window); then tombstone inner nodes whole;
-  then evict unlocked leaves whole (a tombstoned leaf could never be hit again).
-* **full**, when the full pool runs short: unlocked device leaves (nodes with no child on device),
-  least recently used first. A node whose full KV leaves the device moves to the host tier when it
-  has (or, with the ``on_evict`` policy, gets) a host copy; otherwise it is deleted. A parent left
-  as an unlocked tombstone leaf is evicted too, so no tombstone is ever a leaf.
-
-Host tier (L2, optional): ``host_full`` / ``host_swa`` pools with their own LRU. Write policy
-``on_evict`` copies a node out when the device evicts it; ``second_hit`` copies it when it is hit the
-second time (SGLang HiCache's selective write-through), so eviction later costs nothing. Only the
-trailing ``ceil(W / page)`` SWA pages of a node get a host copy. Matches extend into host-resident
-pages; ``acquire`` loads them back (all or nothing) before the request runs.
-
-Events (optional, ``enable_events``): the blocks whose full-attention KV enters or leaves the tree,
-for the router's precise-mode index (rules in ``kvcache.block_events``; SWA-only changes emit none).
-"""
+Eviction stages and host tier: docs/DESIGN.md#kvcacheprefix_cachepy"""
 
 from __future__ import annotations
 
@@ -27,11 +13,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swaserve.config import FULL, SWA
-from swaserve.kvcache.block_events import BlockEventLog
+from swaserve.kvcache.block_events import BlockEvent, BlockEventLog
 from swaserve.kvcache.host import NoCopy, PageMover
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import INNER, TRIM_INNER, TRIM_LEAF, CacheLock, RadixNode, RadixTree
-from swaserve.routing.events import BlockEvent
 
 WritePolicy = Literal["on_evict", "second_hit"]
 
@@ -89,6 +74,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self._pinned: set[RadixNode] = set()
         self._suspects: set[RadixNode] = set()  # nodes that may have become dead leaves
+        self.events: BlockEventLog | None = None  # the block event log (``enable_events``)
 
     @property
     def has_host(self) -> bool:
@@ -98,17 +84,17 @@ class PrefixCache:
     def enable_events(self, block_tokens: int, salt: str = "") -> None:
         """Start logging stored / removed block events (``kvcache.block_events``) of
         ``block_tokens``-token blocks. Raises ValueError unless it is a multiple of the page size."""
-        self.tree.events = BlockEventLog(block_tokens, self.page_size, salt)
+        self.events = self.tree.events = BlockEventLog(block_tokens, self.page_size, salt)
 
     def drain_events(self) -> list[BlockEvent]:
         """Events since the last drain, oldest first (empty when events are off)."""
-        return self.tree.events.drain() if self.tree.events is not None else []
+        return self.events.drain() if self.events is not None else []
 
     def _detach(self, y: RadixNode) -> None:
         """Unlink ``y`` (off device; with its subtree) from its parent: its blocks leave the tree."""
         assert y.parent is not None
-        if self.tree.events is not None:
-            self.tree.events.removed(y)
+        if self.events is not None:
+            self.events.removed(y)
         del y.parent.children[tuple(y.key[: self.page_size])]
         self._suspects.add(y.parent)
         y.parent = None

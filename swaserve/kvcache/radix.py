@@ -1,42 +1,22 @@
 """SWA-aware radix tree over page-aligned token ids: the prefix cache's structure, match and insert.
 
-Each node owns a run of whole pages of token ids (``key``, ``len(key) % page_size == 0``) and,
-per tier, the pages that hold their KV::
+Nodes hold device and host full and SWA pages (a node without SWA pages is a tombstone). A hit of
+length ``L`` is returned only if the full KV of ``[0, L)`` and the SWA KV of ``[L - W, L)`` are held
+("window-safe"); requests lock their path (full) and last window (SWA). After SGLang's SWA radix
+cache and vLLM v1's hybrid KV cache manager; eviction is in ``kvcache.prefix_cache``.
 
-    full      device full-pool pages      authoritative: a node exists while its full KV exists
-    swa       device SWA-pool pages       may be freed alone: the node is then a *SWA tombstone*
-    host_full host copies of ``full``     (the L2 tier, see ``kvcache.host``)
-    host_swa  host copies of SWA pages    per page; only a node's trailing window needs one
-
-Match rule ("window-safe length"): a hit of length ``L`` (page-aligned) is returned only if the full
-KV of ``[0, L)`` is held (device or host) and the SWA KV of ``[max(0, L - W), L)`` is too. The run of
-consecutive SWA-live pages restarts at every tombstone on the path, so a hit that would read
-recycled SWA slots (a "pseudo-hit") cannot be returned. The longest such ``L`` wins. With
-``window=None`` (``--kv-layout full``) SWA KV is needed for the whole prefix: the SWA-unaware
-baseline, same tree.
-
-Locks: a running request holds a full lock on its whole matched path (``lock`` counts on every
-node up to the root) and a SWA lock on the nodes covering its last ``W`` tokens (``swa_lock``).
-Nothing locked is evicted. Splits copy both counts to the new upper node, and a SWA-lock handle
-learns about the new node, so unlocking is exact however the tree was split meanwhile.
-
-The design follows SGLang's SWA radix cache (tombstones, two LRUs; sglang/srt/mem_cache) and vLLM
-v1's hybrid KV cache manager (per-attention-type hit rules); the code is ours. Eviction and the host
-tier live in ``kvcache.prefix_cache``.
-"""
+Page fields, match rule and locks: docs/DESIGN.md#kvcacheradixpy"""
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from swaserve.kvcache.lru import CategoryLRU
 from swaserve.kvcache.pool import PagePool
-
-if TYPE_CHECKING:
-    from swaserve.kvcache.block_events import BlockEventLog
 
 # SWA eviction categories of a node with live device SWA KV (SWA-aware trees only): more than a
 # window of it ("trim"), on an inner node (a device child) or a leaf; an inner node all of whose
@@ -44,8 +24,15 @@ if TYPE_CHECKING:
 TRIM_INNER, TRIM_LEAF, INNER, HELD, LEAF = "trim_inner", "trim_leaf", "inner", "held", "leaf"
 
 
+class StoredSink(Protocol):
+    """Told when tokens enter the tree (``kvcache.block_events.BlockEventLog`` is one)."""
+
+    def stored(self, tokens: Sequence[int], new_from: int) -> None:
+        """``tokens`` (from the root) are now a path of the tree; those from ``new_from`` are new."""
+
+
 class RadixNode:
-    """One edge of the radix tree (see module doc for the page fields)."""
+    """One edge of the radix tree (page fields: docs/DESIGN.md#kvcacheradixpy)."""
 
     __slots__ = (
         "children",
@@ -143,7 +130,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._handles: dict[int, CacheLock] = {}
         self._handle_ids = itertools.count()
-        self.events: BlockEventLog | None = None  # set by PrefixCache.enable_events
+        self.events: StoredSink | None = None  # set by PrefixCache.enable_events
 
     def lock_root(self) -> None:
         self.root.lock = 1 << 30  # never evicted

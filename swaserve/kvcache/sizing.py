@@ -1,39 +1,15 @@
-"""Split one KV byte budget between the full-attention pool and the SWA pool.
+"""Split one KV byte budget between the full-attention pool and the SWA pool (``plan_pools``).
 
-Notation: ``P`` page size (tokens), ``W`` window (previous tokens a SWA query sees), ``N`` expected
-concurrency (``max_num_seqs``), ``C`` per-step token budget (``max_num_batched_tokens``), ``b``
-bytes per element, ``L_f``/``L_s`` full/SWA layer counts, ``h`` KV heads, ``d_k``/``d_v`` head dims.
-
-    page_bytes_full = L_f * P * h_f * (d_k,f + d_v,f) * b
-    page_bytes_swa  = L_s * P * h_s * (d_k,s + d_v,s) * b
-
-hybrid layout: each running request holds at most ``ceil(W/P) + 2`` SWA pages while decoding (its
-window plus the page being written, unaligned), and the prefill chunks of one step add at most
-``ceil(C/P) + 1`` more, so
-
-    swa_pages  = N * (ceil(W/P) + 2) + ceil(C/P) + 1        (capped at half the budget)
-    full_pages = (budget - swa_pages * page_bytes_swa) // page_bytes_full
-
-hybrid layout with prefix caching: the SWA pool also holds the windows the cache keeps (prompt
-ends, branch points, chunked-prefill checkpoints), so it gets ``r`` SWA pages per full page
-(``r`` = ``swa_full_tokens_ratio``, default ``DEFAULT_SWA_FULL_TOKENS_RATIO``), and never less than
-the running requests' need above:
-
-    full_pages = budget / (page_bytes_full + r * page_bytes_swa),  swa_pages = r * full_pages
-
-The default r = 1/9 keeps a window (W = 128 tokens at P = 16: 8 pages) for about one in every
-72 cached pages; measured on the Mooncake conversation trace (``swaserve bench prefix-cache``,
-docs/BENCHMARKS.md) it gives the full pool about the trace's working set at a budget of a quarter
-of the full layout's footprint, and a 0.986 x ideal hit rate.
-
-full layout (SWA-unaware baseline): every layer keeps every token, so both pools get the same
-number of pages: ``pages = budget // (page_bytes_full + page_bytes_swa)``.
-"""
+Hybrid: the SWA pool gets what the running requests and one step's chunks need,
+``max_num_seqs * (ceil(W/P) + 2) + ceil(C/P) + 1`` pages (at most half the budget), the full pool
+the rest; with prefix caching at least ``r`` SWA pages per full page (``swa_full_tokens_ratio``,
+default 1/9). Full layout (SWA-unaware): equal page counts, ``budget // (full + SWA page bytes)``.
+Notation and derivation: docs/DESIGN.md#kvcachesizingpy"""
 
 from __future__ import annotations
 
 from swaserve.config import EngineConfig, ModelConfig
-from swaserve.kvcache.manager import PoolPlan, cdiv
+from swaserve.kvcache.plan import PoolPlan, cdiv
 
 DEFAULT_SWA_FULL_TOKENS_RATIO = 1 / 9
 

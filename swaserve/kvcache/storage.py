@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from swaserve.config import FULL, SWA, ModelConfig
-from swaserve.kvcache.manager import PoolPlan
+from swaserve.kvcache.plan import PoolPlan
 
 
 class KVStorage:

@@ -1,17 +1,11 @@
 """Attention over paged KV, with per-head sinks and sliding windows.
 
-KV layout of one attention kind (full or SWA), for all layers of that kind::
+Per attention kind and layer, ``k_cache [num_pages * page_size, num_kv_heads, head_dim]`` and
+``v_cache [..., v_head_dim]`` (slot = page * page_size + offset); ``KindMeta`` gives the write slots
+and each sequence's key slots and mask. Sinks (gpt-oss / MiMo-V2): one learned logit per head in the
+softmax denominator, ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``.
 
-    k_cache[layer_of_kind]: [num_pages * page_size, num_kv_heads, head_dim]     (slot = page * page_size + offset)
-    v_cache[layer_of_kind]: [num_pages * page_size, num_kv_heads, v_head_dim]
-
-``KindMeta`` (built once per step by the model runner, shared by every layer of the kind) says
-where each new token's K/V goes (``write_slots``) and, per sequence, which slots hold the keys it
-reads and which of them each query may see (causal, and for SWA ``kv_pos > q_pos - sliding_window``).
-
-Sinks (gpt-oss / MiMo-V2 "attention sink bias"): one learned logit per head that joins the softmax
-denominator and contributes no value: ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``.
-"""
+Design notes: docs/DESIGN.md#modelattentionpy"""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Random MiMo-V2 checkpoints for tests, demos and benchmarks.
 
-``make_checkpoint`` builds a randomly initialised ``MiMoV2FlashForCausalLM`` with transformers' own
-classes and writes it with ``save_pretrained``, so the files have exactly the key layout that
-transformers (and the XiaomiMiMo hub checkpoints) use: per-expert
-``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, ``self_attn.attention_sink_bias`` on SWA
-layers, a float32 router ``mlp.gate.weight`` and ``mlp.gate.e_score_correction_bias``. Next to the
-weights it writes a byte-level BPE tokenizer trained on a committed slice of real agent transcripts
-(``data/corpus``) with a ChatML chat template.
+``make_checkpoint`` builds a random ``MiMoV2FlashForCausalLM`` with transformers' own classes
+(``save_pretrained``: the hub's key layout) and a byte-level BPE tokenizer trained on ``data/corpus``
+with a ChatML template; every detail that changes logits is non-trivial on purpose. ``to_hub_style``
+rewrites config.json in the hub's spelling; ``quantize_fp8`` writes the hub's block-wise FP8 format.
 
-Every detail that changes logits is made non-trivial on purpose (attention sinks, router correction
-biases, RMSNorm weights, weight scales large enough that logits are far from uniform), so a loader or
-kernel that drops one of them produces visibly different outputs.
-
-``to_hub_style`` rewrites ``config.json`` with the hub's key spelling and ``quantize_fp8`` converts a
-checkpoint to the hub's block-wise FP8 (e4m3) format, sharded with an index file.
-"""
+Design notes: docs/DESIGN.md#modelcheckpointpy"""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Model identity: what a router and its workers must agree on, as one short stable digest.
 
-The router tokenizes prompts, renders chat templates and detokenizes outputs; its workers compute
-logits over the same token ids and pass KV from prefill to decode. Serving mixed models fails in
-confusing ways (a prompt id out of a worker's vocabulary blamed on the client, or silently wrong
-text), so each worker reports ``fingerprint`` in ``GetLoad`` and the router refuses a worker whose
-fingerprint differs from its own model's.
+``fingerprint``: SHA-256 (16 hex digits) over a canonical JSON of the ``ModelConfig`` fields its
+equality compares and the tokenizer's vocabulary and special ids; not the weights, FP8 quantization,
+chat template or directory name. Workers report it in ``GetLoad``; a router refuses a worker of
+another model.
 
-``fingerprint`` is a SHA-256 (first 16 hex digits) over a canonical JSON of
-
-* the ``ModelConfig`` fields its equality compares: vocabulary size, layer kinds, head shapes,
-  window, RoPE, MoE routing, norms, context length, EOS ids: everything that changes logits or the
-  KV layout. The FP8 ``quantization`` block is not compared: an FP8 and a bf16 copy of one model
-  match; hub-style and transformers-style spellings of one config match (both parse to the same
-  ``ModelConfig``);
-* the tokenizer's vocabulary (token -> id, added tokens included) and its special token ids.
-
-Not included: the weights (hashing hundreds of GB at every start is not affordable: two
-checkpoints with the same config and tokenizer but other weights, such as a fine-tune, match),
-the directory name, the chat template (only the router applies it) and generation defaults.
-"""
+What is compared and why: docs/DESIGN.md#modelidentitypy"""
 
 from __future__ import annotations
 

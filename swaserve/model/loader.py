@@ -1,20 +1,11 @@
 """Load a MiMo-V2 Hugging Face checkpoint directory into ``MiMoV2ForCausalLM``.
 
-Accepted layouts (checkpoint key -> our parameter):
+Safetensors (single, sharded, indexed); per-expert (hub) or fused (transformers v5) expert weights,
+stacked into ``w_gate``/``w_up`` [E, I, H] and ``w_down`` [E, H, I]; separate or fused qkv; FP8 block
+weights (DeepSeek-V3 format) dequantized at load; MTP weights kept aside. Anything missing or left
+over raises ``LoadError`` naming the tensors.
 
-* ``*.safetensors`` (one file, several, or several with ``model.safetensors.index.json``);
-* experts per expert (hub: ``mlp.experts.N.{gate,up,down}_proj.weight``) or fused
-  (transformers v5: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]),
-  stacked into ``w_gate``/``w_up`` [E, I, H] and ``w_down`` [E, H, I];
-* attention q/k/v separate or fused ``qkv_proj`` (split by head shapes);
-* sinks as ``attention_sink_bias`` (hub) or ``sinks`` (transformers module name);
-* FP8 block-quantized weights (``float8_e4m3fn`` + ``weight_scale_inv`` per
-  ``weight_block_size`` block, DeepSeek-V3 format): dequantized at load,
-  ``w = fp8.float() * scale_inv[i // bm, j // bn]``, since CPU torch has no FP8 matmul;
-* ``model.mtp.*``: kept aside in ``model.mtp_state`` for multi-token prediction.
-
-Anything missing or left over raises ``LoadError`` naming the tensors.
-"""
+Key mapping: docs/DESIGN.md#modelloaderpy"""
 
 from __future__ import annotations
 

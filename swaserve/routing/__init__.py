@@ -1,3 +1,3 @@
-"""Cluster routing core, sans IO: prefix index (in-memory / Redis), load leases, cost model,
-worker selection, compute-aware priority, length buckets. Used by the router service and by the
-simulator (``swaserve.sim``) alike."""
+"""Cluster routing core, sans IO: prefix index and load book (in-memory; Redis adapters in
+``routing.redis``), worker selection, length buckets, dispatch, worker registry. Used by the router
+service and by the simulator (``swaserve.sim``) alike."""

@@ -1,16 +1,9 @@
-"""Prompt-length buckets: each prefill instance declares the prompt lengths it serves, so similar
-work batches together and long prompts do not queue behind (or in front of) short ones.
+"""Prompt-length buckets: each prefill instance declares the prompt lengths it serves (``[lo, hi)``),
+so similar work batches together and long prompts do not queue behind (or in front of) short ones.
+``candidates(n)`` falls back to the nearest non-empty bucket; ``PRODUCTION_BUCKETS`` is the preset
+for 1M-context models (0-64K / 64K-256K / 256K-1M).
 
-An instance's range is ``[lo, hi)`` tokens. ``candidates(n)`` returns the instances whose range
-holds ``n``; if none is live, those of the nearest non-empty bucket (by distance from ``n`` to the
-range, ties to the longer bucket, which can always run a shorter prompt). Instances without a
-declared range serve every length.
-
-Defaults: the bundled CPU model has one bucket (its context is 4k tokens and 2 cores can hold
-only a few workers). The production preset for 1M-context models is 0-64K / 64K-256K / 256K-1M
-(``PRODUCTION_BUCKETS``): a 1M-token prefill takes minutes on one instance and would hold a batch
-of 64K prompts behind it.
-"""
+Design notes: docs/DESIGN.md#routingbucketspy"""
 
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from swaserve.routing.buckets import LengthBuckets
-from swaserve.routing.cost import CostModel
 from swaserve.routing.index import PrefixIndex
 from swaserve.routing.load import DEFAULT_LEASE_TTL_S, Lease, LoadBook
 from swaserve.routing.policy import Candidate, Decision, Policy, choose_decode
+from swaserve.sched.cost import CostModel
 
 
 class NoInstanceError(RuntimeError):

@@ -1,106 +1,22 @@
-"""Precise mode of the prefix index: prefill workers publish the blocks their prefix cache stores
-and removes, and the router's index follows them (instead of guessing at dispatch). ::
+"""The precise-mode index's pure half: stream entries <-> ``kvcache.block_events.BlockEvent``
+(``entry_fields`` / ``parse_entry``) and their application to a ``PrefixIndex`` (``apply_events``).
 
-    worker: PrefixCache event log --drain--> RedisEventPublisher --XADD--> {ns}:events (a stream)
-    router: IndexFollower --XREAD after its last id--> apply_events --> PrefixIndex.record / evict
-
-Events (``BlockEvent``) are about *full-attention KV presence* on one instance, device or host
-tier. ``stored`` carries blocks that just became cached: a chain from the root block, or (``parent``
-set) only the new blocks continuing a chain stored a moment before, at ``depth`` (the first new
-block's position; ``parent`` is the key of the block before it). The index gives linked blocks
-their parent's last use, so a long prompt stored chunk by chunk costs O(blocks) index writes, not
-O(blocks^2); the worker's log sends the whole chain again when its last whole-chain event is older
-than ``kvcache.block_events.REFRESH_S``, which refreshes the ancestors' last use. ``removed``
-carries keys of blocks whose full KV left the instance's cache on every tier. ``cleared`` (no
-hashes) drops every entry of the instance (``remove_instance``): it starts a *snapshot*, the
-instance's whole state as ``stored`` chains. SWA-only changes emit nothing: the index says where
-the expensive full-layer KV is. The event log itself lives in ``kvcache.block_events``.
-
-Stream entries (one per event): ``instance`` (the worker's address, as the router names it),
+Stream entry fields (one per event): ``instance`` (the worker's address, as the router names it),
 ``op``, ``hashes`` (decimal keys, comma-separated: Lua and JSON would round 64-bit integers;
 empty for ``cleared``), ``seq`` (the publisher's entry counter: 0, 1, 2, ...), and for linked
-stored events ``parent`` and ``depth``.
-
-Loss and recovery. Events can be lost: the worker drops batches while Redis is slow or down
-(``services.index_events``), a Redis restarted without persistence loses the stream and the index,
-and the stream is capped (``XADD MAXLEN ~``, ``DEFAULT_STREAM_MAXLEN``), so a follower further
-behind than the cap misses entries. A lost event is never repaired one by one; the instance
-re-publishes a snapshot, after which the index holds exactly its cache again. Who notices:
-
-* the worker, after a dropped batch or a failed publish: it re-publishes once Redis answers;
-* the worker, when Redis lost its marker key ``{ns}:pub:<instance>`` (set by each snapshot to the
-  publisher's random ``epoch``; ``check`` reads it every second): Redis restarted empty, or
-  another process took this instance's name; a new worker process always starts with one;
-* a follower, when an instance's ``seq`` skips (trimmed entries, a follower that started after the
-  instance, entries a pipeline lost): it applies the entry anyway and asks for a snapshot by adding
-  the instance to the set ``{ns}:resync``, which the worker's ``check`` reads and clears.
-
-A snapshot's ``cleared`` entry resets a follower's expected ``seq``. Events drained after the
-snapshot are published after it, so they apply after it. An instance that publishes nothing after
-a follower's gap is not noticed by that follower (it cannot know the instance); the index's TTL
-bounds that. With several routers on one Redis index, every follower applies every entry; a
-lagging one re-applies old entries for a while (the same state once it catches up).
-
-Redis errors propagate from both classes; callers decide (the worker drops and re-sends later, a
-router falls back to its local index).
+stored events ``parent`` and ``depth``. The Redis stream itself: ``routing.redis.events``.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
+from swaserve.kvcache.block_events import OPS, BlockEvent
 from swaserve.routing.index import PrefixIndex
 
 log = logging.getLogger(__name__)
-
-EventOp = Literal["stored", "removed", "cleared"]
-OPS: tuple[EventOp, ...] = ("stored", "removed", "cleared")
-
-# 100k entries of a few hundred bytes each (a stored entry carries the blocks new since its
-# chain's last entry; a 32K-token chain of 64-token blocks is ~10 KB when sent whole) hold minutes
-# of events of a busy cluster in tens of MB; a router replica that is down longer re-reads what is
-# left and asks the instances whose entries it missed for a snapshot.
-DEFAULT_STREAM_MAXLEN = 100_000
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """One change of an instance's cached blocks.
-
-    Attributes:
-        op: ``stored`` (``hashes``: blocks ``depth, depth + 1, ...`` of one chain that became
-            cached), ``removed`` (these blocks' full KV left the cache on every tier; any order) or
-            ``cleared`` (no hashes: forget every block of the instance; a snapshot follows).
-        hashes: block keys (``routing.hashing.block_hashes``), unsigned 64-bit ints.
-        parent: stored only: the key of block ``depth - 1`` when the blocks continue a chain stored
-            before (None: ``hashes`` start at the root block, ``depth`` 0).
-        depth: stored only: position of ``hashes[0]`` in its chain.
-    """
-
-    op: EventOp
-    hashes: tuple[int, ...]
-    parent: int | None = None
-    depth: int = 0
-
-
-def stream_key(namespace: str) -> str:
-    """The Redis stream of a cluster's events: ``{namespace}:events`` (a hash tag, as the keys of
-    ``routing.redis_store``, so a Redis Cluster keeps them in one slot)."""
-    return "{" + namespace + "}:events"
-
-
-def resync_key(namespace: str) -> str:
-    """The set of instances a follower asked for a snapshot: ``{namespace}:resync``."""
-    return "{" + namespace + "}:resync"
-
-
-def marker_key(namespace: str, instance: str) -> str:
-    """An instance publisher's marker: ``{namespace}:pub:<instance>`` (its epoch)."""
-    return "{" + namespace + "}:pub:" + instance
 
 
 def apply_events(index: PrefixIndex, instance: str, events: Iterable[BlockEvent], now: float) -> int:
@@ -134,71 +50,17 @@ def apply_events(index: PrefixIndex, instance: str, events: Iterable[BlockEvent]
     return n
 
 
-class RedisEventPublisher:
-    """A worker's side: XADD events to ``stream_key(namespace)``, numbered by ``seq``.
-
-    Args:
-        client: a ``redis.Redis`` (either ``decode_responses`` setting).
-        namespace: the cluster's key prefix (the routers' ``RedisPrefixIndex`` namespace).
-        instance: this worker's name in the index: the address the router dispatches to.
-        maxlen: approximate cap on the stream's entries (``MAXLEN ~``), >= 1.
-
-    Raises:
-        ValueError: ``maxlen < 1`` or an empty ``instance``.
-    """
-
-    def __init__(
-        self, client: Any, namespace: str, instance: str, maxlen: int = DEFAULT_STREAM_MAXLEN
-    ) -> None:
-        if maxlen < 1:
-            raise ValueError(f"maxlen must be at least 1, got {maxlen}")
-        if not instance:
-            raise ValueError("instance must not be empty")
-        self.r, self.key, self.instance, self.maxlen = client, stream_key(namespace), instance, maxlen
-        self.resync_key, self.marker_key = resync_key(namespace), marker_key(namespace, instance)
-        self.epoch = uuid.uuid4().hex  # this publisher's marker value
-        self.seq = 0  # the next entry's number
-
-    def publish(self, events: Sequence[BlockEvent]) -> int:
-        """Append ``events`` in order, one entry each, in one round trip (a pipeline); stored and
-        removed events without hashes are left out. A batch holding a ``cleared`` event (a
-        snapshot) also sets this publisher's marker. Returns the entries added.
-
-        Raises:
-            Redis errors (then some of the entries may have been added; ``seq`` moved past all).
-        """
-        todo = [e for e in events if e.hashes or e.op == "cleared"]
-        if not todo:
-            return 0
-        pipe = self.r.pipeline(transaction=False)
-        for e in todo:
-            fields = {"instance": self.instance, "op": e.op, "hashes": ",".join(map(str, e.hashes))}
-            fields["seq"] = str(self.seq)
-            self.seq += 1
-            if e.parent is not None:
-                fields |= {"parent": str(e.parent), "depth": str(e.depth)}
-            pipe.xadd(self.key, fields, maxlen=self.maxlen, approximate=True)
-        if any(e.op == "cleared" for e in todo):
-            pipe.set(self.marker_key, self.epoch)
-        pipe.execute()
-        return len(todo)
-
-    def check(self) -> bool:
-        """Whether this instance must re-publish its whole state: a follower asked (the request is
-        taken), or the marker is not this publisher's (Redis restarted empty, no snapshot was
-        published yet, or another publisher uses this instance name). One round trip.
-
-        Raises:
-            Redis errors.
-        """
-        pipe = self.r.pipeline(transaction=False)
-        pipe.srem(self.resync_key, self.instance)
-        pipe.get(self.marker_key)
-        asked, mark = pipe.execute()
-        return bool(asked) or mark is None or _text(mark) != self.epoch
+def entry_fields(instance: str, event: BlockEvent, seq: int) -> dict[str, str]:
+    """The stream entry fields of ``instance``'s ``event``, its publisher's entry number ``seq``."""
+    fields = {"instance": instance, "op": event.op, "hashes": ",".join(map(str, event.hashes))}
+    fields["seq"] = str(seq)
+    if event.parent is not None:
+        fields |= {"parent": str(event.parent), "depth": str(event.depth)}
+    return fields
 
 
-def _text(v: Any) -> str:
+def text(v: Any) -> str:
+    """A Redis reply value as ``str`` (bytes decoded as UTF-8)."""
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -212,7 +74,7 @@ class StreamEntry(NamedTuple):
 
 def parse_entry(fields: Mapping[Any, Any]) -> StreamEntry | None:
     """The ``StreamEntry`` of one stream entry's fields; None (logged) if malformed."""
-    f = {_text(k): _text(v) for k, v in fields.items()}
+    f = {text(k): text(v) for k, v in fields.items()}
     inst, op, raw = f.get("instance", ""), f.get("op", ""), f.get("hashes", "")
     try:
         hashes = tuple(int(h) for h in raw.split(",") if h)
@@ -226,97 +88,3 @@ def parse_entry(fields: Mapping[Any, Any]) -> StreamEntry | None:
         log.warning("skipping malformed index event %r", f)
         return None
     return StreamEntry(inst, BlockEvent(op, hashes, parent, depth), seq)  # type: ignore[arg-type]
-
-
-class IndexFollower:
-    """A router's side: read the event stream after the last entry seen and apply it to ``index``;
-    ask an instance for a snapshot when its ``seq`` skips (module docstring).
-
-    Args:
-        index: the index to keep up to date (in memory, or Redis shared by router replicas: then
-            one follower per cluster is enough, more do the same work twice but no harm).
-        client: a ``redis.Redis`` holding the stream.
-        namespace: the cluster's key prefix.
-        clock: seconds, the index's clock (stored events are recorded at ``clock()``).
-        from_start: read the stream's backlog (True: a fresh router replica rebuilding its index),
-            or only entries added after construction (False).
-        last_id: resume after this stream id instead (e.g. a previous follower's ``last_id``).
-
-    Attributes:
-        expect: instance -> the ``seq`` its next entry should have.
-        gaps: skips seen (each asked the instance for a snapshot).
-    """
-
-    def __init__(
-        self,
-        index: PrefixIndex,
-        client: Any,
-        namespace: str,
-        clock: Callable[[], float],
-        from_start: bool = True,
-        last_id: str | None = None,
-    ) -> None:
-        self.index, self.r, self.key, self.clock = index, client, stream_key(namespace), clock
-        self.resync_key = resync_key(namespace)
-        self.expect: dict[str, int] = {}
-        self.gaps = 0
-        if last_id is not None:
-            self.last_id = last_id
-        elif from_start:
-            self.last_id = "0-0"
-        else:  # "$" resolved now, so nothing added between construction and the first poll is lost
-            top = client.xrevrange(self.key, count=1)
-            self.last_id = _text(top[0][0]) if top else "0-0"
-
-    def poll(self, block_ms: int = 0, count: int = 1000) -> int:
-        """Read up to ``count`` entries after ``last_id`` and apply them; ``last_id`` advances past
-        each entry once it is applied (or skipped as malformed), so after a Redis error the next
-        call resumes where this one stopped.
-
-        Args:
-            block_ms: wait up to this many ms for a first entry when none is there (0: do not wait;
-                unlike Redis' ``BLOCK 0``, never forever).
-            count: most entries read by this call, >= 1.
-
-        Returns:
-            Events applied to the index.
-
-        Raises:
-            ValueError: ``count < 1``. Redis errors.
-        """
-        if count < 1:
-            raise ValueError(f"count must be at least 1, got {count}")
-        resp = self.r.xread({self.key: self.last_id}, count=count, block=block_ms if block_ms > 0 else None)
-        if not resp:
-            return 0
-        if isinstance(resp, Mapping):  # RESP3: {key: [[entries]]}
-            resp = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in resp.items()]
-        now = self.clock()
-        n = 0
-        for _key, entries in resp:
-            for eid, fields in entries:
-                got = parse_entry(fields)
-                if got is not None:
-                    self._sequence(got)
-                    n += apply_events(self.index, got.instance, [got.event], now)
-                self.last_id = _text(eid)
-        return n
-
-    def ask(self, instance: str) -> None:
-        """Ask ``instance`` to re-publish its whole cache (its pump checks every second), e.g. a
-        worker seen back after its entries were dropped. Raises Redis errors."""
-        self.r.sadd(self.resync_key, instance)
-
-    def _sequence(self, e: StreamEntry) -> None:
-        """Track ``e.instance``'s ``seq``; on a skip, ask it for a snapshot (Redis errors raise
-        before ``expect`` moves, so the retry asks again)."""
-        if e.seq is None:
-            return
-        if e.event.op != "cleared" and self.expect.get(e.instance) != e.seq:
-            self.ask(e.instance)
-            self.gaps += 1
-            log.info(
-                "index events of %s skip to seq %d (expected %s): asked it for a snapshot",
-                e.instance, e.seq, self.expect.get(e.instance, "its first entry, a snapshot"),
-            )  # fmt: skip
-        self.expect[e.instance] = e.seq + 1

@@ -1,25 +1,10 @@
-"""The router's prefix index: which prefill instance holds which prefix blocks.
+"""The router's prefix index: which prefill instance holds which prefix blocks (keys: block hash
+chains, ``kvcache.hashing``), filled at dispatch (approximate) or from the workers' cache events
+(precise). Bounded by one global LRU (``max_entries``) and a TTL; one eviction order in every
+backend (oldest last use, deepest block first). ``InMemoryPrefixIndex`` here, the Redis one in
+``routing.redis.store``. Times are the caller's clock (seconds), injected.
 
-Keys are block hash chains (``routing.hashing``). An entry is one (block, instance) pair with its
-last use and its depth (the block's position in its chain, 0 = the root block). Two ways to fill it:
-
-* *Approximate* (default): at dispatch, the router records the request's chain on the instance it
-  chose (``record``), on the assumption that the worker will cache what it computed.
-* *Precise*: workers publish the blocks they store and evict (``routing.events``); ``record`` /
-  ``evict`` / ``remove_instance`` follow them. A stored event may carry only the new blocks of a
-  chain with a link to the block before them (``record(..., depth=d, parent=p)``): they take the
-  parent entry's last use, so a chain recorded chunk by chunk costs O(new blocks) per chunk and
-  still ages as one chain (its deepest blocks go first).
-
-Bounds: at most ``max_entries`` entries in all (one global LRU over every instance's entries: a
-per-instance cap would let the index grow with the number of instances), and an entry unused for
-``ttl_s`` seconds no longer matches and is dropped. Eviction order is total and the same in every
-backend: least recent last use first; among equal last uses the deepest block first (a chain that
-lost its head matches nothing), then by ``member`` (instance, then hash, as text): exactly the order
-of the Redis backend's sorted set. ``remove_instance`` drops an instance's entries when it leaves.
-Backends: ``InMemoryPrefixIndex`` here, ``routing.redis_store.RedisPrefixIndex`` (shared by
-stateless router replicas). Times are the caller's clock (seconds), injected.
-"""
+Design notes: docs/DESIGN.md#routingindexpy"""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Load per instance, counted at dispatch: leases plus worker heartbeats.
 
-A router *reserves* a lease on the instance it picks, in the same atomic step as the pick
-(``LoadBook.reserve`` compares the versions of every candidate the choice was made on, so two
-routers cannot both pick an instance on the same stale load); it *releases* the lease when the
-request leaves the instance. A lease carries the estimated work (seconds, tokens) and expires at
-``expires_at``, so the load of a router that died holding leases drains by itself. Counting load
-only when a worker reports it lets a burst pile onto one instance (every request sees it idle).
-
-Workers report by heartbeat: queued and running tokens, running requests, KV usage and the order
-their queue serves requests in (``queue_order``). A heartbeat older than ``ttl_s`` means the
-instance is gone (``live``).
-"""
+A router reserves a lease (estimated seconds and tokens of work, an expiry) on the instance it
+picks, atomically with the pick (compare-and-reserve on versions), and releases it when the request
+leaves; heartbeats carry what the worker reports. ``InMemoryLoadBook`` here, the Redis one in
+``routing.redis.store``. Design notes: docs/DESIGN.md#routingloadpy"""
 
 from __future__ import annotations
 
@@ -40,7 +33,7 @@ class WorkerReport:
     """A worker's heartbeat. Tokens: ``queued_tokens`` waiting to be prefilled (uncached),
     ``running_tokens`` in running requests; ``kv_usage``: fraction of KV pages in use (0..1),
     the fuller pool for hybrid layouts; ``at``: when it was sent (s); ``queue_order``: how its
-    prefill queue admits requests, ``"fcfs"`` or ``"compute"`` (``routing.priority``; it changes
+    prefill queue admits requests, ``"fcfs"`` or ``"compute"`` (``sched.priority``; it changes
     how long a new request waits there, ``routing.policy.wait_s``)."""
 
     queued_tokens: int = 0

@@ -1,47 +1,10 @@
 """Prefill and decode instance selection.
 
-Every policy sees, per candidate instance (already narrowed to the request's length bucket), the
-tokens of the prompt it has cached (prefix index) and its load (leases + heartbeat), and returns a
-``Decision``. Policies (``POLICIES``):
-
-* ``round_robin``: in turn, blind to cache and load (the baseline).
-* ``least_load``: least queued work (``queue_s``), blind to the cache.
-* ``cache_aware``: least estimated TTFT::
-
-      ttft(i) = wait_s(i) + prefill_s(n - cached(i), cached(i))
-
-  (KV transfer is the same for every prefill instance and left out), with a balance guard: if
-  the choice's queue exceeds the shortest queue by more than ``balance_abs_s`` *and* by a factor
-  ``balance_rel``, the least-loaded instance is taken instead (the estimate undercounts
-  queueing when prompts are long or the cost model is off, and a hot prefix must not pile every
-  request onto one instance). On a miss everywhere this is least-load, so balance always sees load.
-
-``queue_s(i) = max(reserved seconds of live leases, prefill_tokens_s(queued tokens last reported))``:
-leases count what routers dispatched (at once, atomically), the heartbeat what the worker
-actually has (covers leases lost with a router).
-
-``wait_s(i)``, the wait of this request there, depends on the order the instance's queue admits
-requests in (``WorkerReport.queue_order``, or forced by ``queue_order``):
-
-* ``fcfs``: everything queued runs first: ``wait_s = queue_s``.
-* ``compute`` (``routing.priority``: least work first, aged): with ``s`` this request's prefill
-  seconds there, ``wait_s = max(sum_l min(w_l, s), min(reported, s))`` over the live leases'
-  seconds ``w_l``. Leases with less work than ``s`` run before it and count in full; a longer one
-  is either queued behind it (costing nothing) or already running (costing its remainder, up to
-  ``w_l``), which the router cannot tell apart, so it is charged ``s``: an upper bound for a
-  queued one and a middle estimate of a running one. Measured on the conversation trace at 16
-  instances (``bench/routing_sim.py`` setup, 2026-11-30): TTFT p90 0.36 s with this estimate,
-  0.62 s counting only the shorter leases (blind to the running request), 0.40 s with
-  ``queue_s`` (which overstates the wait of short requests on busy instances and so sends them
-  away from their cached prefix: hit rate 0.26 vs 0.35); an oracle that knows each queue's
-  contents and the running request's remainder gets 0.29 s.
-
-Decode: ``choose_decode`` takes the instance with the fewest KV tokens held or reserved (decode
-load is memory: a full KV pool queues new requests).
-
-Defaults: ``balance_abs_s = 2`` s: twice the prefill of a 64K prompt on the H200 preset; a
-queue difference below it is what the cost model's error could hide. ``balance_rel = 1.5``.
-"""
+Policies (``POLICIES``): ``round_robin``, ``least_load`` (least queued work, ``queue_s``), and
+``cache_aware``: least estimated TTFT, ``wait_s(i) + prefill_s(n - cached(i), cached(i))``, the
+wait estimated for the order the instance's queue admits in (FCFS or compute), with a balance guard
+(``balance_abs_s`` = 2 s and ``balance_rel`` = 1.5 over the shortest queue: take the least loaded).
+``choose_decode``: fewest KV tokens held or reserved. Estimates: docs/DESIGN.md#routingpolicypy"""
 
 from __future__ import annotations
 
@@ -49,8 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from swaserve.routing.cost import CostModel
 from swaserve.routing.load import InstanceLoad
+from swaserve.sched.cost import CostModel
 
 DEFAULT_BALANCE_ABS_S = 2.0
 DEFAULT_BALANCE_REL = 1.5
@@ -82,14 +45,14 @@ QUEUE_ORDERS = ("auto", "fcfs", "compute")
 
 
 def queue_s(load: InstanceLoad, cost: CostModel) -> float:
-    """Estimated seconds of prefill work queued on an instance (module docstring)."""
+    """Estimated seconds of prefill work queued on an instance (docs/DESIGN.md#routingpolicypy)."""
     reported = cost.prefill_tokens_s(load.report.queued_tokens) if load.report is not None else 0.0
     return max(load.reserved_s, reported)
 
 
 def wait_s(load: InstanceLoad, cost: CostModel, own_s: float, order: str = "auto") -> float:
     """Estimated seconds a request of ``own_s`` prefill seconds waits on an instance before its
-    prefill starts (module docstring). ``order``: ``auto`` (the instance's reported
+    prefill starts (docs/DESIGN.md#routingpolicypy). ``order``: ``auto`` (the instance's reported
     ``queue_order``, FCFS without a report), ``fcfs`` or ``compute``."""
     if order == "auto":
         order = load.report.queue_order if load.report is not None else "fcfs"

@@ -1,24 +1,11 @@
 """The worker registry: prefill and decode workers added or removed at runtime, shared by the
 stateless router replicas of one cluster.
 
-Each router starts with the workers of its command line (``flags``); the registry holds changes
-on top of them, one ``WorkerEntry`` per worker address: ``active`` (use it, with its role) or
-``removed`` (drain it, also when a router's flags name it), stamped with the wall-clock time
-of the change. Entries merge last-writer-wins: the later ``at`` wins, ties broken by
-``(state, role)`` so every replica picks the same one (a removal wins a tie).
+One ``WorkerEntry`` per address (active with a role, or removed: a tombstone), merged
+last-writer-wins; each router keeps a ``RegistryReplica`` over its command-line workers and syncs
+it with the shared backend every poll (Redis: ``routing.redis.registry``).
 
-A router keeps its own copy (``RegistryReplica``): its own changes are applied to it at once, and
-every poll it ``sync``s the copy with the shared backend: the backend stores each entry unless
-it holds a newer one and returns everything it holds, which the copy merges. So a change made on
-one router reaches the others within a poll; a change made while the backend is unreachable stays
-local and is written when it is back; a backend restarted empty is refilled by the routers' copies.
-Removed entries are kept (tombstones): a router started later with the removed worker in its
-flags must still leave it out. Re-adding the address revives it.
-
-Redis layout (``{ns}`` a hash tag, as in ``redis_store``)::
-
-    {ns}:workers    HASH address -> "<at> <state> <role>"
-"""
+Design notes: docs/DESIGN.md#routingregistrypy"""
 
 from __future__ import annotations
 
@@ -26,7 +13,6 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 ROLES = ("prefill", "decode")
 ACTIVE, REMOVED = "active", "removed"
@@ -89,44 +75,6 @@ class InMemoryWorkerRegistry(WorkerRegistry):
             for e in entries:
                 self._entries[e.address] = newest(self._entries.get(e.address), e)
             return dict(self._entries)
-
-
-_SYNC = """
-local key = ARGV[1] .. ':workers'
-for k = 2, #ARGV, 2 do
-  local addr, val = ARGV[k], ARGV[k + 1]
-  local cur = redis.call('HGET', key, addr)
-  local write = not cur
-  if cur then
-    local na, ca = tonumber(string.match(val, '^(%S+)')), tonumber(string.match(cur, '^(%S+)'))
-    write = (ca == nil) or na > ca or (na == ca and val > cur)
-  end
-  if write then redis.call('HSET', key, addr, val) end
-end
-return redis.call('HGETALL', key)
-"""
-
-
-class RedisWorkerRegistry(WorkerRegistry):
-    """The registry in Redis (module docstring), one Lua script per sync. Args: client: a
-    ``redis.Redis`` with ``decode_responses=True``; namespace: the cluster's key prefix. Redis
-    errors propagate (``routing.resilient.SharedState`` falls back on them); a malformed stored
-    value is skipped."""
-
-    def __init__(self, client: Any, namespace: str = "swaserve") -> None:
-        self.ns = "{" + namespace + "}"
-        self._sync = client.register_script(_SYNC)
-
-    def sync(self, entries: Iterable[WorkerEntry]) -> dict[str, WorkerEntry]:
-        args = [self.ns, *(x for e in entries for x in (e.address, e.encode()))]
-        flat = self._sync(args=args)
-        out = {}
-        for addr, value in zip(flat[::2], flat[1::2], strict=True):
-            try:
-                out[addr] = WorkerEntry.decode(addr, value)
-            except ValueError:
-                continue  # not written by us: ignore it rather than stop every router
-        return out
 
 
 class RegistryReplica:

@@ -1,18 +1,10 @@
 """Keep routing when the shared store (Redis) is gone, and re-sync when it is back.
 
-``FallbackIndex`` and ``FallbackBook`` wrap a shared backend (``redis_store``) and a local
-in-memory one. Every write goes to the local copy too, so the local copy always holds what this
-router did. While the shared backend answers, reads come from it; on an error (``errors``), the
-wrapper marks it down and reads and writes go to the local copy only. Every ``retry_s`` seconds
-a call probes the shared backend again (``probe``); when it answers, every index entry of the
-local copy is written back to it with its last use and depth (re-sync: a Redis restarted without
-persistence is empty, and other routers see this router's dispatches again; entries already there
-just get their last use refreshed to the local one) and reads go to it again. In precise mode the
-workers re-publish their whole state after such a restart too (``routing.events``); this router's
-follower applies that after the re-sync (both run inside the same ``SharedState.call``). Leases are not re-synced: those reserved while it was down are released
-locally, and those it held before an outage are gone with a restarted Redis (without
-persistence) or expire by their TTL.
-"""
+``FallbackIndex`` and ``FallbackBook`` write to the shared backend and to a local in-memory copy,
+read from the shared one while it answers and from the local one after an error, probe every
+``retry_s`` seconds, and on recovery write the local index entries back (leases are not re-synced).
+
+Design notes: docs/DESIGN.md#routingresilientpy"""
 
 from __future__ import annotations
 

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from swaserve.config import ModelConfig
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.routing.buckets import LengthBuckets
-from swaserve.routing.cost import CostModel
 from swaserve.routing.dispatch import Dispatcher
 from swaserve.routing.events import apply_events
-from swaserve.routing.hashing import block_hashes
 from swaserve.routing.index import IndexConfig, InMemoryPrefixIndex
 from swaserve.routing.load import InMemoryLoadBook, WorkerReport
 from swaserve.routing.policy import make_policy
-from swaserve.routing.priority import ComputeAwarePriority
+from swaserve.sched.cost import CostModel
+from swaserve.sched.priority import ComputeAwarePriority
 from swaserve.sim.instances import DecodeSim, Job, PrefillSim
 from swaserve.sim.workload import SimRequest, Workload
 

@@ -1,17 +1,9 @@
-"""Simulated prefill and decode instances: the real ``KVCacheManager`` (radix cache, pools, host
-tier; page accounting, no tensors) and the real priority queue, with step times from a
-``CostModel``.
+"""Simulated prefill and decode instances: the real ``KVCacheManager`` (radix cache, pools, host tier;
+page accounting, no tensors) and the real priority queue, with step times from a ``CostModel``.
+A prefill instance runs one request at a time (``cost.prefill_s(uncached, cached)``), in chunks as
+the engine does; a decode instance runs continuous batching (``cost.decode_step_s``).
 
-A prefill instance runs one request at a time (unlike the engine, which batches prefill chunks of
-several requests and, under the compute priority, pauses a long prefill between chunks for a
-shorter request): admission matches the longest window-safe cached
-prefix (``admit``), the rest is prefilled in chunks of ``chunk`` tokens as the engine does
-(``max_chunk``/``allocate``, the computed prefix inserted after each chunk), and the prompt is
-inserted on completion (``free``); the request takes ``cost.prefill_s(uncached, cached)``.
-A decode instance runs continuous batching: each step gives every running request one token and
-takes ``cost.decode_step_s(batch, context tokens)``; requests are admitted in arrival order while
-the batch has room in ``max_batch`` and ``kv_tokens``.
-"""
+Design notes: docs/DESIGN.md#siminstancespy"""
 
 from __future__ import annotations
 
@@ -21,9 +13,9 @@ from dataclasses import dataclass, field
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools
-from swaserve.routing.cost import CostModel
 from swaserve.routing.load import Lease
-from swaserve.routing.priority import ComputeAwarePriority, PriorityQueue
+from swaserve.sched.cost import CostModel
+from swaserve.sched.priority import ComputeAwarePriority, PriorityQueue
 from swaserve.sim.workload import SimRequest
 
 
@@ -121,10 +113,11 @@ class PrefillSim:
         kv, prompt, rid = self.kv, job.prompt, job.req.rid
         assert prompt is not None
         n = len(prompt)
-        if not kv.admit(rid, n + 1, prompt):
+        adm = kv.admit(rid, n + 1, prompt)
+        if adm is None:
             self.rejected += 1
             return 0, 0
-        hit, from_host = kv.hits[rid]
+        hit, from_host = adm.hit_tokens, adm.host_tokens
         start = hit
         while start < n:
             step = kv.max_chunk(rid, start, min(n, start + self.chunk))

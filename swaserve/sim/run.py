@@ -1,18 +1,10 @@
 """``swaserve sim``: deployments (cost model + KV shape + budgets), one simulation run, a table.
 
-Deployments (``DEPLOYMENTS``):
+Deployments (``DEPLOYMENTS``): ``mimo-v2-flash-h200`` (MiMo-V2-Flash on 8 x H200 instances: 690 GB of
+KV each, page 64, chunk 8192) and ``cpu-tiny`` (the bundled checkpoint with the engine's CPU defaults
+and the measured cost model, to compare with the real cluster on this machine).
 
-* ``mimo-v2-flash-h200``: MiMo-V2-Flash on instances of 8 x H200 (cost model
-  ``routing.cost.MIMO_V2_FLASH_H200``). KV budget per instance: 8 x 141 GB HBM, minus ~320 GB of
-  FP8 weights (309B params + MTP), minus ~10% for activations and workspace: 690 GB. Host tier
-  (``host_bytes``): none by default; ``--host-cache 1.5T`` models the DRAM of a 2 TB node. Engine
-  settings of a GPU deployment: page 64 (W = 2 pages; also 4x fewer pages to walk than 16, which
-  keeps the 12k-request trace under 2 minutes), chunk 8192 tokens. A decode instance runs at most 256
-  requests and holds 690 GB / 23,040 B (full-layer KV per token) = 30M context tokens.
-* ``cpu-tiny``: the bundled default checkpoint with the engine's CPU defaults (256 MiB KV, page
-  16, chunk 512, 64 running requests) and the measured ``CPU_TINY`` cost model; for comparing the
-  simulation with the real cluster on this machine.
-"""
+Where the numbers come from: docs/DESIGN.md#simrunpy"""
 
 from __future__ import annotations
 
@@ -21,9 +13,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swaserve.config import ModelConfig
-from swaserve.routing.cost import CPU_TINY, MIMO_V2_FLASH_H200, CostModel
 from swaserve.routing.index import IndexConfig
 from swaserve.routing.policy import make_policy
+from swaserve.sched.cost import CPU_TINY, MIMO_V2_FLASH_H200, CostModel
 from swaserve.sim.cluster import SimConfig, Simulator
 from swaserve.sim.workload import Workload, scale_for_load
 

@@ -1,19 +1,9 @@
 """Simulator workloads: trace requests with arrival times, prompts, output lengths and the block
-chains the router indexes.
+chains the router indexes (Mooncake: 512-token blocks; agent sessions: 64-token blocks, closed loop
+per session). ``scale_for_load`` picks the ``time_scale`` that offers a prefill load of ``load``
+relative to the work an infinite prefix cache would leave.
 
-* Mooncake traces (``hash_ids``, 512 tokens per id): prompts are ``TokenBlocks`` (256 token ids,
-  made on demand, as ``bench/prefix_cache`` does); the router's chain is ``chain_ids(hash_ids)``
-  of the whole 512-token blocks (``block_tokens = 512``).
-* Agent sessions (``messages``): the default model's real prompt ids; chains of 64-token blocks.
-  Closed loop per session: a call is sent at its (scaled) time or when the session's previous
-  call has finished, whichever is later (an agent needs the reply before its next call).
-
-``time_scale`` multiplies the trace's inter-arrival times. ``scale_for_load`` picks it so that the
-offered prefill load is ``load``: the work an infinite prefix cache would leave
-(``ideal_work_s``, the lower bound every policy pays) over ``instances x span``. With a finite
-cache every policy does more work than that, so ``load=0.8`` means 80% busy for an oracle and more
-for real policies: the regime where routing and queue order matter.
-"""
+Design notes: docs/DESIGN.md#simworkloadpy"""
 
 from __future__ import annotations
 
@@ -21,14 +11,23 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from swaserve.replay import PlannedRequest
-from swaserve.routing.cost import CostModel
-from swaserve.routing.hashing import block_hashes, chain_ids
+from swaserve.kvcache.hashing import block_hashes, chain_ids
+from swaserve.sched.cost import CostModel
 from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, detect_kind, read_mooncake
 
 MOONCAKE_VOCAB = 256
 AGENT_BLOCK_TOKENS = 64
+
+
+class Planned(Protocol):
+    """One request a replay sends (as ``swaserve.replay.PlannedRequest``); times in seconds."""
+
+    index: int
+    send_at_s: float
+    prompt_token_ids: list[int]
+    max_tokens: int
 
 
 @dataclass
@@ -147,7 +146,7 @@ def ideal_work_s(reqs: Sequence[SimRequest], block_tokens: int, cost: CostModel)
 
 
 def scale_for_load(work: Workload, cost: CostModel, instances: int, load: float) -> float:
-    """``time_scale`` giving an offered prefill load of ``load`` (module docstring).
+    """``time_scale`` giving an offered prefill load of ``load`` (docs/DESIGN.md#simworkloadpy).
 
     Raises:
         ValueError: ``load`` not in (0, 2] or the trace has no time span.
@@ -160,7 +159,7 @@ def scale_for_load(work: Workload, cost: CostModel, instances: int, load: float)
     return ideal_work_s(work.requests, work.block_tokens, cost) / (load * instances * span)
 
 
-def from_planned(planned: Sequence[PlannedRequest], block_tokens: int, name: str = "replay") -> Workload:
+def from_planned(planned: Sequence[Planned], block_tokens: int, name: str = "replay") -> Workload:
     """The exact requests a ``swaserve.replay`` run sends (prompts, send times already divided by
     its ``time_scale``, capped outputs), indexed in blocks of ``block_tokens`` as the real router
     hashes them (``--block-tokens``): for comparing the simulator with the real cluster."""

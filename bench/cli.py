@@ -1,0 +1,197 @@
+"""``swaserve bench ...``: the benchmark commands as a typer app, mounted by ``swaserve.cli``
+through the ``swaserve.cli`` entry point group (``bench = "bench.cli:app"`` in pyproject.toml),
+so the core CLI never imports ``bench``. Each command imports its bench module when it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from swaserve.options import size_option
+
+app = typer.Typer(help="Benchmarks (results as JSON).", no_args_is_help=True)
+
+
+@app.command("kv-capacity")
+def bench_kv_capacity(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+) -> None:
+    """KV capacity of the hybrid vs full layout for a memory budget."""
+    from bench.kv_capacity import main
+
+    main(str(json_path) if json_path is not None else None)
+
+
+@app.command("prefix-cache")
+def bench_prefix_cache(
+    trace: Annotated[
+        list[Path] | None,
+        typer.Option(help="Mooncake .jsonl or agent-session trace; repeatable (default: both bundled ones)."),
+    ] = None,
+    budget: Annotated[
+        int | None,
+        typer.Option(
+            parser=size_option,
+            metavar="BYTES",
+            help="Device KV bytes (default: 25% of the trace's footprint).",
+        ),
+    ] = None,
+    host_budget: Annotated[
+        int | None,
+        typer.Option(
+            parser=size_option,
+            metavar="BYTES",
+            help="Host-tier bytes (default: none for Mooncake, the whole footprint for agent sessions).",
+        ),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Replay the first N requests only.")] = None,
+    chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk, tokens.")] = 512,
+    cache_partial: Annotated[
+        bool,
+        typer.Option(
+            help="Insert each non-final prefill chunk into the cache, as the engine does (off: only "
+            "prompt ends and divergence points)."
+        ),
+    ] = True,
+    swa_ratio: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Hybrid SWA-pool pages per full page (default: the engine's, 1/9)."),
+    ] = None,
+    curve: Annotated[bool, typer.Option(help="Also replay the hit-rate curve over budgets.")] = True,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+) -> None:
+    """Prefix-cache token hit rates of a trace at a memory budget (real cache, no model)."""
+    from bench.prefix_cache import BenchInputError, main
+    from swaserve.traces import TraceError
+
+    try:
+        main(
+            str(json_path) if json_path is not None else None,
+            [str(t) for t in trace] if trace else None,
+            limit,
+            budget,
+            host_budget,
+            curve,
+            chunk,
+            cache_partial,
+            swa_ratio=swa_ratio,
+        )
+    except (OSError, TraceError, BenchInputError) as e:  # unreadable or malformed trace, tiny budget
+        raise typer.BadParameter(str(e)) from e
+
+
+@app.command("engine")
+def bench_engine(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+) -> None:
+    """Engine throughput and latency on the default model."""
+    from bench.engine_bench import main
+
+    main(str(json_path) if json_path is not None else None)
+
+
+@app.command("pd-transfer")
+def bench_pd_transfer(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Loopback pushes per length (best is reported).")] = 3,
+) -> None:
+    """Prefill->decode KV bytes per request vs full KV (per length), and loopback throughput."""
+    from bench.pd_transfer import main
+
+    main(json_path, repeats=repeats)
+
+
+@app.command("cluster-replay")
+def bench_cluster_replay(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests to replay per mode.")] = 250,
+    max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 64,
+    time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 1,
+    decode: Annotated[int, typer.Option(min=1, help="Decode workers.")] = 1,
+) -> None:
+    """The make-run replay through `swaserve serve`, then `swaserve up`: TTFT and ITL p50/p90."""
+    from bench.cluster_replay import main
+
+    main(
+        json_path, limit, max_output=max_output_tokens, time_scale=time_scale, prefill=prefill, decode=decode
+    )
+
+
+@app.command("prefix-replay")
+def bench_prefix_replay(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests to replay per mode.")] = 250,
+    max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 64,
+    time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
+    workload: Annotated[
+        Literal["conversation", "agent"],
+        typer.Option(help="conversation: the make-run trace slice; agent: agent sessions, closed loop."),
+    ] = "conversation",
+    sessions: Annotated[int, typer.Option(min=1, help="agent: sessions run concurrently.")] = 4,
+    calls: Annotated[int, typer.Option(min=1, help="agent: first calls of each session.")] = 8,
+) -> None:
+    """A trace replay through `swaserve serve`, prefix cache off then on: TTFT ratio."""
+    from bench.prefix_replay import main
+
+    main(
+        json_path,
+        limit,
+        max_output=max_output_tokens,
+        time_scale=time_scale,
+        workload=workload,
+        sessions=sessions,
+        calls=calls,
+    )
+
+
+@app.command("routing-sim")
+def bench_routing_sim(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="First N requests of each trace.")] = None,
+    load: Annotated[float, typer.Option(min=0.01, max=2.0, help="Offered prefill load.")] = 0.8,
+) -> None:
+    """Routing policies in the simulator: hit rate and TTFT, 8 and 16 prefill instances."""
+    from bench.routing_sim import main
+
+    main(load=load, limit=limit, json_path=json_path)
+
+
+@app.command("routing-cluster")
+def bench_routing_cluster(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests to replay per row.")] = 200,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 2,
+    time_scale: Annotated[float, typer.Option(min=0.001, help="Divide arrival times by this.")] = 1.0,
+    max_output_tokens: Annotated[int, typer.Option(min=1, help="Cap on each output.")] = 32,
+    workload: Annotated[
+        Literal["agent", "conversation"],
+        typer.Option(help="agent: sessions closed loop (reuse); conversation: the make-run trace slice."),
+    ] = "agent",
+    sessions: Annotated[int, typer.Option(min=1, help="agent: sessions run concurrently.")] = 6,
+    calls: Annotated[int, typer.Option(min=1, help="agent: first calls of each session.")] = 6,
+) -> None:
+    """Routing policies on the real cluster (CPU) next to the simulator on the same requests."""
+    from bench.routing_cluster import main
+
+    main(
+        json_path, limit, max_output=max_output_tokens, time_scale=time_scale, prefill=prefill,
+        workload=workload, sessions=sessions, calls=calls,
+    )  # fmt: skip
+
+
+@app.command("frontend")
+def bench_frontend(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Trace requests of the make-run replay.")] = 250,
+    saturated: Annotated[int, typer.Option(min=1, help="Requests sent at once (throughput).")] = 100,
+    probe_tokens: Annotated[int, typer.Option(min=16, help="Prompt tokens of the long prefill.")] = 8192,
+    probe_interval: Annotated[float, typer.Option(min=0.001, help="Seconds between probes.")] = 0.02,
+) -> None:
+    """Inline engine vs separate engine-core process: TTFT/ITL, tokens/s, probe latency."""
+    from bench.frontend import main
+
+    main(json_path, limit, saturated, probe_tokens, probe_interval)

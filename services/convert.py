@@ -1,0 +1,144 @@
+"""Conversions between the engine's value types and the swaserve.v1 protobuf messages: sampling
+parameters, output chunks, KV pages, and the KV transfer stream (a header, then pages of up to
+``PAGES_PER_MESSAGE`` pages each)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.transfer.kv_transfer import KVPage, KVPayload, expected_pages, to_pages
+from swaserve.v1 import kv_transfer_pb2 as kvpb
+from swaserve.v1 import worker_pb2 as pb
+
+
+def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    m = pb.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k or 0,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+    if p.seed is not None:
+        m.seed = str(p.seed)
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def params_from_proto(m: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError (via ``SamplingParams.validate``) on out-of-range values."""
+    p = SamplingParams(
+        max_tokens=m.max_tokens,
+        temperature=m.temperature,
+        top_p=m.top_p,
+        top_k=m.top_k or None,
+        min_p=m.min_p,
+        seed=_seed(m),
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty,
+        stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        skip_special_tokens=m.skip_special_tokens,
+    )
+    p.validate()
+    return p
+
+
+def _seed(m: pb.SamplingParams) -> int | None:
+    if not m.HasField("seed"):
+        return None
+    try:
+        return int(m.seed)
+    except ValueError as e:
+        raise ValueError(f"seed must be an integer, got {m.seed!r}") from e
+
+
+def usage(o: RequestOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens
+    )
+
+
+def chunk_message(o: RequestOutput) -> pb.GenerateResponse:
+    lps = [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in o.new_logprobs
+    ]
+    return pb.GenerateResponse(
+        chunk=pb.Chunk(token_ids=o.new_token_ids, text=o.new_text, logprobs=lps), usage=usage(o)
+    )
+
+
+def output_from_chunk(request_id: str, m: pb.GenerateResponse) -> RequestOutput:
+    """A streamed delta (not finished) from a ``chunk`` message."""
+    c = m.chunk
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=list(c.token_ids),
+        new_text=c.text,
+        new_logprobs=[
+            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+            for lp in c.logprobs
+        ],
+        prompt_tokens=m.usage.prompt_tokens,
+        completion_tokens=m.usage.completion_tokens,
+        cached_tokens=m.usage.cached_tokens,
+    )
+
+
+def finish_reason(name: str) -> FinishReason:
+    try:
+        return FinishReason(name)
+    except ValueError:
+        return FinishReason.ABORT
+
+
+def page_to_proto(pg: KVPage) -> kvpb.KVPage:
+    return kvpb.KVPage(
+        request_id=pg.request_id, kind=pg.kind, layer=pg.layer, token_start=pg.token_start,
+        token_end=pg.token_end, page_size=pg.page_size, dtype=pg.dtype, k_shape=list(pg.k_shape),
+        v_shape=list(pg.v_shape), k=pg.k, v=pg.v, checksum=pg.checksum,
+    )  # fmt: skip
+
+
+def page_from_proto(m: kvpb.KVPage) -> KVPage:
+    return KVPage(
+        m.request_id, m.kind, m.layer, m.token_start, m.token_end, m.page_size, m.dtype,
+        tuple(m.k_shape), tuple(m.v_shape), m.k, m.v, m.checksum,
+    )  # fmt: skip
+
+
+PAGES_PER_MESSAGE = 16  # ~1.3 MB messages for MiMo-V2.5-Pro pages: per-message cost amortized
+
+
+def transfer_messages(
+    payload: KVPayload, page_size: int, layers: dict[str, int], pages_per_message: int = PAGES_PER_MESSAGE
+) -> Iterator[kvpb.TransferMessage]:
+    """The KVTransfer.Push stream of one payload: header (with the message count), then its pages."""
+    num_pages = expected_pages(payload.num_tokens, payload.window, page_size, layers, pages_per_message)
+    yield kvpb.TransferMessage(
+        header=kvpb.TransferHeader(
+            request_id=payload.request_id,
+            num_tokens=payload.num_tokens,
+            num_pages=num_pages,
+            sampler_state=payload.sampler_state,
+        )
+    )
+    for pg in to_pages(payload, page_size, pages_per_message):
+        yield kvpb.TransferMessage(page=page_to_proto(pg))

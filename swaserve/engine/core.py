@@ -1,0 +1,375 @@
+"""The engine core: schedule -> one forward over every scheduled token -> sample -> finish.
+
+``EngineCore.step()`` runs continuous batching with chunked prefill and returns one
+``CoreOutput`` (token ids, logprobs, why it ended) per request that sampled or finished. It ends
+requests on stop *tokens*, length and the prefill role's handoff; text, stop strings and usage
+counters belong to the front (``engine.output.OutputProcessor``), so the same core runs inline
+(``LLMEngine``) or in its own process (``engine.core_proc``). No I/O here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.engine.detokenizer import check_stop_token
+from swaserve.engine.model_runner import ModelRunner
+from swaserve.engine.request import Request, RequestStatus
+from swaserve.engine.sampler import Sampler, SamplingState
+from swaserve.engine.scheduler import Scheduler
+from swaserve.engine.stats import EngineStats
+from swaserve.engine.types import EngineLimits, FinishReason, SamplingParams, TokenLogprob
+from swaserve.kvcache.block_events import BlockEvent
+from swaserve.kvcache.host import HostKVStorage
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.sizing import host_plan, plan_pools
+from swaserve.kvcache.storage import KVStorage
+from swaserve.model.loader import load_model
+from swaserve.sched.cost import preset
+from swaserve.sched.priority import ComputeAwarePriority
+from swaserve.transfer.kv_transfer import KVPayload, gather, scatter
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def schedule_priority(config: EngineConfig) -> ComputeAwarePriority | None:
+    """The scheduler's admission priority for ``config.schedule_policy`` (None: FCFS).
+
+    Raises:
+        ValueError: unknown policy or cost model, or a negative bound or weight.
+    """
+    if config.schedule_policy == "fcfs":
+        return None
+    if config.schedule_policy != "compute":
+        raise ValueError(f"schedule_policy must be 'fcfs' or 'compute', got {config.schedule_policy!r}")
+    return ComputeAwarePriority(
+        preset(config.cost_model), config.priority_max_wait_s, config.priority_wait_weight
+    )
+
+
+@dataclass
+class CoreOutput:
+    """What one step did for one request: at most one new token (none when aborted).
+
+    ``finish_reason`` is set on the request's last output: STOP (an EOS or stop token id),
+    LENGTH, HANDOFF (prefill role, ``kv_payload`` set) or ABORT. Counters are cumulative; times
+    are the core's clock (seconds).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    kv_payload: KVPayload | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
+    """Args:
+    model_dir: Hugging Face checkpoint directory.
+    config: engine knobs.
+    eos_token_ids: ids that end a request (the model's and the tokenizer's EOS).
+    clock: seconds, monotonic (injected for tests and simulation).
+
+    Raises:
+        ValueError: a bad knob, or a KV budget too small for one request.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        eos_token_ids: Collection[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        self.dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device) if config.device else default_device()
+        self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.eos_token_ids = set(cfg.eos_token_ids) | set(eos_token_ids)
+        torch.manual_seed(config.seed)
+        self.model = load_model(model_dir, cfg, self.dtype, self.device)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        plan = plan_pools(cfg, config, elem)
+        self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
+        self.host: HostKVStorage | None = None
+        host_pages = None
+        if config.enable_prefix_caching and config.host_cache_memory > 0:
+            host_pages = host_plan(plan, config.host_cache_memory)
+            self.host = HostKVStorage(
+                self.storage, {FULL: host_pages[0], SWA: host_pages[1]}, config.page_size
+            )
+        if config.host_write_policy not in ("on_evict", "second_hit"):
+            raise ValueError(
+                f"host write policy must be on_evict or second_hit, got {config.host_write_policy!r}"
+            )
+        self.kv = KVCacheManager(
+            plan,
+            config.page_size,
+            cfg.window,
+            config.kv_layout,
+            len(cfg.full_layers),
+            len(cfg.swa_layers),
+            prefix_caching=config.enable_prefix_caching,
+            host_pages=host_pages,
+            mover=self.host,
+            write_policy=config.host_write_policy,  # type: ignore[arg-type]
+        )
+        if config.index_block_tokens is not None:
+            self.kv.enable_cache_events(config.index_block_tokens)
+        if not self.kv.fits_ever(min(self.max_model_len, config.max_num_batched_tokens)):
+            raise ValueError("kv cache budget too small for even one request; raise --kv-cache-memory")
+        kv_tokens = self.kv.full.pool.num_pages * config.page_size
+        if kv_tokens < self.max_model_len:  # as vLLM: one request must always be able to fit
+            log.warning(
+                "max_model_len lowered from %d to %d tokens, what the KV cache holds",
+                self.max_model_len,
+                kv_tokens,
+            )
+            self.max_model_len = kv_tokens
+        self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device, self.host)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, on_import=self._import_kv,
+            priority=schedule_priority(config),
+        )  # fmt: skip
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.limits = EngineLimits(
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            max_fit_tokens=self._max_fit_tokens(),
+            page_size=config.page_size,
+            kv_pages=self.kv.full.pool.num_pages,
+        )
+
+    def _max_fit_tokens(self) -> int:
+        """Largest prompt + output that empty pools could hold (``kv.fits_ever`` is monotonic)."""
+        lo, hi = 0, 1 << 40
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.fits_ever(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        export_kv: bool = False,
+    ) -> None:
+        """Queue a request. Raises ValueError on invalid input or a duplicate id.
+
+        ``export_kv`` (prefill role): the request stops after its first token (finish reason
+        ``HANDOFF`` unless it really ended there), and its prompt's KV is copied to host memory
+        first and returned in the final ``CoreOutput.kv_payload`` (``transfer.kv_transfer``).
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        if export_kv:  # stops after its first token: pages for the prompt and that token only
+            req.export_kv = True
+            req.max_total_tokens = len(prompt_token_ids) + 1
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        payload: KVPayload,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request whose prompt another worker prefilled (decode role): ``first_token`` was
+        sampled there (and already streamed to the client), ``payload`` holds the prompt's KV in
+        host memory. No pool page is taken until the scheduler admits the request; then the KV is
+        copied in and decoding goes on from ``first_token``.
+
+        Raises:
+            ValueError: invalid input, a duplicate id, or a payload that does not cover the prompt.
+        """
+        self.limits.check_prefilled(request_id, prompt_token_ids, first_token, payload)
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        req.kv_payload = payload
+        gen = req.sampling.generator if req.sampling is not None else None
+        if gen is not None and payload.sampler_state:
+            try:
+                gen.set_state(torch.frombuffer(bytearray(payload.sampler_state), dtype=torch.uint8))
+            except RuntimeError as e:
+                raise ValueError(f"sampler state from the prefill worker does not fit: {e}") from e
+        req.output_token_ids.append(first_token)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.limits.check(prompt_token_ids, params)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.clock() if arrival_time is None else arrival_time,
+            max_total_tokens=len(prompt_token_ids) + params.max_tokens,
+        )
+        req.sampling = SamplingState.create(params, req.prompt_token_ids, self.device)
+        req.sampling.output_token_ids = req.output_token_ids
+        return req
+
+    def _import_kv(self, req: Request) -> None:
+        """Scheduler hook at admission of a prefilled request: pages for its prompt, KV copied in."""
+        payload = req.kv_payload
+        assert payload is not None
+        n = payload.num_tokens
+        if not self.kv.allocate(req.request_id, n, n):
+            raise RuntimeError("pages for imported KV not available after admission (internal error)")
+        scatter(self.kv, self.storage, payload)
+        req.num_computed = n
+        req.kv_payload = None
+
+    def abort_request(self, request_id: str) -> CoreOutput | None:
+        """Stop a request and free its pages; returns its final output (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req)
+        req.finish_reason = FinishReason.ABORT
+        return self._output(req, [], [])
+
+    def abort_all(self) -> list[str]:
+        """Abort every request (after a failed step); returns their ids. A request whose abort
+        fails is dropped anyway (logged): nothing may stay half-finished."""
+        rids = list(self.requests)
+        for rid in rids:
+            try:
+                self.abort_request(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+                self.requests.pop(rid, None)
+        return rids
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def is_running(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.status == RequestStatus.RUNNING
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        """Run one engine step; returns one output per request that sampled a token."""
+        now = self.clock()
+        chunks = self.scheduler.schedule(now)
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        sampling = [c for c in chunks if c.samples]
+        states = [c.req.sampling for c in sampling]
+        sampled = self.sampler.sample(logits, states) if sampling else []  # type: ignore[arg-type]
+        for c in chunks:
+            c.req.num_computed = c.start + c.n
+            if not c.samples and self.kv.cache is not None:  # chunked prefill: share what is done
+                self.kv.cache_partial(c.req.request_id, c.req.token_slice(0, c.req.num_computed))
+        now = self.clock()
+        return [
+            self._append(c.req, s.token_id, s.logprob, now) for c, s in zip(sampling, sampled, strict=True)
+        ]
+
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> CoreOutput:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_token_ids.append(token)
+        reason: FinishReason | None = None
+        if check_stop_token(token, req.params, self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        elif req.export_kv:
+            reason = FinishReason.HANDOFF
+        if reason is not None:
+            if req.export_kv:
+                req.kv_payload = gather(self.kv, self.storage, req.request_id, req.num_prompt)
+                gen = req.sampling.generator if req.sampling is not None else None
+                if gen is not None:  # the decoder continues this random stream
+                    req.kv_payload.sampler_state = gen.get_state().numpy().tobytes()
+            req.finish_reason = reason
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+        return self._output(req, [token], [logprob] if logprob is not None else [])
+
+    def _output(self, req: Request, tokens: list[int], lps: list[TokenLogprob]) -> CoreOutput:
+        finished = req.finish_reason is not None
+        return CoreOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_logprobs=lps,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.num_prompt,
+            completion_tokens=len(req.output_token_ids),
+            cached_tokens=req.cached_tokens,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            kv_payload=req.kv_payload if finished and req.export_kv else None,
+        )
+
+    # -- state ----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Pools, queue and load now (token counters are the front's: ``OutputProcessor``)."""
+        reqs = self.requests.values()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            pools=self.kv.stats(),
+            prefix_cache=self.kv.cache.stats if self.kv.cache is not None else None,
+            cache_pages=self.kv.cached_pages() if self.kv.cache is not None else {},
+            outstanding_tokens=sum(
+                max(0, r.num_prompt - r.num_computed) + r.params.max_tokens - len(r.output_token_ids)
+                for r in reqs
+            ),
+            prefill_tokens=sum(max(0, r.num_prompt - r.num_computed) for r in reqs),
+        )
+
+    def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:
+        """Prefix-cache block events since the last call, oldest first (``config.index_block_tokens``;
+        empty when off). The caller publishes them (``routing.events``). With ``resync``: a snapshot
+        of the whole cache instead (``cleared`` + stored chains of every cached block), for a
+        publisher that lost events; later calls return what happens after it."""
+        return self.kv.drain_cache_events(self.clock(), resync)
+
+    def flush_cache(self) -> None:
+        """Drop every unlocked page the prefix cache holds (device and host)."""
+        self.kv.flush_cache()

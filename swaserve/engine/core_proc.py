@@ -1,0 +1,233 @@
+"""The engine-core process: ``EngineCore`` stepping in a busy loop behind two ZMQ sockets.
+
+``python -m swaserve.engine.core_proc SPEC`` (SPEC: a ``CoreSpec`` as JSON; started by
+``engine.mp_client.MPEngineClient``). Loop: take every queued message (adds, aborts, calls), step
+while there is work, send one ``Outputs`` per step (outputs, refusals, cache events, stats). A
+malformed or oversized message is logged and refused; a failed step ends the requests in flight
+and the loop goes on. The process dies with its parent and ignores SIGINT (the front stops it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+import zmq
+
+from swaserve.config import EngineConfig
+from swaserve.engine.core import CoreOutput, EngineCore
+from swaserve.engine.ipc import (
+    MAX_MESSAGE_BYTES,
+    Abort,
+    AddRequest,
+    Call,
+    Decoder,
+    MessageError,
+    Outputs,
+    Ready,
+    Refused,
+    Reply,
+    StartupFailed,
+    ToCore,
+    encode,
+)
+from swaserve.kvcache.block_events import BlockEvent
+
+log = logging.getLogger("swaserve.engine.core_proc")
+_IDLE_POLL_MS = 500  # while idle, how often the parent's liveness is checked
+
+
+class CoreSpec(msgspec.Struct):
+    """How to start a core: checkpoint, knobs, EOS ids, the front's sockets, its pid."""
+
+    model_dir: str
+    config: EngineConfig
+    eos_token_ids: list[int]
+    input_addr: str
+    output_addr: str
+    parent_pid: int
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    num_threads: int | None = None
+
+
+class CoreLoop:
+    """The loop's state between sends, over an ``EngineCore`` (no sockets: ``send`` is given).
+
+    Args:
+        core: the engine core. send: sends one message to the front.
+        max_message_bytes: inbound messages above this are refused.
+    """
+
+    def __init__(self, core: EngineCore, send: Any, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.core, self.send = core, send
+        self.decoder = Decoder(ToCore, max_message_bytes)
+        self.events_on = core.config.index_block_tokens is not None
+        self.shutdown = False
+        self._outputs: list[CoreOutput] = []
+        self._refused: list[Refused] = []
+        self._failed: list[str] = []
+        self._failure = ""
+        self._events: list[BlockEvent] = []
+        self._dirty = False
+
+    def handle(self, frames: list[Any]) -> None:
+        """Apply one inbound message; never raises for a bad one."""
+        self._dirty = True
+        try:
+            msg = self.decoder.decode(frames)
+        except MessageError as e:
+            rid = _request_id(frames)
+            log.error("refused a message from the front%s: %s", f" (request {rid!r})" if rid else "", e)
+            if rid:
+                self._refused.append(Refused(rid, f"engine core refused the request: {e}"))
+            return
+        core = self.core
+        if isinstance(msg, AddRequest):
+            try:
+                if msg.first_token is not None:
+                    if msg.payload is None:
+                        raise ValueError("a prefilled request needs its KV payload")
+                    core.add_prefilled(
+                        msg.request_id, msg.prompt_token_ids, msg.first_token, msg.params, msg.payload,
+                        msg.arrival_time,
+                    )  # fmt: skip
+                else:
+                    core.add_request(
+                        msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, msg.export_kv
+                    )
+            except ValueError as e:
+                self._refused.append(Refused(msg.request_id, str(e)))
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                out = core.abort_request(rid)
+                if out is not None:
+                    self._outputs.append(out)
+        elif isinstance(msg, Call):
+            self._call(msg)
+
+    def _call(self, msg: Call) -> None:
+        reply = Reply(msg.call_id)
+        try:
+            if msg.method == "flush_cache":
+                self.core.flush_cache()
+            elif msg.method == "snapshot_events":
+                self.flush()  # events drained before the snapshot reach the front first
+                reply.events = self.core.drain_cache_events(resync=True)
+            elif msg.method == "shutdown":
+                self.shutdown = True
+        except Exception as e:  # a failed call is the caller's error, not the loop's
+            log.exception("call %s failed", msg.method)
+            reply.error = f"{msg.method} failed: {e}"
+        self.send(reply)
+
+    def step(self) -> None:
+        """One engine step; a failure ends every request in flight (the front fails them)."""
+        self._dirty = True
+        try:
+            self._outputs.extend(self.core.step())
+        except Exception as e:  # an engine bug: fail the requests in flight, keep serving
+            log.exception("engine step failed")
+            self._failure = f"engine failed: {e}"
+            self._failed.extend(self.core.abort_all())
+
+    def flush(self) -> None:
+        """Send what happened since the last flush (nothing if nothing did)."""
+        if not self._dirty:
+            return
+        if self.events_on:
+            self._events.extend(self.core.drain_cache_events())
+        msg = Outputs(
+            stats=self.core.stats(),
+            outputs=self._outputs,
+            refused=self._refused,
+            failed=self._failed,
+            failure=self._failure,
+            events=self._events,
+        )
+        self._outputs, self._refused, self._failed, self._failure, self._events = [], [], [], "", []
+        self._dirty = False
+        self.send(msg)
+
+
+def _request_id(frames: list[Any]) -> str:
+    """The ``request_id`` of an undecodable message, if its header is a map that has one."""
+    try:
+        head = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+        obj = msgspec.msgpack.decode(head)
+    except Exception:
+        return ""
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else ""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL when the parent dies (Linux prctl); exit now if it already has."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux: the idle poll checks the parent
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        sys.exit(1)
+
+
+def run(spec: CoreSpec) -> int:
+    """Serve the front until it asks to shut down; returns the exit status."""
+    _die_with_parent(spec.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front stops us
+    if spec.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.num_threads)
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(spec.input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.connect(spec.output_addr)
+
+    def send(msg: Any) -> None:
+        out.send_multipart(encode(msg), copy=False)
+
+    try:
+        core = EngineCore(spec.model_dir, spec.config, spec.eos_token_ids)
+    except Exception as e:
+        log.exception("engine core failed to start")
+        send(StartupFailed(f"{type(e).__name__}: {e}"))
+        out.close(linger=2000)
+        return 1
+    send(Ready(core.limits, str(core.dtype).removeprefix("torch."), os.getpid()))
+    loop = CoreLoop(core, send, spec.max_message_bytes)
+    while not loop.shutdown:
+        busy = core.has_unfinished()
+        if inp.poll(0 if busy else _IDLE_POLL_MS):
+            while not loop.shutdown:
+                try:
+                    frames = inp.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                loop.handle(frames)
+        elif not busy and os.getppid() != spec.parent_pid:
+            log.error("the front process is gone: exiting")
+            return 1
+        if not loop.shutdown and core.has_unfinished():
+            loop.step()
+        loop.flush()
+    out.close(linger=2000)
+    inp.close(linger=0)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    if len(argv) != 1:
+        print("usage: python -m swaserve.engine.core_proc SPEC_JSON", file=sys.stderr)
+        return 2
+    return run(msgspec.json.decode(argv[0], type=CoreSpec))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

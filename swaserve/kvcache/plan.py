@@ -1,0 +1,22 @@
+"""The split of a KV byte budget into the full and SWA pools: ``PoolPlan`` (pages and bytes per page
+of each pool; ``kvcache.sizing.plan_pools`` computes it; the storage, the host tier and the manager
+read it), and ``cdiv``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ``a`` by positive ``b``."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Pages and bytes per page (all layers of the pool, K and V) of the full and SWA pools."""
+
+    full_pages: int
+    swa_pages: int
+    full_page_bytes: int
+    swa_page_bytes: int

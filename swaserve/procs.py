@@ -1,0 +1,163 @@
+"""Child service processes: ``ServiceProcess`` (own process group, SIGTERM when the parent dies
+via Linux ``PR_SET_PDEATHSIG``, output prefixed by its name, a readiness check, stop with a grace
+period), readiness checks over gRPC health and HTTP ``/health``, and ``free_port``. Used by the
+launcher, the local Redis server, the demo, benches and tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+_ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # Without prctl (not Linux) the callers' stop() is the only guard.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ClusterError(RuntimeError):
+    """A service exited or did not become ready in time."""
+
+
+class ServiceProcess:
+    """One child service with prefixed, filtered output and a readiness check.
+
+    Args:
+        name: log prefix, e.g. ``prefill-0``. cmd: the command line.
+        ready: returns True once the service is ready (called repeatedly).
+        show_access_log: pass HTTP access lines through (normally hidden).
+    """
+
+    def __init__(self, name: str, cmd: list[str], ready: Callable[[], bool], show_access_log: bool = False):
+        self.name, self.cmd, self.ready = name, cmd, ready
+        self.show_access_log = show_access_log
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self._reader = threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            if self.show_access_log or not _ACCESS_LOG.search(line):
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Raises ClusterError if the process exits or is not ready within ``timeout_s``."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self._join_reader()
+                raise ClusterError(
+                    f"{self.name} exited with status {code} before it was ready:\n{self._tail()}"
+                )
+            if self.ready():
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self._tail()}")
+            time.sleep(0.25)
+
+    def _tail(self) -> str:
+        return "\n".join(f"  | {line}" for line in self.tail) or "  (no output)"
+
+    def _join_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the service's process group (tests: a worker dying)."""
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace_s``; idempotent."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._join_reader()
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._join_reader()
+
+
+def grpc_ready(address: str) -> Callable[[], bool]:
+    """Readiness of a worker: its overall ``grpc.health.v1`` status is SERVING."""
+
+    def check() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(address) as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2.0
+                )
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+
+    return check
+
+
+def http_ready(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check

@@ -1,0 +1,336 @@
+"""Prefill -> decode KV transfer, sans IO: what is sent, how it is cut into pages, how it is staged.
+
+For a prompt of ``n`` tokens: full-attention layers' K/V of positions ``[0, n)``, SWA layers' K/V of
+``[max(0, n - W), n)``. ``KVPayload`` (``gather``/``scatter`` against the pools), ``to_pages`` (wire
+pages with CRC-32), ``KVStaging`` (decode-side host staging, verified page by page). Nothing here
+touches device pools.
+
+Design notes: docs/DESIGN.md#transferkv_transferpy"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from swaserve.config import FULL, SWA
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.storage import KVStorage
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransferError(ValueError):
+    """A KV page failed verification (checksum, shape, dtype, range) or a transfer is incomplete."""
+
+
+class StagingFull(TransferError):
+    """Staging has no room for a transfer now (a capacity refusal, not a fault: retry later)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise TransferError(f"unsupported KV dtype {dtype}")
+
+
+@dataclass
+class KVPayload:
+    """The KV one request's decode needs, in host or device tensors.
+
+    Attributes:
+        request_id: the request.
+        num_tokens: prompt tokens ``n`` whose KV this is.
+        window: SWA window ``W`` (previous tokens a query sees).
+        kv: per kind, per layer of that kind, ``(k, v)``: full ``[n, kv_heads, head_dim]``, SWA
+            ``[min(n, W), kv_heads, head_dim]`` (positions ``[n - min(n, W), n)``); v's last dim
+            is ``v_head_dim``.
+        sampler_state: a seeded request's ``torch.Generator`` state after its first token.
+    """
+
+    request_id: str
+    num_tokens: int
+    window: int
+    kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    sampler_state: bytes = b""  # seeded requests: RNG state after the first token (empty: none)
+
+    def token_range(self, kind: str) -> tuple[int, int]:
+        """Positions ``[lo, n)`` whose KV the payload carries for ``kind``."""
+        n = self.num_tokens
+        return (0, n) if kind == FULL else (max(0, n - self.window), n)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layers in self.kv.values() for kv in layers for t in kv)
+
+
+@dataclass(frozen=True)
+class KVPage:
+    """One page of one layer's K and V, as sent on the wire (``protos/swaserve/v1/kv_transfer.proto``).
+
+    ``k``/``v`` are the raw bytes of ``[token_end - token_start, kv_heads, head_dim]`` tensors in
+    ``dtype``; ``checksum`` is CRC-32 (zlib) of ``k + v``.
+    """
+
+    request_id: str
+    kind: str  # "full" | "swa"
+    layer: int  # index among the layers of this kind
+    token_start: int
+    token_end: int
+    page_size: int
+    dtype: str
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    k: bytes
+    v: bytes
+    checksum: int
+
+    def nbytes(self) -> int:
+        return len(self.k) + len(self.v)
+
+
+def _checksum(k: bytes, v: bytes) -> int:
+    return zlib.crc32(v, zlib.crc32(k))
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def to_pages(payload: KVPayload, page_size: int, pages_per_message: int = 1) -> Iterator[KVPage]:
+    """Cut ``payload`` into page messages: per kind (full then SWA), per layer, runs of up to
+    ``pages_per_message`` pages (fewer, bigger messages cost less per byte); a message's token
+    range is clipped to the positions the payload carries (so the first SWA page and the last
+    page of each layer can be partial)."""
+    span = page_size * max(1, pages_per_message)
+    for kind in (FULL, SWA):
+        lo, hi = payload.token_range(kind)
+        for layer, (k, v) in enumerate(payload.kv.get(kind, [])):
+            dt = dtype_name(k.dtype)
+            start = lo
+            while start < hi:
+                end = min(hi, (start // page_size) * page_size + span)
+                kp, vp = k[start - lo : end - lo], v[start - lo : end - lo]
+                kb, vb = _tensor_bytes(kp), _tensor_bytes(vp)
+                yield KVPage(
+                    payload.request_id, kind, layer, start, end, page_size, dt,
+                    tuple(kp.shape), tuple(vp.shape), kb, vb, _checksum(kb, vb),
+                )  # fmt: skip
+                start = end
+
+
+def _pages(lo: int, hi: int, page_size: int) -> int:
+    return 0 if hi <= lo else (hi - 1) // page_size - lo // page_size + 1
+
+
+def expected_pages(
+    num_tokens: int, window: int, page_size: int, layers: dict[str, int], pages_per_message: int = 1
+) -> int:
+    """How many messages ``to_pages`` sends for a prompt of ``num_tokens`` tokens."""
+    total = 0
+    for kind, n_layers in layers.items():
+        lo, hi = (0, num_tokens) if kind == FULL else (max(0, num_tokens - window), num_tokens)
+        pages = _pages(lo, hi, page_size)
+        total += -(-pages // max(1, pages_per_message)) * n_layers
+    return total
+
+
+@dataclass
+class LayerShape:
+    """K/V shape of one layer kind: heads and head dims (``ModelConfig.full`` / ``.swa``)."""
+
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+class KVStaging:
+    """Decode side: assembles the pages of transfers in host memory, verified page by page.
+
+    Args:
+        layers: number of layers per kind, e.g. ``{"full": 10, "swa": 60}``.
+        shapes: per-kind ``LayerShape``.
+        window: SWA window ``W``. page_size: tokens per page. dtype: the KV dtype expected.
+        max_bytes: host bytes staging may hold at once; a transfer that would exceed it is refused.
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, int],
+        shapes: dict[str, LayerShape],
+        window: int,
+        page_size: int,
+        dtype: torch.dtype,
+        max_bytes: int = 1 << 32,
+    ) -> None:
+        self.layers, self.shapes = layers, shapes
+        self.window, self.page_size, self.dtype = window, page_size, dtype
+        self.max_bytes = max_bytes
+        self._open: dict[str, tuple[KVPayload, set[tuple[str, int, int]]]] = {}
+        self._bytes: dict[str, int] = {}
+        self._done: set[str] = set()
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+    def begin(self, request_id: str, num_tokens: int, sampler_state: bytes = b"") -> None:
+        """Start staging a transfer of ``num_tokens`` prompt tokens' KV (allocates host tensors).
+
+        Raises:
+            TransferError: duplicate id, bad length; StagingFull: not enough staging memory.
+        """
+        if request_id in self._open:
+            raise TransferError(f"transfer for {request_id!r} already open")
+        if num_tokens < 1:
+            raise TransferError(f"transfer of {num_tokens} tokens")
+        payload = KVPayload(request_id, num_tokens, self.window, sampler_state=sampler_state)
+        size = 0
+        for kind, n_layers in self.layers.items():
+            lo, hi = payload.token_range(kind)
+            s = self.shapes[kind]
+            size += n_layers * (hi - lo) * s.kv_heads * (s.head_dim + s.v_head_dim) * self.dtype.itemsize
+        if self.staged_bytes + size > self.max_bytes:
+            raise StagingFull(
+                f"staging full: {self.staged_bytes} + {size} bytes > {self.max_bytes} (retry later)"
+            )
+        for kind, n_layers in self.layers.items():
+            lo, hi = payload.token_range(kind)
+            s = self.shapes[kind]
+            payload.kv[kind] = [
+                (
+                    torch.empty(hi - lo, s.kv_heads, s.head_dim, dtype=self.dtype),
+                    torch.empty(hi - lo, s.kv_heads, s.v_head_dim, dtype=self.dtype),
+                )
+                for _ in range(n_layers)
+            ]
+        self._open[request_id] = (payload, set())
+        self._bytes[request_id] = size
+
+    def add(self, page: KVPage) -> None:
+        """Verify one page and copy it into its request's staging tensors.
+
+        Raises:
+            TransferError: unknown request, checksum mismatch, wrong dtype/shape/range, duplicate.
+        """
+        entry = self._open.get(page.request_id)
+        if entry is None:
+            raise TransferError(f"page for {page.request_id!r} without an open transfer")
+        payload, seen = entry  # seen: (kind, layer, page index) received
+        if page.request_id in self._done:
+            raise TransferError(f"page for {page.request_id!r} after its transfer was finished")
+        if page.kind not in self.layers or not 0 <= page.layer < self.layers[page.kind]:
+            raise TransferError(f"page of unknown layer {page.kind}[{page.layer}]")
+        if page.dtype != dtype_name(self.dtype):
+            raise TransferError(f"page dtype {page.dtype}, expected {dtype_name(self.dtype)}")
+        if page.page_size != self.page_size:
+            raise TransferError(f"page size {page.page_size}, expected {self.page_size}")
+        if _checksum(page.k, page.v) != page.checksum:
+            raise TransferError(
+                f"checksum mismatch on {page.request_id} {page.kind}[{page.layer}] "
+                f"tokens [{page.token_start}, {page.token_end})"
+            )
+        lo, hi = payload.token_range(page.kind)
+        a, b = page.token_start, page.token_end
+        P = self.page_size
+        if not (lo <= a < b <= hi) or (a != lo and a % P) or (b != hi and b % P):
+            raise TransferError(f"page token range [{a}, {b}) not page-aligned inside [{lo}, {hi})")
+        keys = {(page.kind, page.layer, i) for i in range(a // P, (b - 1) // P + 1)}
+        if keys & seen:
+            raise TransferError(
+                f"duplicate page in {page.kind}[{page.layer}] [{a}, {b}) for {page.request_id}"
+            )
+        k_dst, v_dst = payload.kv[page.kind][page.layer]
+        s = self.shapes[page.kind]
+        if page.k_shape != (b - a, s.kv_heads, s.head_dim) or page.v_shape != (
+            b - a,
+            s.kv_heads,
+            s.v_head_dim,
+        ):
+            raise TransferError(f"page shapes {page.k_shape}/{page.v_shape} do not match the model")
+        for dst, raw, shape in ((k_dst, page.k, page.k_shape), (v_dst, page.v, page.v_shape)):
+            want = int(torch.Size(shape).numel()) * self.dtype.itemsize
+            if len(raw) != want:
+                raise TransferError(f"page holds {len(raw)} bytes, shape needs {want}")
+            src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.dtype).view(shape)
+            dst[a - lo : b - lo].copy_(src)
+        seen |= keys
+
+    def missing(self, request_id: str) -> int:
+        """Pages (per layer) of an open transfer not received yet."""
+        payload, seen = self._open[request_id]
+        return expected_pages(payload.num_tokens, self.window, self.page_size, self.layers) - len(seen)
+
+    def finish(self, request_id: str) -> None:
+        """Mark a transfer complete (all pages verified); it stays staged until ``claim``.
+
+        Raises:
+            TransferError: unknown request or pages missing (the transfer is dropped).
+        """
+        if request_id not in self._open:
+            raise TransferError(f"no open transfer for {request_id!r}")
+        left = self.missing(request_id)
+        if left:
+            self.discard(request_id)
+            raise TransferError(f"transfer for {request_id!r} incomplete: {left} pages missing")
+        self._done.add(request_id)
+
+    def ready(self, request_id: str) -> bool:
+        return request_id in self._done
+
+    def claim(self, request_id: str) -> KVPayload:
+        """Hand a complete transfer's payload over; staging forgets it.
+
+        Raises:
+            TransferError: unknown or incomplete transfer.
+        """
+        if request_id not in self._done:
+            raise TransferError(f"no complete transfer for {request_id!r}")
+        payload, _ = self._open.pop(request_id)
+        self._done.discard(request_id)
+        self._bytes.pop(request_id, None)
+        return payload
+
+    def discard(self, request_id: str) -> None:
+        """Drop a transfer (failed, aborted, or never claimed)."""
+        self._open.pop(request_id, None)
+        self._done.discard(request_id)
+        self._bytes.pop(request_id, None)
+
+    def open_ids(self) -> list[str]:
+        return list(self._open)
+
+
+def gather(kv: KVCacheManager, storage: KVStorage, request_id: str, num_tokens: int) -> KVPayload:
+    """Copy a request's prompt KV out of the device pools into host tensors (prefill role).
+
+    Full layers: positions ``[0, n)``; SWA layers: ``[n - W, n)`` (all of ``[0, n)`` with the
+    full layout, which keeps SWA KV for every token).
+    """
+    window = kv.swa.window if kv.swa.window is not None else num_tokens
+    payload = KVPayload(request_id, num_tokens, window)
+    for kind, mgr in ((FULL, kv.full), (SWA, kv.swa)):
+        if kind == SWA and not kv.has_swa:
+            continue
+        lo, hi = payload.token_range(kind)
+        slots = mgr.slots(request_id, lo, hi).to(storage.kv[kind][0][0].device)
+        ks, vs = storage.kv[kind]
+        payload.kv[kind] = [(k[slots].cpu(), v[slots].cpu()) for k, v in zip(ks, vs, strict=True)]
+    return payload
+
+
+def scatter(kv: KVCacheManager, storage: KVStorage, payload: KVPayload) -> None:
+    """Copy a staged payload into the request's pages (decode role; the pages are allocated)."""
+    rid = payload.request_id
+    for kind, mgr in ((FULL, kv.full), (SWA, kv.swa)):
+        if kind not in payload.kv:
+            continue
+        lo, hi = payload.token_range(kind)
+        ks, vs = storage.kv[kind]
+        slots = mgr.slots(rid, lo, hi).to(ks[0].device)
+        for (k, v), (k_src, v_src) in zip(zip(ks, vs, strict=True), payload.kv[kind], strict=True):
+            k[slots] = k_src.to(k.device, non_blocking=True)
+            v[slots] = v_src.to(v.device, non_blocking=True)

@@ -1,0 +1,68 @@
+"""Test helpers: drive the model runner on hand-made chunk schedules, and transformers references."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from swaserve.config import EngineConfig, ModelConfig
+from swaserve.engine.model_runner import ModelRunner
+from swaserve.engine.request import Request
+from swaserve.engine.scheduler import ScheduledChunk
+from swaserve.engine.types import SamplingParams
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.sizing import plan_pools
+from swaserve.kvcache.storage import KVStorage
+from swaserve.model.loader import load_model
+
+
+class Harness:
+    """The real model, pools and runner, with every row's logits exposed."""
+
+    def __init__(
+        self, model_dir: str | Path, page_size: int, layout: str = "hybrid", budget: int = 8 << 20
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = ModelConfig.from_pretrained(model_dir)
+        self.model = load_model(model_dir, self.cfg)
+        ecfg = EngineConfig(page_size=page_size, kv_cache_memory=budget, kv_layout=layout)  # type: ignore[arg-type]
+        plan = plan_pools(self.cfg, ecfg, 4)
+        self.kv = KVCacheManager(
+            plan, page_size, self.cfg.window, layout, len(self.cfg.full_layers), len(self.cfg.swa_layers)
+        )
+        self.storage = KVStorage(self.cfg, plan, page_size, torch.float32, "cpu")
+        self.runner = ModelRunner(self.model, self.cfg, self.kv, self.storage, torch.device("cpu"))
+
+    def new(self, rid: str, tokens: Sequence[int]) -> Request:
+        req = Request(rid, list(tokens), SamplingParams(max_tokens=1), 0.0, len(tokens) + 1)
+        assert self.kv.admit(rid, len(tokens) + 1) is not None
+        return req
+
+    def step(self, plan: Sequence[tuple[Request, int]]) -> list[torch.Tensor]:
+        """Run one step with chunk (req, n) for each entry; returns each chunk's logits [n, vocab]."""
+        chunks = []
+        for req, n in plan:
+            start = req.num_computed
+            assert self.kv.allocate(req.request_id, start, start + n)
+            chunks.append(ScheduledChunk(req, start, n))
+        batch, _ = self.runner.build(chunks)
+        logits = self.model.logits(self.model(batch))
+        out, row = [], 0
+        for c in chunks:
+            out.append(logits[row : row + c.n])
+            row += c.n
+            c.req.num_computed += c.n
+        return out
+
+    def run_alone(self, rid: str, tokens: Sequence[int], chunk_sizes: Sequence[int]) -> torch.Tensor:
+        req = self.new(rid, tokens)
+        outs = [self.step([(req, n)])[0] for n in chunk_sizes]
+        self.kv.free(rid)
+        return torch.cat(outs)
+
+
+def reference_logits(hf_model, tokens: Sequence[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        return hf_model(torch.tensor([list(tokens)])).logits[0].float()

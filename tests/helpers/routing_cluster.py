@@ -1,0 +1,42 @@
+"""Helpers for the routing tests on a real cluster (tests/services/router/test_routing_cluster.py,
+test_routing_precise.py): send completions through given routers, read cached tokens and metric families."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+
+from tests.helpers.cluster import WORKER_ARGS
+
+__all__ = ["WORKER_ARGS", "body", "cached", "metric", "send"]
+
+
+def body(prompt: list[int], max_tokens: int = 4) -> dict[str, object]:
+    return {"model": "mimo-v2-tiny-v1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+
+
+async def send(pairs: list[tuple[str, list[int]]], max_tokens: int = 4) -> list[dict]:
+    async with httpx.AsyncClient(timeout=180) as client:
+
+        async def one(url: str, p: list[int]) -> dict:
+            r = await client.post(f"{url}/v1/completions", json=body(p, max_tokens))
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        return await asyncio.gather(*(one(u, p) for u, p in pairs))
+
+
+def cached(resp: dict) -> int:
+    return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def metric(url: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one metric family on a router's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out

@@ -1,0 +1,120 @@
+"""Router failures that are about capacity or reachability, on a real cluster (``Cluster``: router
++ 1 prefill + 1 decode worker, tiny checkpoint): a decode worker whose KV staging is full, and a
+decode worker that is gone while the router still believes it is up (its load poll is far apart).
+Both are 503s with a clear message (an error event with the same code once a stream started), not
+500s, and the router counts the retries and the outcome on /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from swaserve.config import ModelConfig
+from swaserve.launcher import Cluster
+from tests.helpers.cluster import WORKER_ARGS, _scrape, _value, wait_idle
+
+pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
+
+# the tiny model: 384 bytes of full KV per token + the SWA window (8 tokens x 2304 bytes); 48 KiB
+# stage a 40-token prompt (33.8 KB) but never a 120-token one (64.5 KB)
+STAGING = 48 * 1024
+SHORT, LONG = 40, 120
+MODEL = "mimo-v2-tiny-v1"
+
+
+@pytest.fixture(scope="module")
+def small(tiny_dir: Path) -> Iterator[Cluster]:
+    c = Cluster(
+        tiny_dir,
+        prefill=1,
+        decode=1,
+        worker_args=WORKER_ARGS,
+        decode_args=["--staging-memory", str(STAGING)],
+        router_args=["--request-timeout", "60", "--poll-interval", "3600"],  # the first poll only
+    )
+    try:
+        c.start(timeout_s=300)
+        yield c
+    finally:
+        c.stop()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def body(p: list[int], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def test_staging_sizes(tiny_dir: Path) -> None:
+    m = ModelConfig.from_pretrained(tiny_dir)
+    per_token = len(m.full_layers) * m.full.num_kv_heads * (m.full.head_dim + m.full.v_head_dim) * 4
+    window = len(m.swa_layers) * m.swa.num_kv_heads * (m.swa.head_dim + m.swa.v_head_dim) * 4 * m.window
+    assert SHORT * per_token + window <= STAGING < LONG * per_token + window
+
+
+def test_staging_full_is_a_503_and_an_error_event(small: Cluster) -> None:
+    url = small.url
+    ok = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 1)), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6, ok.text
+    before = _scrape(url)
+
+    r = httpx.post(f"{url}/v1/completions", json=body(prompt(LONG, 2)), timeout=60)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "overloaded" and err["type"] == "server_error"
+    assert "staging full" in err["message"] and "retry later" in err["message"], err
+
+    # streamed: the prefill worker's first token reached the client before the KV was refused
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body(prompt(LONG, 3), stream=True), timeout=60
+    ) as s:
+        assert s.status_code == 200
+        events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    first, last = json.loads(events[0]), json.loads(events[-2])
+    assert first["choices"][0]["finish_reason"] is None  # the first token
+    assert last["error"]["code"] == "overloaded" and "staging full" in last["error"]["message"], last
+    assert len(events) == 3, events
+
+    after = _scrape(url)
+    # max_retries 2: each of the two requests tried the only decode worker three times
+    overloaded = _value(after, "swaserve:router_retries_total", reason="overloaded")
+    assert overloaded - _value(before, "swaserve:router_retries_total", reason="overloaded") == 4
+    unavailable = _value(after, "swaserve:router_requests_total", status="unavailable")
+    assert unavailable - _value(before, "swaserve:router_requests_total", status="unavailable") == 2
+    assert _value(after, "swaserve:router_requests_total", status="failed") == 0
+
+    again = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 4)), timeout=60)
+    assert again.status_code == 200, again.text  # nothing stayed staged
+    wait_idle(small)
+
+
+def test_unreachable_decode_worker_is_a_503(small: Cluster) -> None:
+    url = small.url
+    decode = small.services["decode-0"]
+    decode.kill()
+    assert decode.proc is not None
+    decode.proc.wait(timeout=30)
+    before = _scrape(url)
+    # the router has not polled since: the prefill runs, its KV push finds no decode worker
+    r = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 5)), timeout=60)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "no_worker_available" and "no decode worker available" in err["message"], err
+    after = _scrape(url)
+    assert (
+        _value(after, "swaserve:router_retries_total", reason="unavailable")
+        - _value(before, "swaserve:router_retries_total", reason="unavailable")
+        == 2
+    )
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 503  # it knows now

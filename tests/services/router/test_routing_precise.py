@@ -1,0 +1,49 @@
+"""Precise index mode through the real cluster: the prefill workers publish the blocks their
+prefix caches store (Redis stream), the router's index follows them instead of recording its
+dispatches, and shared prefixes still land where they are cached."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from swaserve.launcher import Cluster
+from swaserve.routing.redis.events import stream_key
+from tests.helpers.routing_cluster import WORKER_ARGS, cached, metric, send
+
+pytestmark = pytest.mark.cluster  # starts routers, workers and Redis (``Cluster``) as child processes
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    c = Cluster(
+        tiny_dir, prefill=2, decode=1, index_mode="precise", worker_args=WORKER_ARGS,
+        prefill_args=["--index-block-tokens", "16"],
+        router_args=["--request-timeout", "120", "--poll-interval", "0.2", "--block-tokens", "16"],
+    )  # fmt: skip
+    try:
+        c.start(timeout_s=300)
+        yield c
+    finally:
+        c.stop()
+
+
+def test_index_follows_worker_events(cluster: Cluster) -> None:
+    assert cluster.redis_url is not None
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    rng = random.Random(5)
+    stems = [[rng.randrange(3, 500) for _ in range(48)] for _ in range(4)]
+    asyncio.run(send([(cluster.url, [*s, 7, 8]) for s in stems]))
+    assert r.xlen(stream_key("swaserve")) > 0  # the workers published what they stored
+    second = [asyncio.run(send([(cluster.url, [*s, 9, 10, 11])]))[0] for s in stems]  # one at a time
+    assert all(cached(x) >= 32 for x in second), [cached(x) for x in second]
+    decisions = metric(cluster.url, "swaserve:router_decisions_total")
+    assert decisions.get('model_name="mimo-v2-tiny-v1",reason="affinity"', 0) >= 4
+    # every index entry came from an event: each instance's entries are blocks its cache stored
+    stored = {a: len(r.hkeys(f"{{swaserve}}:i:{a}")) for a in cluster.worker_addresses["prefill"]}
+    assert sum(stored.values()) >= 4 * 3  # 4 stems x 3 whole 16-token blocks at least

@@ -1,0 +1,157 @@
+"""Prefill/decode disaggregation in one process: a prefill engine exports each prompt's KV, the
+pages go through the wire format (``to_pages``) into decode-side staging (``KVStaging``), and a
+decode engine continues from the first token. Greedy tokens and logprobs must equal one engine
+doing both, for concurrent requests with prompts several windows long (tiny checkpoint, W = 8)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from swaserve.config import FULL, SWA, EngineConfig
+from swaserve.engine.llm_engine import LLMEngine
+from swaserve.engine.types import SamplingParams
+from swaserve.kvcache import invariants
+from swaserve.transfer.kv_transfer import KVStaging, LayerShape, TransferError, expected_pages, to_pages
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+CFG = EngineConfig(page_size=4, max_num_batched_tokens=24, kv_cache_memory=8 << 20)
+
+
+def staging_for(eng: LLMEngine) -> KVStaging:
+    cfg = eng.model_config
+    return KVStaging(
+        {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
+        {
+            FULL: LayerShape(cfg.full.num_kv_heads, cfg.full.head_dim, cfg.full.v_head_dim),
+            SWA: LayerShape(cfg.swa.num_kv_heads, cfg.swa.head_dim, cfg.swa.v_head_dim),
+        },
+        cfg.window if eng.config.kv_layout == "hybrid" else 1 << 30,
+        eng.config.page_size,
+        eng.dtype,
+    )
+
+
+def prompts(seed: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    stem = [rng.randrange(3, 500) for _ in range(21)]
+    return {
+        f"r{i}": (stem if i % 2 else []) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 50))]
+        for i in range(6)
+    }
+
+
+def run_single(
+    eng: LLMEngine, ps: dict[str, list[int]], params: SamplingParams = PARAMS
+) -> dict[str, tuple[list[int], list[float]]]:
+    out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ps}
+    for rid, p in ps.items():
+        eng.add_request(rid, p, params)
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs)
+    return out
+
+
+def run_pd(
+    pre: LLMEngine, dec: LLMEngine, ps: dict[str, list[int]], params: SamplingParams = PARAMS
+) -> tuple[dict[str, tuple[list[int], list[float]]], dict[str, int]]:
+    """Prefill all prompts (max_tokens=1, export KV), move pages, decode the rest."""
+    staging = staging_for(dec)
+    out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ps}
+    sent: dict[str, int] = {}
+    for rid, p in ps.items():
+        pre.add_request(rid, p, params, export_kv=True)
+    while pre.has_unfinished():
+        for o in pre.step():
+            assert o.finished and o.kv_payload is not None and o.finish_reason == "handoff"
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs)
+            staging.begin(o.request_id, o.prompt_tokens, o.kv_payload.sampler_state)
+            pages = list(to_pages(o.kv_payload, pre.config.page_size))
+            sent[o.request_id] = sum(pg.nbytes() for pg in pages)
+            assert len(pages) == expected_pages(
+                o.prompt_tokens, staging.window, staging.page_size, staging.layers
+            )
+            for pg in reversed(pages):  # any order
+                staging.add(pg)
+            staging.finish(o.request_id)
+    invariants.check(pre.kv)
+    for rid, p in ps.items():
+        dec.add_prefilled(rid, p, out[rid][0][0], params, staging.claim(rid))
+    assert dec.kv.full.pool.num_used == 0, "no device page is taken before admission"
+    while dec.has_unfinished():
+        for o in dec.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs)
+        invariants.check(dec.kv)
+    return out, sent
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "full"])
+def test_pd_equals_single_engine(tiny_dir: Path, layout: str) -> None:
+    cfg = dataclasses.replace(CFG, kv_layout=layout)  # type: ignore[arg-type]
+    single = LLMEngine(str(tiny_dir), cfg)
+    pre = LLMEngine(str(tiny_dir), cfg)
+    dec = LLMEngine(str(tiny_dir), dataclasses.replace(cfg, enable_prefix_caching=False))
+    for seed in range(2):
+        ps = prompts(seed)
+        want = run_single(single, ps)
+        got, sent = run_pd(pre, dec, ps)
+        for rid in ps:
+            assert got[rid][0] == want[rid][0], rid
+            assert got[rid][1] == pytest.approx(want[rid][1], abs=1e-4)
+        m = single.model_config
+        elem = pre.dtype.itemsize
+        full_tok = len(m.full_layers) * m.full.num_kv_heads * (m.full.head_dim + m.full.v_head_dim) * elem
+        swa_tok = len(m.swa_layers) * m.swa.num_kv_heads * (m.swa.head_dim + m.swa.v_head_dim) * elem
+        for rid, p in ps.items():
+            n = len(p)
+            swa_n = min(n, m.window) if layout == "hybrid" else n
+            assert sent[rid] == n * full_tok + swa_n * swa_tok  # exactly the KV decode needs
+    assert dec.kv.full.pool.num_used == dec.kv.swa.pool.num_used == 0
+
+
+def test_bad_pages_are_refused(tiny_dir: Path) -> None:
+    pre = LLMEngine(str(tiny_dir), CFG)
+    staging = staging_for(pre)
+    pre.add_request("a", list(range(3, 40)), PARAMS, export_kv=True)
+    done = []
+    while pre.has_unfinished():
+        done += [o for o in pre.step() if o.finished]
+    (o,) = done
+    pages = list(to_pages(o.kv_payload, 4))
+    staging.begin("a", 37)
+    bad = dataclasses.replace(pages[0], k=bytes([pages[0].k[0] ^ 1]) + pages[0].k[1:])
+    with pytest.raises(TransferError, match="checksum"):
+        staging.add(bad)
+    with pytest.raises(TransferError, match="range"):
+        staging.add(dataclasses.replace(pages[1], token_start=pages[1].token_start + 1))
+    staging.add(pages[0])
+    with pytest.raises(TransferError, match="duplicate"):
+        staging.add(pages[0])
+    with pytest.raises(TransferError, match="incomplete"):
+        staging.finish("a")
+    assert staging.open_ids() == [] and staging.staged_bytes == 0
+    with pytest.raises(TransferError, match="staging full"):
+        KVStaging(staging.layers, staging.shapes, staging.window, 4, torch.float32, max_bytes=10).begin(
+            "b", 37
+        )
+
+
+def test_seeded_sampling_continues_the_same_random_stream(tiny_dir: Path) -> None:
+    """The prefill worker's RNG state after the first token travels with the KV, so a seeded
+    sampled request decodes the same tokens as on one engine."""
+    params = dataclasses.replace(PARAMS, temperature=0.9, top_k=50, seed=2**63 + 5)
+    single = LLMEngine(str(tiny_dir), CFG)
+    pre = LLMEngine(str(tiny_dir), CFG)
+    dec = LLMEngine(str(tiny_dir), dataclasses.replace(CFG, enable_prefix_caching=False))
+    ps = prompts(3)
+    want = run_single(single, ps, params)
+    got, _ = run_pd(pre, dec, ps, params)
+    assert {r: got[r][0] for r in ps} == {r: want[r][0] for r in ps}
