@@ -121,6 +121,7 @@ class CoreLoop:
                 reply.events = self.core.drain_cache_events(resync=True)
             elif msg.method == "shutdown":
                 self.shutdown = True
+            # "ping": the reply alone says both sockets are connected
         except Exception as e:  # a failed call is the caller's error, not the loop's
             log.exception("call %s failed", msg.method)
             reply.error = f"{msg.method} failed: {e}"

@@ -54,7 +54,7 @@ class Call(msgspec.Struct, tag="call"):
     """A utility call answered by a ``Reply`` with the same ``call_id``, between steps."""
 
     call_id: int
-    method: Literal["flush_cache", "snapshot_events", "shutdown"]
+    method: Literal["flush_cache", "snapshot_events", "shutdown", "ping"]
 
 
 # -- core -> front ------------------------------------------------------------------------------

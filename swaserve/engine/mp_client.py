@@ -152,6 +152,13 @@ class MPEngineClient(LocalEngineClient):
             asyncio.create_task(self._read_loop(), name="swaserve-engine-outputs"),
             asyncio.create_task(self._watch(), name="swaserve-engine-watch"),
         ]
+        try:  # one round trip: both connections are up, so the socket files can go now (a killed
+            await asyncio.wait_for(self._call("ping"), _STOP_GRACE_S)  # front leaves none behind)
+        except BaseException:
+            await self._close()
+            raise
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir = None
         log.info("engine core process %d ready", self.pid)
 
     async def _wait_ready(self) -> Ready:
@@ -280,7 +287,7 @@ class MPEngineClient(LocalEngineClient):
         events, self._events = self._events, []
         return events
 
-    async def _call(self, method: Literal["flush_cache", "snapshot_events"]) -> Reply:
+    async def _call(self, method: Literal["flush_cache", "snapshot_events", "ping"]) -> Reply:
         if not self.running:
             raise self._dead or RuntimeError("engine core is not running")
         call_id = next(self._call_ids)

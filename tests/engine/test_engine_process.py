@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +142,14 @@ async def test_pd_through_separate_cores_equals_inline(tiny_dir: Path, device: s
         await dec.stop()
 
 
-async def test_killed_core_ends_every_stream_and_is_reported(tiny_dir: Path) -> None:
+async def test_killed_core_ends_every_stream_and_is_reported(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dead: list[str] = []
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     sep = await _started(MPEngineClient(tiny_dir, CFG, on_dead=dead.append))
+    # once the core is ready its socket files are gone, so a front killed with -9 leaves none
+    assert list(tmp_path.iterdir()) == []
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     started = asyncio.Event()
 
