@@ -285,6 +285,8 @@ class EngineConfig:
             multiple of ``page_size``) for the router's precise-mode index; None = no events.
         engine_process: where the engine core steps: "inline" (on the server's event loop),
             "separate" (its own process behind an IPC client) or "auto" (``engine.factory``).
+        engine_step_timeout: separate core only: seconds a core holding work may send nothing
+            (one step) before it is killed as hung and handled as dead; 0 = never.
     """
 
     page_size: int = 16
@@ -306,3 +308,4 @@ class EngineConfig:
     cost_model: str = "cpu-tiny"
     index_block_tokens: int | None = None
     engine_process: str = "auto"
+    engine_step_timeout: float = 120.0

@@ -181,10 +181,22 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             Literal["auto", "inline", "separate"],
             typer.Option(
                 help="Where the engine core steps: inline (on the server's event loop), separate "
-                "(its own process; probes and streams never wait for a step), auto (by device)."
+                "(its own process; probes and streams never wait for a step), auto (= separate; engine.factory)."
             ),
         ],
         "auto",
+    ),
+    EngineOption(
+        "engine_step_timeout",
+        Annotated[
+            float,
+            typer.Option(
+                min=0.0,
+                help="Separate core: seconds a core holding work may stay silent (one step) before it is "
+                "killed as hung, its streams ended and the process exits 1; 0 = never.",
+            ),
+        ],
+        120.0,
     ),
 )
 """The engine flags of ``swaserve serve`` and of every worker (``engine_options``): a flag added

@@ -5,7 +5,9 @@ streaming; the core (``engine.core_proc``, a child process) schedules, runs the 
 samples in a busy loop, so a long step never holds up a probe or another stream here. IPC: ZMQ
 PUSH/PULL over Unix sockets, msgspec messages (``engine.ipc``). If the core dies, every open
 stream ends with ``EngineDead`` (503 / error event), ``running`` turns False and ``on_dead`` is
-called (the serve and worker shells exit non-zero, for their supervisor to restart them).
+called (the serve and worker shells exit non-zero, for their supervisor to restart them). A core
+that holds work but sends nothing for ``engine_step_timeout`` seconds (a hung step: deadlock,
+stuck kernel, SIGSTOP) is killed and handled as dead.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class MPEngineClient(LocalEngineClient):
         self._to_core: Any = None
         self._from_core: Any = None
         self._dir: str | None = None
+        self._in_core: set[str] = set()  # requests the core has not finished (the watchdog's work)
+        self._heard = time.monotonic()  # last message from the core, or when work arrived at an idle one
+        self._hung: str | None = None
 
     # -- life -----------------------------------------------------------------------------------
     @property
@@ -122,7 +127,8 @@ class MPEngineClient(LocalEngineClient):
         """
         if self.running:
             return
-        self._stopping, self._dead = False, None
+        self._stopping, self._dead, self._hung = False, None, None
+        self._in_core.clear()
         self._dir = tempfile.mkdtemp(prefix="swaserve-engine-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.asyncio.Context()
@@ -151,6 +157,7 @@ class MPEngineClient(LocalEngineClient):
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="swaserve-engine-outputs"),
             asyncio.create_task(self._watch(), name="swaserve-engine-watch"),
+            asyncio.create_task(self._watchdog(), name="swaserve-engine-watchdog"),
         ]
         try:  # one round trip: both connections are up, so the socket files can go now (a killed
             await asyncio.wait_for(self._call("ping"), _STOP_GRACE_S)  # front leaves none behind)
@@ -219,11 +226,28 @@ class MPEngineClient(LocalEngineClient):
         code = await self._proc.wait()
         if self._stopping:
             return
-        self._dead = EngineDead(f"the engine core process exited with code {code}")
+        self._dead = EngineDead(self._hung or f"the engine core process exited with code {code}")
         log.error("%s: failing %d open requests", self._dead, len(self._queues))
         self._fail_all(self._dead)
         if self.on_dead is not None:
             self.on_dead(str(self._dead))
+
+    async def _watchdog(self) -> None:
+        """Kill a core that has work but has sent nothing for ``engine_step_timeout`` seconds."""
+        timeout = self.engine_config.engine_step_timeout
+        if timeout <= 0:
+            return
+        while self._proc is not None and self._proc.returncode is None:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            silent = time.monotonic() - self._heard
+            if (self._in_core or self._calls) and silent > timeout and self._proc.returncode is None:
+                self._hung = (
+                    f"the engine core sent nothing for {silent:.0f} s with {len(self._in_core)} "
+                    f"requests in it (engine_step_timeout {timeout:g} s): killed as hung"
+                )
+                log.error("%s", self._hung)
+                self._proc.kill()
+                return
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, q in list(self._queues.items()):
@@ -262,6 +286,8 @@ class MPEngineClient(LocalEngineClient):
         self._queues[request_id] = queue
         self.processor.add(request_id, list(prompt_token_ids), params, first)
         arrival = time.monotonic()  # CLOCK_MONOTONIC: the core's clock too
+        self._expect(arrival)
+        self._in_core.add(request_id)
         self._send(AddRequest(request_id, list(prompt_token_ids), params, arrival, export_kv, first, payload))
         async with contextlib.aclosing(
             queue_stream(queue, lambda ended: self._closed(request_id, ended))
@@ -273,9 +299,11 @@ class MPEngineClient(LocalEngineClient):
         self._queues.pop(request_id, None)
         self.processor.remove(request_id)
         if not ended:
+            self._in_core.discard(request_id)
             self._send(Abort([request_id]))
 
     async def abort(self, request_id: str) -> None:
+        self._in_core.discard(request_id)
         self._send(Abort([request_id]))
 
     async def flush_cache(self) -> None:
@@ -291,6 +319,7 @@ class MPEngineClient(LocalEngineClient):
         if not self.running:
             raise self._dead or RuntimeError("engine core is not running")
         call_id = next(self._call_ids)
+        self._expect(time.monotonic())
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = (method, fut)
         self._send(Call(call_id, method))
@@ -298,6 +327,11 @@ class MPEngineClient(LocalEngineClient):
         if reply.error:
             raise RuntimeError(reply.error)
         return reply
+
+    def _expect(self, now: float) -> None:
+        """Work goes to the core: an idle core's silence so far does not count as a hung step."""
+        if not self._in_core and not self._calls:
+            self._heard = now
 
     def _send(self, msg: ToCore) -> None:
         """Queue ``msg`` for the core without blocking (dropped, with a log, if it cannot go)."""
@@ -316,6 +350,7 @@ class MPEngineClient(LocalEngineClient):
     async def _read_loop(self) -> None:
         while True:
             frames = await self._from_core.recv_multipart(copy=False)
+            self._heard = time.monotonic()
             try:
                 msg = self._decoder.decode(frames)
             except MessageError as e:
@@ -340,6 +375,7 @@ class MPEngineClient(LocalEngineClient):
         self._stats = msg.stats
         self._events.extend(msg.events)
         for r in msg.refused:
+            self._in_core.discard(r.request_id)
             self.processor.remove(r.request_id)
             q = self._queues.get(r.request_id)
             if q is not None:
@@ -349,9 +385,14 @@ class MPEngineClient(LocalEngineClient):
             q = self._queues.get(d.request_id)
             if q is not None:
                 q.put_nowait(d)
+        for o in msg.outputs:
+            if o.finish_reason is not None:
+                self._in_core.discard(o.request_id)
         if stopped:  # stop strings ended them here: the core stops computing them
+            self._in_core.difference_update(stopped)
             self._send(Abort(stopped))
         for rid in msg.failed:
+            self._in_core.discard(rid)
             self.processor.remove(rid)
             q = self._queues.get(rid)
             if q is not None:

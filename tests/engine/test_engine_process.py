@@ -177,6 +177,32 @@ async def test_killed_core_ends_every_stream_and_is_reported(
         await sep.stop()
 
 
+async def test_a_hung_core_is_killed_and_reported(tiny_dir: Path) -> None:
+    """A core that holds work but sends nothing for ``engine_step_timeout`` (here SIGSTOP) is
+    killed: the stream ends with ``EngineDead`` and ``on_dead`` is called. An idle core's silence,
+    however long, does not count."""
+    dead: list[str] = []
+    cfg = dataclasses.replace(CFG, engine_step_timeout=1.0)
+    sep = await _started(MPEngineClient(tiny_dir, cfg, on_dead=dead.append))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    try:
+        await asyncio.sleep(2.5)  # idle for longer than the timeout
+        toks = [t async for o in sep.generate([5, 6, 7], params, "idle-then-work") for t in o.new_token_ids]
+        assert len(toks) == 8 and not dead
+        assert sep.pid is not None
+        os.kill(sep.pid, signal.SIGSTOP)
+
+        async def stream() -> None:
+            async for _ in sep.generate([5, 6, 7, 8], params, "on-a-hung-core"):
+                pass
+
+        with pytest.raises(EngineDead, match="hung"):
+            await asyncio.wait_for(stream(), 15)
+        assert dead and "hung" in dead[0] and isinstance(sep.unavailable(), EngineDead)
+    finally:
+        await sep.stop()
+
+
 async def test_bad_ipc_messages_are_refused_and_the_core_keeps_serving(
     tiny_dir: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
