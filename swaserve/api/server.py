@@ -36,6 +36,7 @@ from swaserve.api.protocol import (
     error_body,
 )
 from swaserve.api.render import ChatRenderer, CompletionRenderer, Job, Renderer, sse_data
+from swaserve.api.tokenize import PromptEncoder
 from swaserve.config import EngineConfig
 from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.types import RequestOutput, SamplingParams
@@ -93,6 +94,7 @@ class OpenAIServer:
         self.model_name = engine.model_name
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
+        self.encoder = PromptEncoder(engine.tokenizer)
 
     def models(self) -> ModelList:
         return ModelList(
@@ -128,8 +130,10 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         prompt = req.prompt_input()
-        tok = self.engine.tokenizer
-        prompt_ids = list(prompt) if isinstance(prompt, list) else list(tok.encode(prompt))
+        if isinstance(prompt, list):
+            prompt_ids = list(prompt)
+        else:
+            prompt_ids = await self.encoder.encode(prompt, self.engine.max_model_len, "prompt")
         if not prompt_ids:
             raise ProtocolError("prompt must not be empty (it encodes to no tokens)", param="prompt")
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
@@ -146,7 +150,7 @@ class OpenAIServer:
             )
         except Exception as e:  # template errors (bad role order, no template) are the request's fault
             raise ProtocolError(f"could not apply the chat template: {e}", param="messages") from e
-        prompt_ids = list(tok.encode(text, add_special_tokens=False))
+        prompt_ids = await self.encoder.encode(text, self.engine.max_model_len, "messages", False)
         if not prompt_ids:
             raise ProtocolError("messages render to an empty prompt", param="messages")
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)

@@ -440,6 +440,14 @@ def bad_cases(vocab: int, max_len: int) -> list[Case]:
             "max_tokens",
             "context_length_exceeded",
         ),
+        (  # refused before tokenizing: more characters than max_len tokens can stand for
+            "huge-text-prompt",
+            "/v1/completions",
+            {"prompt": "hello world " * 100_000},
+            400,
+            "prompt",
+            "context_length_exceeded",
+        ),
         (
             "negative-temperature",
             "/v1/completions",
@@ -512,6 +520,14 @@ def bad_cases(vocab: int, max_len: int) -> list[Case]:
             {"messages": chat_msgs, "max_completion_tokens": max_len},
             400,
             "max_completion_tokens",
+            "context_length_exceeded",
+        ),
+        (
+            "chat-huge-message",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hello world " * 100_000}]},
+            400,
+            "messages",
             "context_length_exceeded",
         ),
         (

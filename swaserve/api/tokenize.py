@@ -1,0 +1,58 @@
+"""Prompt tokenization for the HTTP front: off the event loop, and a text that cannot fit the
+context refused before it is tokenized (a multi-MB prompt would otherwise hold every stream and
+probe of the process for seconds).
+
+The bound: a token decodes to at most ``L`` characters (the longest vocab string; byte-level
+strings count bytes, no fewer than the characters they decode to), and a normalizer of the NFC/NFKC
+family composes at most 3 characters into 1 (Hangul L+V+T), so ``n`` tokens come from at most
+``3 * L * n`` characters. A tokenizer with another normalizer (one that may drop characters) gets
+no bound, only the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from swaserve.api.protocol import ProtocolError
+
+_BOUNDED_NORMALIZERS = {"NFC": 3, "NFKC": 3, "NFD": 1, "NFKD": 1}
+
+
+def chars_per_token_bound(tokenizer: Any) -> int | None:
+    """Most characters of input text one token can stand for; None when no bound is known."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    normalizer = backend.normalizer
+    factor = 1 if normalizer is None else _BOUNDED_NORMALIZERS.get(type(normalizer).__name__)
+    if factor is None:
+        return None
+    return factor * max(map(len, tokenizer.get_vocab()), default=1)
+
+
+class PromptEncoder:
+    """Args: tokenizer (a transformers tokenizer)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.bound = chars_per_token_bound(tokenizer)
+
+    async def encode(
+        self, text: str, max_model_len: int, param: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of ``text``, tokenized in a worker thread.
+
+        Raises:
+            ProtocolError: 400 ``context_length_exceeded`` when ``text`` has more characters than
+                ``max_model_len`` tokens can stand for (the module docstring's bound).
+        """
+        if self.bound is not None and len(text) > self.bound * max_model_len:
+            raise ProtocolError(
+                f"This model's maximum context length is {max_model_len} tokens, and the prompt "
+                f"has {len(text)} characters: more than {max_model_len} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return list(ids)
