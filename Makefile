@@ -38,6 +38,7 @@ bench: $(STAMP)
 		--json bench/results/prefix_replay_agent.json
 	$(BIN)/swaserve bench routing-sim --json bench/results/routing_sim.json
 	$(BIN)/swaserve bench routing-cluster --json bench/results/routing_cluster.json
+	$(BIN)/swaserve bench frontend --json bench/results/frontend.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

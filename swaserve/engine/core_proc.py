@@ -224,10 +224,16 @@ def run(spec: CoreSpec) -> int:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
-    if len(argv) != 1:
-        print("usage: python -m swaserve.engine.core_proc SPEC_JSON", file=sys.stderr)
+    usage = "usage: python -m swaserve.engine.core_proc SPEC_JSON (started by its front, not by hand)"
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(usage, file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    try:
+        spec = msgspec.json.decode(argv[0], type=CoreSpec)
+    except msgspec.DecodeError as e:  # ValidationError is one
+        print(f"{usage}\nbad SPEC_JSON: {e}", file=sys.stderr)
         return 2
-    return run(msgspec.json.decode(argv[0], type=CoreSpec))
+    return run(spec)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,21 @@ from swaserve.transfer.kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
 _STOP_GRACE_S = 10.0  # seconds the core gets to exit after a shutdown call
+_DIR_PREFIX = "swaserve-engine-"  # + the front's pid: the socket dir, gone once the core is ready
+
+
+def _sweep_stale_dirs() -> None:
+    """Remove socket dirs left by fronts that died before their core was ready (ours only)."""
+    for d in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*-*"):
+        try:
+            pid = int(d.name[len(_DIR_PREFIX) :].split("-", 1)[0])
+            if d.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, OSError):  # not ours, or its front lives
+            continue
 
 
 class MPEngineClient(LocalEngineClient):
@@ -129,7 +144,8 @@ class MPEngineClient(LocalEngineClient):
             return
         self._stopping, self._dead, self._hung = False, None, None
         self._in_core.clear()
-        self._dir = tempfile.mkdtemp(prefix="swaserve-engine-")
+        _sweep_stale_dirs()
+        self._dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.asyncio.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)

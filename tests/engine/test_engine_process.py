@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -147,9 +148,14 @@ async def test_killed_core_ends_every_stream_and_is_reported(
 ) -> None:
     dead: list[str] = []
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead_front = subprocess.Popen(["true"])
+    dead_front.wait()
+    (tmp_path / f"swaserve-engine-{dead_front.pid}-stale").mkdir()  # a front killed during its core's load
+    (tmp_path / f"swaserve-engine-{os.getpid()}-live").mkdir()  # a live front's
     sep = await _started(MPEngineClient(tiny_dir, CFG, on_dead=dead.append))
-    # once the core is ready its socket files are gone, so a front killed with -9 leaves none
-    assert list(tmp_path.iterdir()) == []
+    # once the core is ready its socket files are gone, so a front killed with -9 after that leaves
+    # none; one killed before is swept by the next start
+    assert [d.name for d in tmp_path.iterdir()] == [f"swaserve-engine-{os.getpid()}-live"]
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     started = asyncio.Event()
 
