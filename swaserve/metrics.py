@@ -274,7 +274,7 @@ class EngineStatsCollector(Collector):
         yield self._counter(
             "router_retries",
             "Re-dispatches of a request to other workers, by reason (overloaded, unavailable, worker_down, "
-            "error).",
+            "error, resumed: after decode output started).",
             ["reason"],
             (((x,), r.retries.get(x, 0)) for x in RETRY_REASONS),
         )
