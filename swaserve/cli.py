@@ -46,12 +46,15 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="Model name in the API (default: dir name).")
     ] = None,
+    max_request_bytes: Annotated[
+        int, typer.Option(parser=size_option, metavar="BYTES", help="Larger request bodies get a 413.")
+    ] = "32MiB",  # type: ignore[assignment]  # parsed by size_option
     engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
     from swaserve.api.server import serve as run_server
 
-    code = run_server(str(_model_dir(model)), host, port, engine_config, served_model_name)
+    code = run_server(str(_model_dir(model)), host, port, engine_config, served_model_name, max_request_bytes)
     if code:
         raise typer.Exit(code)
 

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from swaserve.options import size_option
+
 app = typer.Typer(add_completion=False, help="swaserve router: OpenAI API, dispatch to gRPC workers.")
 
 
@@ -23,6 +25,9 @@ def main(
     port: Annotated[int, typer.Option(min=0, help="HTTP port.")] = 8000,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API.")] = None,
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Per-request deadline, seconds.")] = 600.0,
+    max_request_bytes: Annotated[
+        int, typer.Option(parser=size_option, metavar="BYTES", help="Larger request bodies get a 413.")
+    ] = "32MiB",  # type: ignore[assignment]  # parsed by size_option
     max_retries: Annotated[
         int,
         typer.Option(
@@ -124,7 +129,7 @@ def main(
         poll_timeout,
         hung_polls,
     )
-    fastapi_app = build_app(engine)  # type: ignore[arg-type]
+    fastapi_app = build_app(engine, max_request_bytes=max_request_bytes)  # type: ignore[arg-type]
     install_worker_routes(fastapi_app, engine.admin)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(fastapi_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from swaserve.engine.types import SamplingParams
 
@@ -66,8 +66,36 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def check_text(value: Any, path: tuple[str | int, ...] = ()) -> None:
+    """Raise ProtocolError (400, ``param`` = the top-level field) for a string anywhere in ``value``
+    that is not valid Unicode text (a lone surrogate such as ``"\\ud800"`` from JSON): no
+    tokenizer, template or UTF-8 encoder downstream accepts one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+            raise ProtocolError(
+                f"{where or 'body'}: invalid text (unpaired surrogate {value[e.start]!r} at {e.start})",
+                param=str(path[0]) if path else None,
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, path)
+            check_text(v, (*path, str(k)))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_text(v, (*path, i))
+
+
 class _GenerationRequest(_Strict):
     """Fields common to completions and chat completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_text(data)
+        return data
 
     model: str | None = None
     max_tokens: int | None = None

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from swaserve.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from swaserve.api.logprobs import TokenTexts
 from swaserve.api.protocol import (
     ChatCompletionRequest,
@@ -145,8 +146,8 @@ class OpenAIServer:
         self._check_model(req.model)
         tok = self.engine.tokenizer
         try:
-            text = tok.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True, tokenize=False
+            text = await asyncio.to_thread(  # off the loop: a long conversation renders for a while
+                tok.apply_chat_template, req.template_messages(), add_generation_prompt=True, tokenize=False
             )
         except Exception as e:  # template errors (bad role order, no template) are the request's fault
             raise ProtocolError(f"could not apply the chat template: {e}", param="messages") from e
@@ -316,13 +317,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 # App
 
 
-def build_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
+def build_app(
+    engine: EngineClient, *, manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
         engine: The engine to serve (its ``model_name`` is the only accepted ``model``).
         manage_engine: Start the engine in the app's lifespan and stop it at shutdown. Pass False
             when the caller starts and stops the engine itself.
+        max_request_bytes: A larger request body is a 413 (``api.body_limit``).
 
     Returns:
         The app; ``app.state.server`` is the ``OpenAIServer``, ``app.state.metrics`` the
@@ -346,6 +350,7 @@ def build_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
     app.state.server = server
     app.state.metrics = metrics
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -376,7 +381,12 @@ def build_app(engine: EngineClient, *, manage_engine: bool = True) -> FastAPI:
 
 
 def serve(
-    model_dir: str | None, host: str, port: int, engine_config: EngineConfig, model_name: str | None = None
+    model_dir: str | None,
+    host: str,
+    port: int,
+    engine_config: EngineConfig,
+    model_name: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> int:
     """Load the model, then serve it with uvicorn until interrupted.
 
@@ -386,6 +396,7 @@ def serve(
         port: TCP port.
         engine_config: Engine knobs (``engine_process``: inline or a separate core process).
         model_name: Served model name (default: the engine's, i.e. the directory's basename).
+        max_request_bytes: A larger request body is a 413.
 
     Returns:
         The exit status: 0, or 1 if the engine core process died (open streams got an error
@@ -409,7 +420,7 @@ def serve(
             server.should_exit = True
 
     engine = build_engine_client(model_dir, engine_config, model_name, on_dead=on_dead)
-    app = build_app(engine)
+    app = build_app(engine, max_request_bytes=max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):

@@ -408,6 +408,16 @@ def bad_cases(vocab: int, max_len: int) -> list[Case]:
     chat_msgs = [{"role": "user", "content": "hi"}]
     return [
         ("malformed-json", "/v1/completions", b'{"prompt": "x", ', 400, None, None),
+        ("lone-surrogate", "/v1/completions", b'{"prompt": "\\ud800abc"}', 400, "prompt", None),
+        ("invalid-utf8", "/v1/completions", b'{"prompt": "a\xff\xfeb"}', 400, None, None),
+        (
+            "chat-lone-surrogate",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
+            400,
+            "messages",
+            None,
+        ),
         ("json-array", "/v1/completions", b"[1, 2]", 400, None, None),
         ("not-json-content-type", "/v1/completions", None, 400, None, None),
         ("missing-prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt", None),
@@ -749,3 +759,27 @@ async def test_non_streaming_disconnect_aborts_and_frees_pages(served: Served, l
     assert engine.stats().generation_tokens_total < generated + MAX_LEN - 32  # it did not run to the end
     body = await complete(served, prompt="after the disconnect", max_tokens=3)
     assert body["usage"]["completion_tokens"] >= 1
+
+
+async def test_a_body_past_max_request_bytes_is_a_413_and_the_server_keeps_serving(served: Served) -> None:
+    app = build_app(served.engine, manage_engine=False, max_request_bytes=2048)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://swaserve", timeout=120) as client:
+        big = {"prompt": "x" * 4096, "max_tokens": 1}
+        r = await client.post("/v1/completions", json=big)  # refused from its Content-Length
+        assert "2048" in assert_openai_error(r, 413)["message"]
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it arrives
+            yield b'{"prompt": "'
+            for _ in range(8):
+                yield b"x" * 512
+            yield b'", "max_tokens": 1}'
+
+        r = await client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert "2048" in assert_openai_error(r, 413)["message"]
+        r = await client.post(
+            "/v1/completions", json={"prompt": "x" * 100, "max_tokens": 2, "temperature": 0}
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
