@@ -37,7 +37,14 @@ from swaserve.api.protocol import (
     error_body,
 )
 from swaserve.api.render import ChatRenderer, CompletionRenderer, Job, Renderer, sse_data
-from swaserve.api.tokenize import PromptEncoder
+from swaserve.api.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    PromptEncoder,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 from swaserve.config import EngineConfig
 from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.types import RequestOutput, SamplingParams
@@ -104,6 +111,28 @@ class OpenAIServer:
             ]
         )
 
+    def model(self, model_id: str) -> ModelCard:
+        self._check_model(model_id)
+        return self.models().data[0]
+
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """``/tokenize``: the prompt ids a completion or chat request with this input would get."""
+        self._check_model(req.model)
+        max_len = self.engine.max_model_len
+        if isinstance(req, TokenizeChatRequest):
+            text = await self._render_chat(
+                [m.template_dict() for m in req.messages], req.add_generation_prompt
+            )
+            ids = await self.encoder.encode(text, max_len, "messages", req.add_special_tokens)
+        else:
+            ids = await self.encoder.encode(req.prompt, max_len, "prompt", req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(req.model)
+        check_token_ids(req.tokens, self.engine.model_config.vocab_size, "tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens))
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ProtocolError(
@@ -142,15 +171,20 @@ class OpenAIServer:
         job = self._new_job("cmpl", prompt_ids, params, req.return_token_ids)
         return await self._run(job, CompletionRenderer(self.texts, req.include_usage), req, raw)
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(req.model)
-        tok = self.engine.tokenizer
+    async def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
-            text = await asyncio.to_thread(  # off the loop: a long conversation renders for a while
-                tok.apply_chat_template, req.template_messages(), add_generation_prompt=True, tokenize=False
+            return await asyncio.to_thread(  # off the loop: a long conversation renders for a while
+                self.engine.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as e:  # template errors (bad role order, no template) are the request's fault
             raise ProtocolError(f"could not apply the chat template: {e}", param="messages") from e
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        text = await self._render_chat(req.template_messages(), True)
         prompt_ids = await self.encoder.encode(text, self.engine.max_model_len, "messages", False)
         if not prompt_ids:
             raise ProtocolError("messages render to an empty prompt", param="messages")
@@ -363,6 +397,18 @@ def build_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         return server.models()
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        return server.model(model_id)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        return await server.tokenize(req)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await server.detokenize(req)
 
     @app.get("/health")
     async def health() -> Response:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from swaserve.api.protocol import ProtocolError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from swaserve.api.protocol import ChatMessage, ProtocolError, check_text
 
 _BOUNDED_NORMALIZERS = {"NFC": 3, "NFKC": 3, "NFD": 1, "NFKD": 1}
 
@@ -56,3 +58,46 @@ class PromptEncoder:
             )
         ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
+
+
+# -- /tokenize, /detokenize (vLLM's shapes); unknown fields are a 400 --------------------------------
+class _Exact(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_text(data)
+        return data
+
+
+class TokenizeCompletionRequest(_Exact):
+    """POST /tokenize with a ``prompt``: its ids as ``/v1/completions`` would see them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Exact):
+    """POST /tokenize with ``messages``: the rendered chat prompt's ids, as ``/v1/chat/completions``."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Exact):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -783,3 +783,30 @@ async def test_a_body_past_max_request_bytes_is_a_413_and_the_server_keeps_servi
             "/v1/completions", json={"prompt": "x" * 100, "max_tokens": 2, "temperature": 0}
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_tokenize_detokenize_and_the_model_card(served: Served) -> None:
+    c, tok = served.client, served.engine.tokenizer
+    name, max_len = served.engine.model_name, served.engine.max_model_len
+    r = await c.post("/tokenize", json={"prompt": "hello world"})
+    assert r.status_code == 200, r.text
+    ids = tok.encode("hello world")
+    assert r.json() == {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+    msgs = [{"role": "user", "content": "hi there"}]
+    r = await c.post("/tokenize", json={"model": name, "messages": msgs})
+    chat_ids = tok.encode(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    assert r.status_code == 200 and r.json()["tokens"] == chat_ids, r.text
+    r = await c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(chat_ids)  # what /v1/chat/completions sees
+    r = await c.post("/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": "hello world"}
+    assert_openai_error(await c.post("/tokenize", json={"prompt": "x", "foo": 1}), 400)  # unknown field
+    assert_openai_error(await c.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    assert_openai_error(
+        await c.post("/tokenize", json={"model": "gpt-5", "prompt": "x"}), 404, "model", "model_not_found"
+    )
+    r = await c.get(f"/v1/models/{name}")
+    assert r.status_code == 200 and r.json()["id"] == name and r.json()["max_model_len"] == max_len
+    assert_openai_error(await c.get("/v1/models/gpt-5"), 404, "model", "model_not_found")
