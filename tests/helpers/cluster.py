@@ -66,7 +66,7 @@ def wait_idle(c: Cluster, timeout_s: float = 30.0) -> dict[str, pb.Load]:
 
 
 # -- a router's /metrics and /workers --------------------------------------------------------------
-def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -77,13 +77,13 @@ def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     }
 
 
-def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
     return samples.get((name, frozenset({"model_name": "mimo-v2-tiny-v1", **labels}.items())), 0.0)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
     """One sample of a router's /metrics (``model_name`` added to ``labels``; 0 if absent)."""
-    return _value(_scrape(url), name, **labels)
+    return value(scrape(url), name, **labels)
 
 
 def retried(url: str, reason: str) -> float:

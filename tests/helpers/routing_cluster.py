@@ -4,11 +4,10 @@ test_routing_precise.py): send completions through given routers, read cached to
 from __future__ import annotations
 
 import asyncio
-import re
 
 import httpx
 
-from tests.helpers.cluster import WORKER_ARGS
+from tests.helpers.cluster import WORKER_ARGS, scrape
 
 __all__ = ["WORKER_ARGS", "body", "cached", "metric", "send"]
 
@@ -34,9 +33,9 @@ def cached(resp: dict) -> int:
 
 
 def metric(url: str, name: str) -> dict[str, float]:
-    """``{labels: value}`` of one metric family on a router's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {}
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
+    """``{'k="v",...': value}`` of one metric's samples on a router's /metrics, labels sorted by name."""
+    return {
+        ",".join(f'{k}="{v}"' for k, v in sorted(labels)): val
+        for (n, labels), val in scrape(url).items()
+        if n == name
+    }

@@ -26,7 +26,7 @@ from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
-from tests.helpers.cluster import WORKER_ARGS, _scrape, _value, wait_idle
+from tests.helpers.cluster import WORKER_ARGS, scrape, value, wait_idle
 
 pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
 
@@ -251,13 +251,13 @@ def test_sse_chunks_equal_serve(cluster: Cluster, tiny_dir: Path) -> None:
 
 def test_router_metrics_count_tokens_and_show_worker_loads(cluster: Cluster) -> None:
     wait_idle(cluster)
-    before = _scrape(cluster.url)
+    before = scrape(cluster.url)
     ps = prompts(4, seed=21)
     got = asyncio.run(complete_all(cluster.url, ps))
-    after = _scrape(cluster.url)
+    after = scrape(cluster.url)
 
     def delta(name: str, **labels: str) -> float:
-        return _value(after, name, **labels) - _value(before, name, **labels)
+        return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("swaserve:prompt_tokens_total") == sum(len(p) for p in ps)
     assert (
@@ -271,7 +271,7 @@ def test_router_metrics_count_tokens_and_show_worker_loads(cluster: Cluster) -> 
     )
     assert delta("swaserve:router_requests_total", status="ok") == 4
     assert delta("swaserve:request_success_total", finished_reason="length") == 4
-    assert _value(after, "swaserve:router_retries_total", reason="overloaded") == 0
+    assert value(after, "swaserve:router_retries_total", reason="overloaded") == 0
 
     # per-worker gauges are the workers' own GetLoad (as of the router's last poll)
     ls = wait_idle(cluster)
@@ -282,7 +282,7 @@ def test_router_metrics_count_tokens_and_show_worker_loads(cluster: Cluster) -> 
     }
     deadline = time.monotonic() + 30
     while True:
-        m = _scrape(cluster.url)
+        m = scrape(cluster.url)
         seen = {(role, a): _worker_view(m, role, a) for role, a in want}
         if seen == want:
             break
@@ -302,13 +302,13 @@ def _worker_view(
     """What the router's /metrics says about one worker."""
     w = {"role": role, "instance": addr}
     view: dict[Any, Any] = {
-        g: _value(m, f"swaserve:{g}", **w) if (f"swaserve:{g}", frozenset({"model_name": "mimo-v2-tiny-v1", **w}.items())) in m else None
+        g: value(m, f"swaserve:{g}", **w) if (f"swaserve:{g}", frozenset({"model_name": "mimo-v2-tiny-v1", **w}.items())) in m else None
         for g in ("worker_up", "worker_num_requests_running", "worker_num_requests_waiting",
                   "worker_outstanding_tokens", "worker_kv_staged_bytes")
     }  # fmt: skip
     for pool in ("full", "swa"):
         for g in _GAUGES:
-            view[(pool, g)] = _value(m, f"swaserve:{g}", pool=pool, **w)
+            view[(pool, g)] = value(m, f"swaserve:{g}", pool=pool, **w)
     return view
 
 

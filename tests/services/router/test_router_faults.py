@@ -18,7 +18,7 @@ import pytest
 
 from swaserve.config import ModelConfig
 from swaserve.launcher import Cluster
-from tests.helpers.cluster import WORKER_ARGS, _scrape, _value, wait_idle
+from tests.helpers.cluster import WORKER_ARGS, scrape, value, wait_idle
 
 pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
 
@@ -66,7 +66,7 @@ def test_staging_full_is_a_503_and_an_error_event(small: Cluster) -> None:
     url = small.url
     ok = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 1)), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6, ok.text
-    before = _scrape(url)
+    before = scrape(url)
 
     r = httpx.post(f"{url}/v1/completions", json=body(prompt(LONG, 2)), timeout=60)
     assert r.status_code == 503, r.text
@@ -86,13 +86,13 @@ def test_staging_full_is_a_503_and_an_error_event(small: Cluster) -> None:
     assert last["error"]["code"] == "overloaded" and "staging full" in last["error"]["message"], last
     assert len(events) == 3, events
 
-    after = _scrape(url)
+    after = scrape(url)
     # max_retries 2: each of the two requests tried the only decode worker three times
-    overloaded = _value(after, "swaserve:router_retries_total", reason="overloaded")
-    assert overloaded - _value(before, "swaserve:router_retries_total", reason="overloaded") == 4
-    unavailable = _value(after, "swaserve:router_requests_total", status="unavailable")
-    assert unavailable - _value(before, "swaserve:router_requests_total", status="unavailable") == 2
-    assert _value(after, "swaserve:router_requests_total", status="failed") == 0
+    overloaded = value(after, "swaserve:router_retries_total", reason="overloaded")
+    assert overloaded - value(before, "swaserve:router_retries_total", reason="overloaded") == 4
+    unavailable = value(after, "swaserve:router_requests_total", status="unavailable")
+    assert unavailable - value(before, "swaserve:router_requests_total", status="unavailable") == 2
+    assert value(after, "swaserve:router_requests_total", status="failed") == 0
 
     again = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 4)), timeout=60)
     assert again.status_code == 200, again.text  # nothing stayed staged
@@ -105,16 +105,16 @@ def test_unreachable_decode_worker_is_a_503(small: Cluster) -> None:
     decode.kill()
     assert decode.proc is not None
     decode.proc.wait(timeout=30)
-    before = _scrape(url)
+    before = scrape(url)
     # the router has not polled since: the prefill runs, its KV push finds no decode worker
     r = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 5)), timeout=60)
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert err["code"] == "no_worker_available" and "no decode worker available" in err["message"], err
-    after = _scrape(url)
+    after = scrape(url)
     assert (
-        _value(after, "swaserve:router_retries_total", reason="unavailable")
-        - _value(before, "swaserve:router_retries_total", reason="unavailable")
+        value(after, "swaserve:router_retries_total", reason="unavailable")
+        - value(before, "swaserve:router_retries_total", reason="unavailable")
         == 2
     )
     assert httpx.get(f"{url}/health", timeout=10).status_code == 503  # it knows now

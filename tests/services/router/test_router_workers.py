@@ -43,11 +43,11 @@ from tests.helpers.cluster import (
     CLIENT_TIMEOUT,
     MODEL,
     WORKER_ARGS,
-    _scrape,
     metric,
     prompt,
     retried,
     running,
+    scrape,
     wait_for,
     wait_idle,
     workers,
@@ -299,7 +299,7 @@ def test_worker_added_on_one_router_and_removed_on_the_other(cluster: Cluster) -
         before = dispatched(a, "prefill", addr)
         asyncio.run(burst(a, 200))
         assert dispatched(a, "prefill", addr) == before  # router A stopped using it
-        up = [dict(labels)["instance"] for name, labels in _scrape(a) if name == "swaserve:worker_up"]
+        up = [dict(labels)["instance"] for name, labels in scrape(a) if name == "swaserve:worker_up"]
         assert sorted(up) == sorted(cluster.worker_addresses["prefill"] + cluster.worker_addresses["decode"])
         r = httpx.delete(f"{a}/workers", params={"url": addr}, timeout=10)
         assert r.status_code == 404  # already removed
