@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -37,6 +38,7 @@ from swaserve.api.protocol import (
     error_body,
 )
 from swaserve.api.render import ChatRenderer, CompletionRenderer, Job, Renderer, sse_data
+from swaserve.api.structured import structured_output
 from swaserve.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -159,6 +161,7 @@ class OpenAIServer:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
+        structured = await structured_output(req)
         prompt = req.prompt_input()
         if isinstance(prompt, list):
             prompt_ids = list(prompt)
@@ -167,6 +170,7 @@ class OpenAIServer:
         if not prompt_ids:
             raise ProtocolError("prompt must not be empty (it encodes to no tokens)", param="prompt")
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
+        params = dataclasses.replace(params, structured=structured)
         self._check_ids(prompt_ids, params, "prompt")
         job = self._new_job("cmpl", prompt_ids, params, req.return_token_ids)
         return await self._run(job, CompletionRenderer(self.texts, req.include_usage), req, raw)
@@ -184,17 +188,20 @@ class OpenAIServer:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
+        structured = await structured_output(req)
         text = await self._render_chat(req.template_messages(), True)
         prompt_ids = await self.encoder.encode(text, self.engine.max_model_len, "messages", False)
         if not prompt_ids:
             raise ProtocolError("messages render to an empty prompt", param="messages")
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
+        params = dataclasses.replace(params, structured=structured)
         self._check_ids(prompt_ids, params, "messages")
         job = self._new_job("chatcmpl", prompt_ids, params, req.return_token_ids)
         num_top = req.top_logprobs or 0
         return await self._run(job, ChatRenderer(self.texts, req.include_usage, num_top), req, raw)
 
-    async def _first(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def _next(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The next output; the engine's ValueError (refused, or failed alone) is a 400."""
         try:
             return await anext(gen)
         except ValueError as e:
@@ -210,7 +217,7 @@ class OpenAIServer:
         handed_over = False
         try:
             if req.stream:
-                first = await unless_disconnected(raw, self._first(gen))
+                first = await unless_disconnected(raw, self._next(gen))
                 stream = self._events(gen, first, job, renderer, timer, req.include_usage)
                 handed_over = True
                 return EventSourceResponse(stream, sep="\n")
@@ -230,13 +237,13 @@ class OpenAIServer:
     async def _collect(
         self, gen: AsyncIterator[RequestOutput], job: Job, renderer: Renderer, timer: RequestTimer
     ) -> dict[str, Any]:
-        out = await self._first(gen)
+        out = await self._next(gen)
         while True:
             timer.observe(out)
             job.add(out)
             if out.finished:
                 return renderer.response(job)
-            out = await anext(gen)
+            out = await self._next(gen)
 
     async def _events(
         self,
@@ -263,6 +270,10 @@ class OpenAIServer:
         except Unavailable as e:  # no capacity after the stream started: say so, end it
             logger.warning("stream %s: %s", job.request_id, e)
             yield sse_data(error_body(str(e), "server_error", code=e.code))
+            yield "[DONE]"
+        except ValueError as e:  # the engine failed this request alone (its grammar broke)
+            logger.warning("stream %s: %s", job.request_id, e)
+            yield sse_data(error_body(str(e), "invalid_request_error"))
             yield "[DONE]"
         except Exception as e:  # an engine failure after the stream started: tell the client, end it
             logger.exception("stream %s failed", job.request_id)

@@ -131,13 +131,18 @@ class Sampler:
         self.top_p_candidates = top_p_candidates
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
+    def sample(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], masked: torch.Tensor | None = None
+    ) -> list[SampledToken]:
         """Pick one token per request.
 
         Args:
             logits: [B, V] last-position logits, one row per entry of ``states`` (any float dtype,
                 any device; not modified).
             states: The B requests, in row order. Seeded generators must live on logits' device.
+            masked: [B, V] ``logits`` with the tokens a row may not pick at -inf (structured
+                output, ``engine.structured``): tokens are picked from it, logprobs stay those of
+                ``logits``. None: pick from ``logits``.
 
         Returns:
             B sampled tokens, in row order.
@@ -152,10 +157,11 @@ class Sampler:
             return []
         if logits.dtype != torch.float32:
             logits = logits.float()
+        pick = logits if masked is None else masked.float()
         if all(s.params.greedy for s in states) and not any(s.needs_penalties for s in states):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = pick.argmax(dim=-1)
         else:
-            token_ids = self._pick(logits, states)
+            token_ids = self._pick(pick, states)
         ids = token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(states)
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]

@@ -1,12 +1,13 @@
-"""Plain request/response value types shared by the engine, sampler and API layers: ``SamplingParams``,
-``RequestOutput`` (a per-step delta with cumulative usage), ``TokenLogprob``, ``FinishReason``, and
-``EngineLimits`` (what a request may ask; checked in the front and again in the core)."""
+"""Plain request/response value types shared by the engine, sampler and API layers: ``SamplingParams``
+(with its ``StructuredOutput`` constraint), ``RequestOutput`` (a per-step delta with cumulative usage),
+``TokenLogprob``, ``FinishReason``, and ``EngineLimits`` (what a request may ask; checked in the front
+and again in the core)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 class FinishReason(StrEnum):
@@ -16,6 +17,37 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # client went away or the request was cancelled
     HANDOFF = "handoff"  # prefill role: first token sampled, decoding goes on elsewhere (internal)
+
+
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = get_args(StructuredKind)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text, enforced token by token (``engine.structured``).
+
+    Attributes:
+        kind: ``json_object`` (any JSON object; ``spec`` is ignored, "" by convention),
+            ``json_schema`` (``spec``: the JSON schema as JSON text), ``regex`` (``spec``: a regular
+            expression, Rust ``regex`` syntax, matched against the whole output), ``choice``
+            (``spec``: a JSON list of strings; the output is exactly one of them) or ``grammar``
+            (``spec``: a Lark grammar, or a GBNF one, llguidance's dialect).
+        spec: The kind's text, as above.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def validate(self) -> None:
+        """Raise ValueError for an unknown kind (the grammar itself is checked by
+        ``engine.structured.validate``)."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured output kind must be one of {list(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str):
+            raise ValueError("structured output spec must be a string")
 
 
 @dataclass(frozen=True)
@@ -38,6 +70,8 @@ class SamplingParams:
         logprobs: Number of top alternatives per output token to return (0 = only the sampled one);
             None = no logprobs.
         skip_special_tokens: Leave special tokens out of the detokenized text.
+        structured: Constrain the output to a JSON schema, regex, choice or grammar; the request
+            ends (``STOP``) when the constraint is complete. None = unconstrained.
     """
 
     max_tokens: int = 16
@@ -54,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +116,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [-2^63, 2^64), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.structured is not None:
+            self.structured.validate()
 
 
 @dataclass(frozen=True)
@@ -113,6 +150,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # when the request first got a prefill slot
     first_token_time: float | None = None
     kv_payload: Any = None  # prefill role, final output: the prompt's KV (``transfer.kv_transfer.KVPayload``)
+    error: str = ""  # set on the last output of a request the engine failed (its grammar broke): why
 
 
 @dataclass(frozen=True)
