@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/swaserve bench routing-sim --json bench/results/routing_sim.json
 	$(BIN)/swaserve bench routing-cluster --json bench/results/routing_cluster.json
 	$(BIN)/swaserve bench frontend --json bench/results/frontend.json
+	$(BIN)/swaserve bench guided --json bench/results/guided.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -195,3 +195,21 @@ def bench_frontend(
     from bench.frontend import main
 
     main(json_path, limit, saturated, probe_tokens, probe_interval)
+
+
+@app.command("guided")
+def bench_guided(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    requests: Annotated[int, typer.Option(min=1, help="Chat requests, sent at once.")] = 16,
+    max_tokens: Annotated[int, typer.Option(min=8, help="Output tokens of each request.")] = 64,
+    rounds: Annotated[int, typer.Option(min=1, help="Timed runs of each, alternating (best is kept).")] = 2,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint directory (default: the default model).")
+    ] = None,
+) -> None:
+    """Structured output: tokens/s of the same requests unconstrained vs with a json_schema."""
+    from bench.guided import main
+
+    main(
+        str(json_path) if json_path is not None else None, str(model) if model else None, requests, max_tokens
+    )

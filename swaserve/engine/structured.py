@@ -4,9 +4,9 @@
 grammar) to llguidance's grammar text and ``validate`` checks it (the front's 400, before a request
 reaches the engine). In the core, ``StructuredDecoder`` builds the ``LLTokenizer`` once, lazily on
 the first constrained request, from the model directory's Hugging Face tokenizer; each request gets
-its own ``Grammar`` (one ``LLMatcher``). Each step ``StructuredDecoder.mask`` fills the token
-bitmask of every constrained row in one batched call (``LLExecutor``) and returns a copy of the
-logits with the disallowed tokens at -inf (None when no row is constrained: unconstrained batches
+its own ``Grammar`` (one ``LLMatcher``). Each step ``StructuredDecoder.mask`` fills one token
+bitmask for every constrained row (in the calling thread, or with ``num_threads`` > 1 in one
+parallel ``LLExecutor`` call), applies it in one batched op and returns a copy of the logits with the disallowed tokens at -inf (None when no row is constrained: unconstrained batches
 do nothing new); after the sampler picks, ``Grammar.accept`` feeds the token to the matcher, which
 says when the constraint is complete (``done``) or broken (``error``: the request fails, the engine
 goes on). EOS is allowed only where the grammar accepts.
@@ -124,7 +124,9 @@ class StructuredDecoder:
             first constrained request.
         vocab_size: logits width V (the model's vocabulary; may exceed the tokenizer's).
         eos_token_ids: the ids that end a request; the grammar allows them where it accepts.
-        num_threads: threads of the mask computation (None: llguidance's default).
+        num_threads: > 1: fill the rows' masks in parallel on that many threads (``LLExecutor``);
+            None or 1: one after the other in the calling thread, which on a few busy cores is
+            much faster than handing small masks to a pool (~0.2 ms a row vs ~3 ms a step).
     """
 
     def __init__(
@@ -151,10 +153,11 @@ class StructuredDecoder:
 
             hf = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
             try:
-                self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)  # type: ignore[arg-type]
             except ValueError as e:
                 raise ValueError(f"structured output needs a fast tokenizer: {e}") from e
-            self._executor = llguidance.LLExecutor(self.num_threads)
+            if self.num_threads is not None and self.num_threads > 1:
+                self._executor = llguidance.LLExecutor(self.num_threads)
         return self._tokenizer
 
     def new(self, so: StructuredOutput, consumed: Sequence[int] = ()) -> Grammar:
@@ -187,11 +190,14 @@ class StructuredDecoder:
         rows = [i for i, g in enumerate(grammars) if g is not None and not g.error]
         if not rows:
             return None
-        assert self._executor is not None  # a Grammar exists, so the tokenizer was built
         words = (self.tokenizer.vocab_size + 31) // 32
         bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
         matchers = [(grammars[i].matcher, j) for j, i in enumerate(rows)]  # type: ignore[union-attr]
-        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+        if self._executor is not None:
+            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+        else:
+            for m, j in matchers:
+                m.unsafe_compute_mask_ptr(bitmask.data_ptr() + j * words * 4, words * 4)
         ok = [j for j, i in enumerate(rows) if grammars[i]._check()]  # type: ignore[union-attr]
         if not ok:
             return None

@@ -121,6 +121,24 @@ def test_eos_is_allowed_only_where_the_grammar_accepts(tiny_dir: Path) -> None:
     assert dec.mask(logits, [None]) is None  # nothing constrained: nothing done
 
 
+def test_parallel_and_serial_mask_fills_agree(tiny_dir: Path) -> None:
+    serial, parallel = StructuredDecoder(tiny_dir, 512, {0, 2}), StructuredDecoder(tiny_dir, 512, {0, 2}, 2)
+    specs = [
+        schema_output(PERSON),
+        StructuredOutput("regex", "[a-z]{2,5}"),
+        StructuredOutput("choice", '["ab", "cd"]'),
+    ]
+    text = ['{"name": "', "abc", "a"]
+    grammars = []
+    for dec in (serial, parallel):
+        gs = [dec.new(so, dec.tokenizer.tokenize_str(t)) for so, t in zip(specs, text, strict=True)]
+        grammars.append([gs[0], None, gs[1], gs[2]])
+    logits = torch.randn(4, 512)
+    a, b = serial.mask(logits, grammars[0]), parallel.mask(logits, grammars[1])
+    assert a is not None and b is not None and torch.equal(a, b) and torch.equal(a[1], logits[1])
+    assert parallel._executor is not None and serial._executor is None
+
+
 def test_sampler_picks_from_the_masked_logits_and_reports_raw_logprobs() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 64)
