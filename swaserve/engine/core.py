@@ -311,7 +311,9 @@ class EngineCore:
         sampled = self.sampler.sample(logits, states) if sampling else []  # type: ignore[arg-type]
         for c in chunks:
             c.req.num_computed = c.start + c.n
-            if not c.samples and self.kv.cache is not None:  # chunked prefill: share what is done
+            # a prefill chunk (the prompt's last one too): share its whole pages now, so requests
+            # with the same prefix (a chat's next turn, the other choices of n) hit them at once
+            if c.start < c.req.num_prompt and self.kv.cache is not None:
                 self.kv.cache_partial(c.req.request_id, c.req.token_slice(0, c.req.num_computed))
         now = self.clock()
         outputs = [self._prompt_only(c.req) for c in ends if c.req.params.max_tokens == 0]

@@ -120,7 +120,6 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None  # first output: prompt tokens 1.. (0 has none)
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
@@ -130,6 +129,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # when the request first got a prefill slot
     first_token_time: float | None = None
     kv_payload: Any = None  # prefill role, final output: the prompt's KV (``transfer.kv_transfer.KVPayload``)
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, with the output that completed the prompt
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ def run(eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> 
 
 @pytest.mark.parametrize("chunk", [5, 64], ids=["chunked", "one-shot"])
 def test_prompt_logprobs_equal_transformers_log_softmax(tiny_dir: Path, hf_tiny, chunk: int) -> None:  # type: ignore[no-untyped-def]
-    prompt = list(range(7, 40)) + [3, 9, 27, 81, 243]
+    prompt = [*range(7, 40), 3, 9, 27, 81, 243]
     ref = torch.log_softmax(reference_logits(hf_tiny, prompt), dim=-1)  # [P, V]
     eng = LLMEngine(
         tiny_dir,
