@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, StructuredOutput, TokenLogprob
 from swaserve.transfer.kv_transfer import KVPage, KVPayload, expected_pages, to_pages
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import worker_pb2 as pb
@@ -34,6 +34,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         m.seed = str(p.seed)
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.structured is not None:
+        m.structured.kind, m.structured.spec = p.structured.kind, p.structured.spec
     return m
 
 
@@ -56,6 +58,11 @@ def params_from_proto(m: pb.SamplingParams) -> SamplingParams:
         skip_special_tokens=m.skip_special_tokens,
         logit_bias=tuple(sorted(m.logit_bias.items())),
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        structured=(
+            StructuredOutput(m.structured.kind, m.structured.spec)  # type: ignore[arg-type]  # validate() checks
+            if m.HasField("structured")
+            else None
+        ),
     )
     p.validate()
     return p

@@ -294,7 +294,8 @@ class Progress:
     same interruption point); ``presence_penalty``/``frequency_penalty`` count only the tokens
     generated after the last resume (the earlier ones are prompt to the new workers;
     ``repetition_penalty`` covers prompt + output, so it is unaffected). There is no
-    ``min_tokens`` and ``n`` is 1 (the API refuses others).
+    ``min_tokens`` and ``n`` is 1 (the API refuses others). A structured-output request is not
+    resumed (``resume`` raises ``Interrupted``); before decode output it is retried like any other.
 
     Args:
         tokenizer: the model's tokenizer (the workers', from the same checkpoint).
@@ -323,8 +324,15 @@ class Progress:
 
         Raises:
             Interrupted: nothing is left to generate (the last token was sent without its finish
-                reason: a worker that broke the protocol).
+                reason: a worker that broke the protocol), or the request is constrained
+                (``params.structured``: its grammar's state over the tokens sent died with the
+                worker, and a new one would start over).
         """
+        if self.params.structured is not None:
+            raise Interrupted(
+                f"request interrupted after {len(self.tokens)} generated tokens: structured output "
+                "is not resumed on another worker"
+            )
         left = self.params.max_tokens - len(self.tokens)
         if left < 1:
             raise Interrupted(

@@ -7,6 +7,8 @@ sampling ranges) raises ``ProtocolError``. Extensions (vLLM's spelling): ``top_k
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
 ``return_token_ids``, ``prompt_logprobs``, ``add_generation_prompt``, ``continue_final_message``,
 ``chat_template_kwargs``. Every field and its behaviour: docs/API.md.
+Structured output: ``response_format`` and ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (``api.structured``).
 
 Design notes: docs/DESIGN.md#apiprotocolpy"""
 
@@ -61,6 +63,24 @@ def check_text(value: Any, path: tuple[str | int, ...] = ()) -> None:
             check_text(v, (*path, i))
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``name``, ``description`` and
+    ``strict`` are accepted and not used: the schema is always enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``{"type": "text" | "json_object" | "json_schema", "json_schema": ...}``
+    (``api.structured`` checks the type)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationRequest(_Strict):
     """Fields common to completions and chat completions."""
 
@@ -95,6 +115,13 @@ class _GenerationRequest(_Strict):
     @property
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
+
+    # structured output (at most one; api.structured turns them into a StructuredOutput)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -32,6 +32,7 @@ from swaserve.api.protocol import (
 )
 from swaserve.api.render import ChatRenderer, Choice, CompletionRenderer, Job, Renderer, sse_data
 from swaserve.api.responses import ModelCard, ModelList, error_body
+from swaserve.api.structured import structured_output
 from swaserve.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -170,6 +171,8 @@ class _Streams:
                 out = await anext(gen)
             except StopAsyncIteration:
                 raise RuntimeError(f"engine stream of {c.engine_id} ended without finishing") from None
+            except ValueError as e:  # the engine failed this request alone (its grammar broke)
+                raise ProtocolError(str(e)) from e
             yield out
             if out.finished:
                 return
@@ -272,6 +275,7 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         prompts: list[Prompt] = req.prompt_inputs()
+        structured = await structured_output(req)
         job = self._job("cmpl", req.return_token_ids, req.num_choices)
         for k, prompt in enumerate(prompts):
             param = "prompt"
@@ -282,6 +286,7 @@ class OpenAIServer:
             if not prompt_ids:
                 raise ProtocolError("prompt must not be empty (it encodes to no tokens)", param=param)
             params = req.sampling_params(len(prompt_ids), self.engine.max_model_len, self.max_logprobs)
+            params = dataclasses.replace(params, structured=structured)
             echo = None
             if req.echo:
                 echo = (
@@ -304,6 +309,7 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        structured = await structured_output(req)
         options = req.template_options()
         if tools.render is not None:
             options["tools"] = tools.render
@@ -312,8 +318,9 @@ class OpenAIServer:
         if not prompt_ids:
             raise ProtocolError("messages render to an empty prompt", param="messages")
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len, self.max_logprobs)
+        params = dataclasses.replace(params, structured=structured)
         if tools.constraint is not None:
-            if params.structured is not None:
+            if structured is not None:
                 raise ProtocolError(
                     "tool_choice 'required' or a named function constrains the output itself; "
                     "it cannot be combined with response_format or guided_*",
@@ -368,6 +375,10 @@ class OpenAIServer:
         except Unavailable as e:  # no capacity after the stream started: say so, end it
             logger.warning("stream %s: %s", job.request_id, e)
             yield sse_data(error_body(str(e), "server_error", code=e.code))
+            yield "[DONE]"
+        except ProtocolError as e:  # the engine failed this request alone (its grammar broke)
+            logger.warning("stream %s: %s", job.request_id, e)
+            yield sse_data(error_body(e.message, e.type, e.param, e.code))
             yield "[DONE]"
         except Exception as e:  # an engine failure after the stream started: tell the client, end it
             logger.exception("stream %s failed", job.request_id)

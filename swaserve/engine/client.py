@@ -84,7 +84,8 @@ class EngineClient(ABC):
             prefilled: decode role: ``(first_token, KVPayload)`` of a prompt prefilled elsewhere.
 
         Raises:
-            ValueError: the request is refused (before any output): a user-facing message.
+            ValueError: the request is refused (before any output), or failed alone (its
+                structured-output grammar broke): a user-facing message.
             Unavailable: no capacity or no engine now (503).
             RuntimeError: the engine failed while the request ran.
         """
@@ -128,8 +129,9 @@ class LocalEngineClient(EngineClient):
 async def queue_stream(
     queue: asyncio.Queue[RequestOutput | BaseException], on_close: Callable[[bool], None]
 ) -> AsyncGenerator[RequestOutput, None]:
-    """Yield the deltas put on ``queue`` up to the last one; an exception put on it is raised.
-    ``on_close(ended)`` runs when the stream closes (``ended`` False: its consumer left early,
+    """Yield the deltas put on ``queue`` up to the last one; an exception put on it is raised, and
+    so is a ValueError for a delta with ``error`` (the engine failed the request alone: its
+    structured-output grammar broke). ``on_close(ended)`` runs when the stream closes (``ended`` False: its consumer left early,
     so the request must be aborted). Close it with ``contextlib.aclosing``."""
     ended = False
     try:
@@ -138,6 +140,9 @@ async def queue_stream(
             if isinstance(item, BaseException):
                 ended = True
                 raise item
+            if item.error:
+                ended = True
+                raise ValueError(item.error)
             ended = item.finished
             yield item
             if ended:

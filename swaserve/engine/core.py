@@ -2,7 +2,8 @@
 
 ``EngineCore.step()`` runs continuous batching with chunked prefill and returns one
 ``CoreOutput`` (token ids, logprobs, why it ended) per request that sampled or finished. It ends
-requests on stop *tokens*, length and the prefill role's handoff; text, stop strings and usage
+requests on stop *tokens*, length, a complete structured-output grammar (``engine.structured``:
+its mask applied before sampling) and the prefill role's handoff; text, stop strings and usage
 counters belong to the front (``engine.output.OutputProcessor``), so the same core runs inline
 (``LLMEngine``) or in its own process (``engine.core_proc``). No I/O here.
 """
@@ -24,6 +25,7 @@ from swaserve.engine.request import Request, RequestStatus
 from swaserve.engine.sampler import Sampler, SamplingState
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
+from swaserve.engine.structured import StructuredDecoder
 from swaserve.engine.types import EngineLimits, FinishReason, SamplingParams, TokenLogprob
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import HostKVStorage
@@ -63,9 +65,10 @@ def schedule_priority(config: EngineConfig) -> ComputeAwarePriority | None:
 class CoreOutput:
     """What one step did for one request: at most one new token (none when aborted).
 
-    ``finish_reason`` is set on the request's last output: STOP (an EOS or stop token id),
-    LENGTH, HANDOFF (prefill role, ``kv_payload`` set) or ABORT. Counters are cumulative; times
-    are the core's clock (seconds).
+    ``finish_reason`` is set on the request's last output: STOP (an EOS or stop token id, or
+    with ``structured_end`` its structured-output grammar complete: the last token is text),
+    LENGTH, HANDOFF (prefill role, ``kv_payload`` set) or ABORT (with ``error`` when the request
+    failed: its grammar broke). Counters are cumulative; times are the core's clock (seconds).
     """
 
     request_id: str
@@ -80,6 +83,8 @@ class CoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     kv_payload: KVPayload | None = None
+    structured_end: bool = False
+    error: str = ""
 
     @property
     def finished(self) -> bool:
@@ -161,6 +166,7 @@ class EngineCore:
             priority=schedule_priority(config),
         )  # fmt: skip
         self.sampler = Sampler()
+        self.structured = StructuredDecoder(model_dir, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.limits = EngineLimits(
             vocab_size=cfg.vocab_size,
@@ -190,13 +196,16 @@ class EngineCore:
         arrival_time: float | None = None,
         export_kv: bool = False,
     ) -> None:
-        """Queue a request. Raises ValueError on invalid input or a duplicate id.
+        """Queue a request. Raises ValueError on invalid input (a structured-output constraint
+        that does not compile too) or a duplicate id.
 
         ``export_kv`` (prefill role): the request stops after its first token (finish reason
         ``HANDOFF`` unless it really ended there), and its prompt's KV is copied to host memory
         first and returned in the final ``CoreOutput.kv_payload`` (``transfer.kv_transfer``).
         """
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        if params.structured is not None:
+            req.grammar = self.structured.new(params.structured)
         if export_kv:  # stops after its first token: pages for the prompt and that token only
             req.export_kv = True
             req.max_total_tokens = len(prompt_token_ids) + 1
@@ -218,7 +227,8 @@ class EngineCore:
         copied in and decoding goes on from ``first_token``.
 
         Raises:
-            ValueError: invalid input, a duplicate id, or a payload that does not cover the prompt.
+            ValueError: invalid input, a duplicate id, a payload that does not cover the prompt, or
+                a structured-output constraint that does not compile or rejects ``first_token``.
         """
         self.limits.check_prefilled(request_id, prompt_token_ids, first_token, payload)
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
@@ -231,6 +241,8 @@ class EngineCore:
             except RuntimeError as e:
                 raise ValueError(f"sampler state from the prefill worker does not fit: {e}") from e
         req.output_token_ids.append(first_token)
+        if params.structured is not None:  # the prefill worker sampled it under the same grammar
+            req.grammar = self.structured.new(params.structured, [first_token])
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -308,7 +320,9 @@ class EngineCore:
         if len(sampling) < len(ends):
             logits = logits[[j for j, c in enumerate(ends) if c.req.params.max_tokens > 0]]
         states = [c.req.sampling for c in sampling]
-        sampled = self.sampler.sample(logits, states) if sampling else []  # type: ignore[arg-type]
+        grammars = [c.req.grammar for c in sampling]
+        masked = self.structured.mask(logits, grammars) if any(grammars) else None
+        sampled = self.sampler.sample(logits, states, masked) if sampling else []  # type: ignore[arg-type]
         for c in chunks:
             c.req.num_computed = c.start + c.n
             # a prefill chunk (the prompt's last one too): share its whole pages now, so requests
@@ -332,9 +346,19 @@ class EngineCore:
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> CoreOutput:
         if req.first_token_time is None:
             req.first_token_time = now
+        g = req.grammar
+        if g is not None:
+            g.accept(token)
+            if g.error:  # a broken grammar fails its request, never the engine
+                log.warning("request %s: %s", req.request_id, g.error)
+                out = self.abort_request(req.request_id)
+                assert out is not None
+                out.error = g.error
+                return out
         req.output_token_ids.append(token)
         reason: FinishReason | None = None
-        if check_stop_token(token, req.params, self.eos_token_ids):
+        stop_token = check_stop_token(token, req.params, self.eos_token_ids)
+        if stop_token or (g is not None and g.done):
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
@@ -349,7 +373,9 @@ class EngineCore:
             req.finish_reason = reason
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
-        return self._output(req, [token], [logprob] if logprob is not None else [])
+        out = self._output(req, [token], [logprob] if logprob is not None else [])
+        out.structured_end = reason == FinishReason.STOP and not stop_token
+        return out
 
     def _output(self, req: Request, tokens: list[int], lps: list[TokenLogprob]) -> CoreOutput:
         finished = req.finish_reason is not None

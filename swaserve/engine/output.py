@@ -100,7 +100,7 @@ class OutputProcessor:
         text = ""
         if o.new_token_ids:
             self.generation_tokens_total += len(o.new_token_ids)
-            if reason != FinishReason.STOP:  # a stop token (EOS, stop_token_ids) has no text
+            if reason != FinishReason.STOP or o.structured_end:  # a stop token (EOS...) has no text
                 text = detok.add(o.new_token_ids)
                 if detok.stopped:
                     reason = FinishReason.STOP
@@ -122,4 +122,5 @@ class OutputProcessor:
             first_scheduled_time=o.first_scheduled_time,
             first_token_time=o.first_token_time,
             kv_payload=o.kv_payload if finished else None,
+            error=o.error,
         )

@@ -1,6 +1,6 @@
 """A request's life inside the engine core: ``Request`` holds its prompt and output token ids,
 ``num_computed`` (tokens of both whose KV is in the pools), its status, times and sampling state,
-and in the PD roles the KV payload it exports or imports."""
+in the PD roles the KV payload it exports or imports, and its structured-output grammar."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from swaserve.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from swaserve.engine.sampler import SamplingState
+    from swaserve.engine.structured import Grammar
     from swaserve.transfer.kv_transfer import KVPayload
 
 
@@ -46,6 +47,7 @@ class Request:
     export_kv: bool = False  # prefill role: capture the prompt's KV (``kv_payload``) when it finishes
     kv_payload: KVPayload | None = None  # exported KV (prefill role) or KV to import (decode role)
     prompt_logprobs: list[TokenLogprob] | None = None  # computed so far (``params.prompt_logprobs``)
+    grammar: Grammar | None = None  # ``params.structured``'s matcher over the output so far
 
     @property
     def num_prompt(self) -> int:

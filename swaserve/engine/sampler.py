@@ -131,13 +131,18 @@ class Sampler:
         self.top_p_candidates = top_p_candidates
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
+    def sample(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], masked: torch.Tensor | None = None
+    ) -> list[SampledToken]:
         """Pick one token per request.
 
         Args:
             logits: [B, V] last-position logits, one row per entry of ``states`` (any float dtype,
                 any device; not modified).
             states: The B requests, in row order. Seeded generators must live on logits' device.
+            masked: [B, V] ``logits`` with the tokens a row may not pick at -inf (structured
+                output, ``engine.structured``): tokens are picked from it, logprobs stay those of
+                ``logits``. None: pick from ``logits``.
 
         Returns:
             B sampled tokens, in row order.
@@ -152,7 +157,7 @@ class Sampler:
             return []
         if logits.dtype != torch.float32:
             logits = logits.float()
-        x = apply_logit_bias(logits, states)
+        x = apply_logit_bias(logits if masked is None else masked.float(), states)
         if all(s.params.greedy for s in states) and not any(s.needs_penalties for s in states):
             token_ids = x.argmax(dim=-1)
         else:

@@ -1,12 +1,13 @@
-"""Plain request/response value types shared by the engine, sampler and API layers: ``SamplingParams``,
-``RequestOutput`` (a per-step delta with cumulative usage), ``TokenLogprob``, ``FinishReason``, and
-``EngineLimits`` (what a request may ask; checked in the front and again in the core)."""
+"""Plain request/response value types shared by the engine, sampler and API layers: ``SamplingParams``
+(with its ``StructuredOutput`` constraint), ``RequestOutput`` (a per-step delta with cumulative usage),
+``TokenLogprob``, ``FinishReason``, and ``EngineLimits`` (what a request may ask; checked in the front
+and again in the core)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 class FinishReason(StrEnum):
@@ -19,6 +20,37 @@ class FinishReason(StrEnum):
 
 
 MAX_LOGPROBS = 20  # most top alternatives per token the engine computes (vLLM's default bound)
+
+
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = get_args(StructuredKind)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text, enforced token by token (``engine.structured``).
+
+    Attributes:
+        kind: ``json_object`` (any JSON object; ``spec`` is ignored, "" by convention),
+            ``json_schema`` (``spec``: the JSON schema as JSON text), ``regex`` (``spec``: a regular
+            expression, Rust ``regex`` syntax, matched against the whole output), ``choice``
+            (``spec``: a JSON list of strings; the output is exactly one of them) or ``grammar``
+            (``spec``: a Lark grammar, or a GBNF one, llguidance's dialect).
+        spec: The kind's text, as above.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def validate(self) -> None:
+        """Raise ValueError for an unknown kind (the grammar itself is checked by
+        ``engine.structured.validate``)."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured output kind must be one of {list(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str):
+            raise ValueError("structured output spec must be a string")
 
 
 @dataclass(frozen=True)
@@ -47,6 +79,8 @@ class SamplingParams:
         prompt_logprobs: Number of top alternatives per prompt token to return (0 = only the
             prompt token's own); None = none. Such a request skips the prefix cache lookup (every
             prompt position must be computed).
+        structured: Constrain the output to a JSON schema, regex, choice or grammar; the request
+            ends (``STOP``) when the constraint is complete. None = unconstrained.
     """
 
     max_tokens: int = 16
@@ -65,6 +99,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +132,8 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:  # also refuses NaN
                 raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+        if self.structured is not None:
+            self.structured.validate()
 
 
 @dataclass(frozen=True)
@@ -130,6 +167,7 @@ class RequestOutput:
     first_token_time: float | None = None
     kv_payload: Any = None  # prefill role, final output: the prompt's KV (``transfer.kv_transfer.KVPayload``)
     prompt_logprobs: list[TokenLogprob] | None = None  # once, with the output that completed the prompt
+    error: str = ""  # set on the last output of a request the engine failed (its grammar broke): why
 
 
 @dataclass(frozen=True)

@@ -109,9 +109,7 @@ async def test_n_greedy_choices_are_identical_share_the_prompt_and_equal_one_req
     after = engine.stats().prefix_cache.hits_device
     n_prompt = len(engine.tokenizer.encode(prompt))
     # choices 1 and 2 start after choice 0 computed the prompt: they reuse its full pages
-    assert after - before >= 2 * (
-        (n_prompt - 1) // CONFIG.page_size * CONFIG.page_size
-    )
+    assert after - before >= 2 * ((n_prompt - 1) // CONFIG.page_size * CONFIG.page_size)
     one = await client.completions.create(
         model=engine.model_name, prompt=prompt, max_tokens=10, temperature=0
     )

@@ -67,6 +67,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "prompt_cache_retention": {"prompt_cache_retention": "24h"},
     "safety_identifier": {"safety_identifier": "s"},
 }
+CHAT_SAMPLES = {"logprobs": {"logprobs": True}}  # chat's logprobs is a flag
 BASE = {
     "/v1/completions": {"prompt": "hello", "max_tokens": 2, "temperature": 0},
     "/v1/chat/completions": {
@@ -129,7 +130,8 @@ async def test_every_openai_field_is_honored_or_refused_as_documented(
     wrong = []
     for field in fields:
         want_ok = not docs[field].startswith("400")
-        r = await client.post(path, json={**BASE[path], **SAMPLES[field]})
+        sample = CHAT_SAMPLES.get(field, SAMPLES[field]) if "chat" in path else SAMPLES[field]
+        r = await client.post(path, json={**BASE[path], **sample})
         if (want_ok and r.status_code != 200) or (
             not want_ok and (r.status_code != 400 or r.json()["error"]["param"] != field)
         ):

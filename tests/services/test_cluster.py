@@ -345,6 +345,56 @@ def test_replay_reports_the_cluster_kv_pools(cluster: Cluster, tiny_dir: Path) -
     wait_idle(cluster)
 
 
+def test_structured_output_holds_across_pd(cluster: Cluster, tiny_dir: Path) -> None:
+    """The prefill worker samples the first token under the grammar's mask, the decode worker's
+    matcher takes it and goes on: output validates and equals one engine's (greedy and seeded)."""
+    import platform
+
+    import jsonschema
+    import openai
+
+    from swaserve.engine.types import StructuredOutput
+    from tests.engine.test_structured import NESTED, PERSON
+
+    platform.platform()  # cached before the client asks (its first call runs `uname -p`)
+    eng = LLMEngine(
+        str(tiny_dir), EngineConfig(max_num_batched_tokens=32, kv_cache_memory=16 << 20, page_size=4)
+    )
+    client = openai.OpenAI(api_key="none", base_url=f"{cluster.url}/v1", max_retries=0, timeout=120)
+    ps = prompts(3, seed=4)
+    for schema, sampling in ((PERSON, {"temperature": 0.0}), (NESTED, {"temperature": 1.0, "seed": 7})):
+        so = StructuredOutput("json_schema", json.dumps(schema))
+        for p in ps:
+            want = eng.generate([p], SamplingParams(max_tokens=200, structured=so, **sampling))[0]
+            r = client.completions.create(
+                model="mimo-v2-tiny-v1", prompt=p, max_tokens=200, **sampling,
+                extra_body={"guided_json": schema, "return_token_ids": True},
+            )  # fmt: skip
+            (choice,) = r.choices
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.text), schema)
+            assert choice.model_extra is not None and choice.model_extra["token_ids"] == want
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        stream = client.completions.create(
+            model="mimo-v2-tiny-v1", prompt=ps[0], max_tokens=200, stream=True, **sampling,
+            extra_body={"response_format": fmt},
+        )  # fmt: skip
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+        jsonschema.validate(json.loads(text), schema)
+    for p in ps:  # a choice can end at the prefill worker's first token
+        r = client.completions.create(
+            model="mimo-v2-tiny-v1", prompt=p, max_tokens=8, temperature=0,
+            extra_body={"guided_choice": ["yes", "no", "maybe not"]},
+        )  # fmt: skip
+        assert r.choices[0].text in ("yes", "no", "maybe not") and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model="mimo-v2-tiny-v1", prompt="x", max_tokens=4, extra_body={"guided_regex": "(("}
+        )
+    assert e.value.param == "guided_regex"
+    wait_idle(cluster)
+
+
 def _stream_outcome(url: str, prompt: list[int], max_tokens: int) -> str:
     """'done' (finish_reason seen), 'error' (error event), or raises on a hang (timeout)."""
     body = {"model": "mimo-v2-tiny-v1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,

@@ -1,0 +1,208 @@
+"""Structured output: a request's ``StructuredOutput`` enforced token by token with llguidance.
+
+``grammar_of`` compiles a constraint (JSON schema, any JSON object, regex, choice, Lark/GBNF
+grammar) to llguidance's grammar text and ``validate`` checks it (the front's 400, before a request
+reaches the engine). In the core, ``StructuredDecoder`` builds the ``LLTokenizer`` once, lazily on
+the first constrained request, from the model directory's Hugging Face tokenizer; each request gets
+its own ``Grammar`` (one ``LLMatcher``). Each step ``StructuredDecoder.mask`` fills the token
+bitmask of every constrained row in one batched call (``LLExecutor``) and returns a copy of the
+logits with the disallowed tokens at -inf (None when no row is constrained: unconstrained batches
+do nothing new); after the sampler picks, ``Grammar.accept`` feeds the token to the matcher, which
+says when the constraint is complete (``done``) or broken (``error``: the request fails, the engine
+goes on). EOS is allowed only where the grammar accepts.
+
+JSON is compiled compact (``", "`` and ``": "`` separators, no free whitespace) unless the schema's
+``x-guidance`` says otherwise: free whitespace lets a model (and certainly random weights) emit
+whitespace forever, and bounded schemas (``maxLength``, ``maxItems``, ``enum``, ``maximum``) then
+always end.
+
+Source: llguidance (https://github.com/guidance-ai/llguidance), ``LLMatcher`` API; vLLM's
+llguidance backend (vllm/v1/structured_output/backend_guidance.py). Design notes:
+docs/DESIGN.md#enginestructuredpy
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import torch
+
+from swaserve.engine.types import StructuredOutput
+
+# JSON layout when the schema does not choose one (its "x-guidance" key overrides these).
+JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY_OBJECT = '{"type": "object"}'
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def grammar_of(so: StructuredOutput) -> str:
+    """llguidance grammar text of a constraint (not checked yet: ``validate``).
+
+    Args:
+        so: The constraint (``StructuredOutput`` documents each kind's ``spec``).
+
+    Returns:
+        The grammar, as ``LLMatcher`` takes it.
+
+    Raises:
+        ValueError: a spec of the wrong shape (a schema that is not a JSON object or boolean, a
+            choice that is not a non-empty JSON list of strings) or an unknown kind.
+    """
+    so.validate()
+    if so.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+    if so.kind == "json_schema":
+        try:
+            schema = json.loads(so.spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise ValueError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+    if so.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(so.spec)
+    if so.kind == "choice":
+        try:
+            choices = json.loads(so.spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"choices are not valid JSON: {e}") from None
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+            raise ValueError("choices must be a non-empty list of strings")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return llguidance.grammar_from("grammar", so.spec)  # Lark, or GBNF converted to Lark
+
+
+def validate(so: StructuredOutput) -> None:
+    """Raise ValueError with llguidance's message if the constraint cannot be compiled.
+
+    CPU-bound (well under a millisecond for small schemas, up to ~1 s for huge ones): callers on
+    an event loop run it in a thread. Grammar warnings are not errors.
+    """
+    message = llguidance.LLMatcher.validate_grammar(grammar_of(so))
+    if message:
+        raise ValueError(message)
+
+
+class Grammar:
+    """One request's matcher state (``LLMatcher``) over the tokens generated so far.
+
+    Attributes:
+        done: the constraint is complete (the matcher stopped): the request ends with STOP.
+        error: why the matcher failed ("" while it has not): the request fails.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.done = False
+        self.error = ""
+
+    def accept(self, token: int) -> None:
+        """Feed the token the sampler picked; sets ``done`` or ``error``."""
+        if self.error:
+            return
+        if not self.matcher.consume_token(token):
+            self.error = f"structured output failed: {self.matcher.get_error() or f'token {token} rejected'}"
+        elif self.matcher.is_stopped():
+            self.done = True
+
+    def _check(self) -> bool:
+        """Whether the matcher is healthy (after a mask computation); sets ``error`` if not."""
+        if not self.error and self.matcher.is_error():
+            self.error = f"structured output failed: {self.matcher.get_error()}"
+        return not self.error
+
+
+class StructuredDecoder:
+    """The core's structured-output backend: one ``LLTokenizer``, one ``Grammar`` per request.
+
+    Args:
+        tokenizer_dir: directory of the model's Hugging Face tokenizer (a fast one), loaded on the
+            first constrained request.
+        vocab_size: logits width V (the model's vocabulary; may exceed the tokenizer's).
+        eos_token_ids: the ids that end a request; the grammar allows them where it accepts.
+        num_threads: threads of the mask computation (None: llguidance's default).
+    """
+
+    def __init__(
+        self,
+        tokenizer_dir: str | Path,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        num_threads: int | None = None,
+    ) -> None:
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.num_threads = num_threads
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The llguidance tokenizer (built on first use, ~10-100 ms). Raises ValueError if the
+        model's tokenizer is not a fast (Rust ``tokenizers``) one."""
+        if self._tokenizer is None:
+            from llguidance.hf import from_tokenizer
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+            try:
+                self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            except ValueError as e:
+                raise ValueError(f"structured output needs a fast tokenizer: {e}") from e
+            self._executor = llguidance.LLExecutor(self.num_threads)
+        return self._tokenizer
+
+    def new(self, so: StructuredOutput, consumed: Sequence[int] = ()) -> Grammar:
+        """A request's grammar, having consumed ``consumed`` (a prefilled request's first token).
+
+        Raises:
+            ValueError: the constraint does not compile, or ``consumed`` breaks it.
+        """
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(so), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output: {matcher.get_error()}")
+        grammar = Grammar(matcher)
+        for t in consumed:
+            grammar.accept(t)
+        if grammar.error:
+            raise ValueError(grammar.error)
+        return grammar
+
+    def mask(self, logits: torch.Tensor, grammars: Sequence[Grammar | None]) -> torch.Tensor | None:
+        """Logits with every token a row's grammar does not allow next at -inf.
+
+        Args:
+            logits: [B, V] last-position logits (not modified), one row per entry of ``grammars``.
+            grammars: each row's grammar, None for an unconstrained row.
+
+        Returns:
+            A [B, V] masked copy (unconstrained rows and rows whose matcher failed keep their
+            logits), or None when no row is constrained.
+        """
+        rows = [i for i, g in enumerate(grammars) if g is not None and not g.error]
+        if not rows:
+            return None
+        assert self._executor is not None  # a Grammar exists, so the tokenizer was built
+        words = (self.tokenizer.vocab_size + 31) // 32
+        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+        matchers = [(grammars[i].matcher, j) for j, i in enumerate(rows)]  # type: ignore[union-attr]
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+        ok = [j for j, i in enumerate(rows) if grammars[i]._check()]  # type: ignore[union-attr]
+        if not ok:
+            return None
+        if len(ok) < len(rows):
+            rows, bitmask = [rows[j] for j in ok], bitmask[ok]
+        vocab = logits.shape[1]
+        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).reshape(len(rows), -1).bool()
+        if allowed.shape[1] < vocab:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        allowed = allowed[:, :vocab].to(logits.device, non_blocking=True)
+        idx = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        out = logits.clone()
+        out[idx] = logits.index_select(0, idx).masked_fill(~allowed, -torch.inf)
+        return out
