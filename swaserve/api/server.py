@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from swaserve.api.auth import ApiKeyAuth
 from swaserve.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from swaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from swaserve.api.responses import (
@@ -37,6 +38,7 @@ from swaserve.api.tokenize import (
 )
 from swaserve.config import EngineConfig
 from swaserve.engine.client import EngineClient, Unavailable
+from swaserve.engine.types import MAX_LOGPROBS
 from swaserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(
-    engine: EngineClient, *, manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    engine: EngineClient,
+    *,
+    manage_engine: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
@@ -121,6 +129,15 @@ def build_app(
         manage_engine: Start the engine in the app's lifespan and stop it at shutdown. Pass False
             when the caller starts and stops the engine itself.
         max_request_bytes: A larger request body is a 413 (``api.body_limit``).
+        api_key: Every request but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
+            api_key`` (``api.auth``); None: no key.
+        chat_template: Jinja chat template used instead of the tokenizer's (already checked:
+            ``api.chat_template.resolve_chat_template``).
+        max_logprobs: Largest ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may
+            ask for (``--max-logprobs``), at most the engine's ``MAX_LOGPROBS``.
+
+    Raises:
+        ValueError: ``max_logprobs`` out of ``[0, MAX_LOGPROBS]``; an empty or padded ``api_key``.
 
     Returns:
         The app; ``app.state.server`` is the ``OpenAIServer``, ``app.state.metrics`` the
@@ -128,7 +145,9 @@ def build_app(
     """
     # the router's ClusterEngine adds its workers' loads and its own counters
     metrics = ServerMetrics(engine.stats, engine.model_name, getattr(engine, "router_stats", None))
-    server = OpenAIServer(engine, metrics)
+    if not 0 <= max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {max_logprobs}")
+    server = OpenAIServer(engine, metrics, max_logprobs, chat_template)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,6 +164,8 @@ def build_app(
     app.state.metrics = metrics
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    if api_key is not None:  # added last, so it runs first: before any of the body is read
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -193,6 +214,9 @@ def serve(
     engine_config: EngineConfig,
     model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> int:
     """Load the model, then serve it with uvicorn until interrupted.
 
@@ -203,6 +227,7 @@ def serve(
         engine_config: Engine knobs (``engine_process``: inline or a separate core process).
         model_name: Served model name (default: the engine's, i.e. the directory's basename).
         max_request_bytes: A larger request body is a 413.
+        api_key, chat_template, max_logprobs: as ``build_app``'s (the template already checked).
 
     Returns:
         The exit status: 0, or 1 if the engine core process died (open streams got an error
@@ -226,7 +251,13 @@ def serve(
             server.should_exit = True
 
     engine = build_engine_client(model_dir, engine_config, model_name, on_dead=on_dead)
-    app = build_app(engine, max_request_bytes=max_request_bytes)
+    app = build_app(
+        engine,
+        max_request_bytes=max_request_bytes,
+        api_key=api_key,
+        chat_template=chat_template,
+        max_logprobs=max_logprobs,
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):

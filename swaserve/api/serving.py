@@ -198,15 +198,21 @@ class OpenAIServer:
         engine: A started (or to-be-started) engine client.
         metrics: Where to record latencies and finished requests.
         max_logprobs: Largest ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` accepted.
+        chat_template: Jinja chat template used instead of the tokenizer's (``api.chat_template``).
     """
 
     def __init__(
-        self, engine: EngineClient, metrics: ServerMetrics, max_logprobs: int = MAX_LOGPROBS
+        self,
+        engine: EngineClient,
+        metrics: ServerMetrics,
+        max_logprobs: int = MAX_LOGPROBS,
+        chat_template: str | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = engine.model_name
         self.max_logprobs = max_logprobs
+        self.chat_template = chat_template
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
         self.encoder = PromptEncoder(engine.tokenizer)
@@ -301,7 +307,11 @@ class OpenAIServer:
     async def _render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
         try:
             return await asyncio.to_thread(  # off the loop: a long conversation renders for a while
-                self.engine.tokenizer.apply_chat_template, messages, tokenize=False, **options
+                self.engine.tokenizer.apply_chat_template,
+                messages,
+                tokenize=False,
+                chat_template=self.chat_template,  # None: the tokenizer's
+                **options,
             )
         except Exception as e:  # template errors (bad role order, no template) are the request's fault
             raise ProtocolError(f"could not apply the chat template: {e}", param="messages") from e
