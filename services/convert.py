@@ -4,7 +4,7 @@ parameters, output chunks, KV pages, and the KV transfer stream (a header, then 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, StructuredOutput, TokenLogprob
 from swaserve.transfer.kv_transfer import KVPage, KVPayload, expected_pages, to_pages
@@ -26,7 +26,10 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
+        logit_bias=dict(p.logit_bias),
     )
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     if p.seed is not None:
         m.seed = str(p.seed)
     if p.logprobs is not None:
@@ -53,6 +56,8 @@ def params_from_proto(m: pb.SamplingParams) -> SamplingParams:
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         skip_special_tokens=m.skip_special_tokens,
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         structured=(
             StructuredOutput(m.structured.kind, m.structured.spec)  # type: ignore[arg-type]  # validate() checks
             if m.HasField("structured")
@@ -78,18 +83,29 @@ def usage(o: RequestOutput) -> pb.Usage:
     )
 
 
-def chunk_message(o: RequestOutput) -> pb.GenerateResponse:
-    lps = [
+def _logprobs_to_proto(lps: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
         pb.TokenLogprob(
             token_id=lp.token_id,
             logprob=lp.logprob,
             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
         )
-        for lp in o.new_logprobs
+        for lp in lps
     ]
-    return pb.GenerateResponse(
-        chunk=pb.Chunk(token_ids=o.new_token_ids, text=o.new_text, logprobs=lps), usage=usage(o)
-    )
+
+
+def _logprobs_from_proto(lps: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in lps
+    ]
+
+
+def chunk_message(o: RequestOutput) -> pb.GenerateResponse:
+    chunk = pb.Chunk(token_ids=o.new_token_ids, text=o.new_text, logprobs=_logprobs_to_proto(o.new_logprobs))
+    if o.prompt_logprobs is not None:
+        chunk.prompt_logprobs.extend(_logprobs_to_proto(o.prompt_logprobs))
+        chunk.has_prompt_logprobs = True
+    return pb.GenerateResponse(chunk=chunk, usage=usage(o))
 
 
 def output_from_chunk(request_id: str, m: pb.GenerateResponse) -> RequestOutput:
@@ -99,10 +115,8 @@ def output_from_chunk(request_id: str, m: pb.GenerateResponse) -> RequestOutput:
         request_id=request_id,
         new_token_ids=list(c.token_ids),
         new_text=c.text,
-        new_logprobs=[
-            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-            for lp in c.logprobs
-        ],
+        new_logprobs=_logprobs_from_proto(c.logprobs),
+        prompt_logprobs=_logprobs_from_proto(c.prompt_logprobs) if c.has_prompt_logprobs else None,
         prompt_tokens=m.usage.prompt_tokens,
         completion_tokens=m.usage.completion_tokens,
         cached_tokens=m.usage.cached_tokens,

@@ -162,7 +162,7 @@ class WorkerService(wgrpc.WorkerServicer):
         try:
             gen = self.engine.generate(prompt, params, rid, export_kv=export, prefilled=prefilled)
             async for o in gen:
-                if o.new_token_ids or o.new_text:
+                if o.new_token_ids or o.new_text or o.prompt_logprobs is not None:
                     m = chunk_message(o)
                     if o.finished and o.finish_reason not in (None, FinishReason.HANDOFF):
                         m.chunk.finish_reason = o.finish_reason.value  # the client's last chunk

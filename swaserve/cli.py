@@ -14,7 +14,16 @@ from typing import Annotated, Literal
 import typer
 
 from swaserve.config import EngineConfig  # light: no torch
-from swaserve.options import engine_options, size_option
+from swaserve.engine.types import MAX_LOGPROBS  # light: no torch
+from swaserve.options import (
+    API_KEY_ENV,
+    ApiKeyOption,
+    ChatTemplateOption,
+    MaxLogprobsOption,
+    ServedModelNameOption,
+    engine_options,
+    size_option,
+)
 
 app = typer.Typer(
     name="swaserve",
@@ -35,6 +44,18 @@ def _model_dir(model: Path | None) -> Path:
     return Path(default_model_dir())
 
 
+def _chat_template(value: str | None, model_dir: Path) -> str | None:
+    """``--chat-template``'s template, read and checked now: a bad one is a usage error (exit 2)."""
+    if value is None:
+        return None
+    from swaserve.api.chat_template import resolve_chat_template
+
+    try:
+        return resolve_chat_template(value, model_dir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--chat-template") from e
+
+
 @app.command()
 @engine_options()
 def serve(
@@ -43,18 +64,24 @@ def serve(
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Model name in the API (default: dir name).")
-    ] = None,
+    served_model_name: ServedModelNameOption = None,
     max_request_bytes: Annotated[
         int, typer.Option(parser=size_option, metavar="BYTES", help="Larger request bodies get a 413.")
     ] = "32MiB",  # type: ignore[assignment]  # parsed by size_option
+    api_key: ApiKeyOption = None,
+    chat_template: ChatTemplateOption = None,
+    max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
     engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
+    model_dir = _model_dir(model)
+    template = _chat_template(chat_template, model_dir)
     from swaserve.api.server import serve as run_server
 
-    code = run_server(str(_model_dir(model)), host, port, engine_config, served_model_name, max_request_bytes)
+    code = run_server(
+        str(model_dir), host, port, engine_config, served_model_name, max_request_bytes,
+        api_key=api_key, chat_template=template, max_logprobs=max_logprobs,
+    )  # fmt: skip
     if code:
         raise typer.Exit(code)
 
@@ -66,7 +93,14 @@ def up(
     model: Annotated[
         Path | None, typer.Option(help="Checkpoint directory (default: the bundled default model).")
     ] = None,
+    host: Annotated[str, typer.Option(help="Address the router's HTTP port binds (0.0.0.0: every one).")] = (
+        "127.0.0.1"
+    ),
     port: Annotated[int, typer.Option(min=0, help="Router HTTP port (0 = a free one).")] = 8000,
+    served_model_name: ServedModelNameOption = None,
+    api_key: ApiKeyOption = None,
+    chat_template: ChatTemplateOption = None,
+    max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
     worker_arg: Annotated[
         list[str] | None,
         typer.Option(help="Extra worker argument (repeatable), e.g. --worker-arg=--max-num-seqs=16."),
@@ -99,11 +133,20 @@ def up(
     ] = "approximate",
     startup_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for readiness.")] = 600.0,
 ) -> None:
-    """Start the disaggregated cluster (router + prefill + decode workers) on 127.0.0.1 until Ctrl-C."""
+    """Start the disaggregated cluster (router + prefill + decode workers) on 127.0.0.1 until Ctrl-C;
+    the routers' HTTP port on --host."""
     import signal
 
     from swaserve.launcher import Cluster
     from swaserve.procs import ClusterError
+
+    model_dir = _model_dir(model)
+    _chat_template(chat_template, model_dir)  # a bad one stops here, before any process starts
+    front = ["--max-logprobs", str(max_logprobs)]
+    if served_model_name is not None:
+        front += ["--served-model-name", served_model_name]
+    if chat_template is not None:
+        front += ["--chat-template", chat_template]
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -111,26 +154,29 @@ def up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
     cluster = Cluster(
-        _model_dir(model),
+        model_dir,
         prefill,
         decode,
         port,
         worker_args=list(worker_arg or []),
-        router_args=list(router_arg or []),
+        router_args=[*front, *(router_arg or [])],
         prefill_args=list(prefill_arg or []),
         decode_args=list(decode_arg or []),
         prefill_ranges=list(prefill_len_range or []),
         routers=routers,
         redis=redis,
         index_mode=index_mode,
+        host=host,
+        api_key=api_key,
     )
     try:
         url = cluster.start(startup_timeout)
         others = f"; other routers: {' '.join(cluster.urls[1:])}" if routers > 1 else ""
         shared = f"; routing state in {cluster.redis_url}" if cluster.redis_url else ""
+        auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""  # never the key itself
         print(
             f"\ncluster ready: {url}  ({prefill} prefill, {decode} decode{others}{shared}; "
-            f"try: curl {url}/v1/models)",
+            f"try: curl{auth} {url}/v1/models)",
             flush=True,
         )
         code = cluster.watch()

@@ -1,7 +1,8 @@
 """``swaserve up``: the disaggregated cluster (router + prefill and decode workers) as local processes.
 
 Each service (``python -m services.prefill|decode|router``) runs on 127.0.0.1 and a free port (the
-router on ``port`` when given, checked before any worker starts), output prefixed by its name
+routers' HTTP on ``host``; the first on ``port`` when given, checked before any worker starts; an
+API key reaches the routers through their environment, never their command lines), output prefixed by its name
 (``[prefill-0] ...``). Workers are ready when ``grpc.health.v1`` says SERVING, the router when
 ``GET /health`` answers 200. Every child has its own process group and gets SIGTERM when the
 launcher dies (``PR_SET_PDEATHSIG``); ``Cluster.stop`` terminates all (SIGKILL after a grace period)."""
@@ -15,13 +16,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swaserve.options import API_KEY_ENV
 from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     """Raise ClusterError unless ``host:port`` can be bound now (with SO_REUSEADDR, as uvicorn
     binds: a port some old connection left in TIME_WAIT counts as free, a listening one not)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -30,6 +33,13 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
                 f"router port {host}:{port} is not available: {e.strerror or e} "
                 "(pass --port with a free port, or --port 0 for any)"
             ) from e
+
+
+def connect_host(host: str) -> str:
+    """The address to reach a server bound to ``host`` on this machine (a wildcard: loopback)."""
+    wildcard = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
+    host = wildcard.get(host, host)
+    return f"[{host}]" if ":" in host else host
 
 
 def _option_value(args: list[str], name: str) -> str | None:
@@ -56,6 +66,8 @@ class Cluster:
             local ``redis-server`` started first (``swaserve.redis_server``). Without it each
             router keeps its own state (fine for one router).
         index_mode: "approximate" or "precise" (prefill workers publish cache events to Redis).
+        host: the routers' HTTP bind address (``--router-arg=--host=...`` wins).
+        api_key: the routers' ``--api-key``, handed over in their environment (``API_KEY_ENV``).
     """
 
     model: Path
@@ -72,6 +84,8 @@ class Cluster:
     redis_url: str | None = None
     index_mode: str = "approximate"
     show_access_log: bool = False
+    host: str = "127.0.0.1"
+    api_key: str | None = field(default=None, repr=False)
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     worker_addresses: dict[str, list[str]] = field(default_factory=dict)  # role -> host:port
     metrics_urls: dict[str, str] = field(default_factory=dict)  # worker name -> Prometheus URL
@@ -98,8 +112,9 @@ class Cluster:
             ClusterError: the router's port is taken (checked before any worker starts), or a
                 service exited or was not ready in time.
         """
+        host = _option_value(self.router_args, "--host") or self.host
         if self.port:
-            check_port_free(self.port, _option_value(self.router_args, "--host") or "127.0.0.1")
+            check_port_free(self.port, host)
         if self.index_mode not in ("approximate", "precise"):
             raise ClusterError(f"index mode must be 'approximate' or 'precise', got {self.index_mode!r}")
         if self.redis and self.redis_url is None:
@@ -142,15 +157,17 @@ class Cluster:
         routers = []
         for i in range(self.routers):
             port = self.port if (i == 0 and self.port) else free_port()
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://{connect_host(host)}:{port}"
             self.urls.append(url)
-            cmd = [sys.executable, "-m", "services.router", "--model", str(self.model), "--port", str(port)]
+            cmd = [sys.executable, "-m", "services.router", "--model", str(self.model), "--host", host,
+                   "--port", str(port)]  # fmt: skip
             for role in ("prefill", "decode"):
                 for a in addrs[role]:
                     cmd += [f"--{role}", a]
             cmd += [*shared, "--index-mode", self.index_mode, *self.router_args]
             name = "router" if self.routers == 1 else f"router-{i}"
-            router = ServiceProcess(name, cmd, http_ready(url), self.show_access_log)
+            env = {API_KEY_ENV: self.api_key} if self.api_key is not None else None
+            router = ServiceProcess(name, cmd, http_ready(url), self.show_access_log, env)
             self.services[name] = router
             routers.append(router)
             router.start()

@@ -1,7 +1,9 @@
 """The engine flags shared by ``swaserve serve`` and the workers (``services/worker_cli.py``):
 ``ENGINE_OPTIONS`` (one definition: name, typer annotation, default), the ``engine_options``
 decorator that turns them into one ``EngineConfig`` parameter, and byte sizes (``parse_size``).
-Light to import: typer and ``swaserve.config`` only.
+The HTTP front's flags shared by ``serve``, ``up`` and the router (``--api-key``,
+``--served-model-name``, ``--chat-template``, ``--max-logprobs``) as typer annotations.
+Light to import: typer, ``swaserve.config`` and ``swaserve.engine.types`` only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import typer
 
 from swaserve.config import EngineConfig
+from swaserve.engine.types import MAX_LOGPROBS
 
 _SIZE_UNITS = {
     "": 1,
@@ -256,3 +259,50 @@ def engine_options(**overrides: tuple[Any, str]) -> Callable[[F], F]:
 def build_engine_config(**values: Any) -> EngineConfig:
     """An ``EngineConfig`` from the values of the ``ENGINE_OPTIONS`` flags."""
     return EngineConfig(**{**values, "host_cache_memory": values.get("host_cache_memory") or 0})
+
+
+# -- the HTTP front's flags (serve, the router, up) ---------------------------------------------------
+API_KEY_ENV = "SWASERVE_API_KEY"
+"""The environment variable ``--api-key`` is read from when the flag is absent (vLLM: VLLM_API_KEY);
+``swaserve up`` hands the key to its routers through it, never on their command lines."""
+
+
+def _api_key(value: str | None) -> str | None:
+    if value is not None and (not value or value != value.strip()):
+        raise typer.BadParameter("the API key must not be empty or start or end with whitespace")
+    return value
+
+
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar=API_KEY_ENV,
+        show_envvar=True,
+        metavar="KEY",
+        callback=_api_key,
+        help="Clients must send 'Authorization: Bearer KEY' (401 otherwise; /health and /metrics stay "
+        "open). Prefer the environment variable: a command line shows in ps.",
+    ),
+]
+ServedModelNameOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Model name clients send as `model` and see in /v1/models (default: the checkpoint dir's name)."
+    ),
+]
+ChatTemplateOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="PATH_OR_STRING",
+        help="Jinja chat template (a file, or the template itself) used instead of the tokenizer's.",
+    ),
+]
+MaxLogprobsOption = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        max=MAX_LOGPROBS,
+        help="Most alternatives per token a request may ask for (completions: logprobs; chat: "
+        "top_logprobs); more is a 400. At most the engine's bound.",
+    ),
+]

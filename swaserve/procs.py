@@ -50,17 +50,27 @@ class ServiceProcess:
         name: log prefix, e.g. ``prefill-0``. cmd: the command line.
         ready: returns True once the service is ready (called repeatedly).
         show_access_log: pass HTTP access lines through (normally hidden).
+        env: variables set for the child on top of this process's environment (secrets such as
+            an API key go here, not on ``cmd``: command lines show in ``ps`` and logs).
     """
 
-    def __init__(self, name: str, cmd: list[str], ready: Callable[[], bool], show_access_log: bool = False):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        ready: Callable[[], bool],
+        show_access_log: bool = False,
+        env: dict[str, str] | None = None,
+    ):
         self.name, self.cmd, self.ready = name, cmd, ready
         self.show_access_log = show_access_log
+        self.env = dict(env or {})
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=subprocess.PIPE,

@@ -7,6 +7,7 @@ import asyncio
 import multiprocessing.process
 import multiprocessing.util
 import os
+import platform
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,10 @@ import torch
 # the same time or less), and with two, every op waits for both threads to be scheduled, which on a
 # busy 2-core machine makes the suite many times slower. Processes that cluster tests start set their own.
 torch.set_num_threads(1)
+
+# The ``openai`` client's platform header reads ``platform.platform()``, whose first call runs
+# ``uname -p``; it is cached for the process, so run it here, before the guard below refuses children.
+platform.platform()
 
 # Fixtures that start a child process: a test using one must be marked ``cluster`` even when the
 # fixture was already set up by an earlier test (and so would not trip the guard below).

@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import typer
 from typer.main import get_command
 from typer.testing import CliRunner
 
@@ -39,7 +41,14 @@ runner = CliRunner()
                 "--page-size",
                 "--dtype",
                 "--device",
+                "--api-key",
+                "--chat-template",
+                "--max-logprobs",
             ],
+        ),
+        (
+            ["up"],
+            ["--host", "--port", "--api-key", "--served-model-name", "--chat-template", "--max-logprobs"],
         ),
         (["make-checkpoint"], ["--preset", "--out", "--seed"]),
         (
@@ -116,6 +125,9 @@ def test_workers_take_every_engine_flag_of_serve() -> None:
         "port",
         "served_model_name",
         "max_request_bytes",
+        "api_key",
+        "chat_template",
+        "max_logprobs",
     )  # the HTTP front's, not the engine's
     engine = [n for n in serve_flags if n not in http]
     assert {"page_size", "kv_cache_memory", "max_model_len", "seed", "host_cache_memory"} <= set(engine)
@@ -138,6 +150,64 @@ def test_workers_take_every_engine_flag_of_serve() -> None:
         env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
     )  # fmt: skip
     assert out.returncode == 0 and "--staging-memory" in out.stdout and "--host-cache-memory" in out.stdout
+
+
+def _front_commands() -> dict[str, Any]:
+    from services.router.__main__ import app as router_app
+
+    commands = get_command(app).commands  # type: ignore[attr-defined]
+    return {"serve": commands["serve"], "up": commands["up"], "router": get_command(router_app)}
+
+
+def test_front_flags_of_serve_up_and_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same flags on the three: --api-key (else SWASERVE_API_KEY), --max-logprobs (20, at most the
+    engine's bound, also 20), --served-model-name, --chat-template; the key's value is never in --help."""
+    base = {"router": ["--prefill", "a:1", "--decode", "b:2"]}
+    monkeypatch.delenv("SWASERVE_API_KEY", raising=False)
+    for name, cmd in _front_commands().items():
+        args = base.get(name, [])
+        values = cmd.make_context(name, list(args)).params
+        assert (values["api_key"], values["max_logprobs"], values["chat_template"]) == (None, 20, None), name
+        assert values["served_model_name"] is None, name
+        values = cmd.make_context(name, [*args, "--api-key", "k1", "--max-logprobs", "7"]).params
+        assert (values["api_key"], values["max_logprobs"]) == ("k1", 7), name
+        for bad in (
+            ["--api-key", ""],
+            ["--api-key", " k1"],
+            ["--max-logprobs", "21"],
+            ["--max-logprobs", "-1"],
+        ):
+            with pytest.raises(typer.BadParameter):
+                cmd.make_context(name, [*args, *bad])
+    monkeypatch.setenv("SWASERVE_API_KEY", "from-the-env-3f9a")
+    for name, cmd in _front_commands().items():
+        args = base.get(name, [])
+        assert cmd.make_context(name, list(args)).params["api_key"] == "from-the-env-3f9a", name
+        assert cmd.make_context(name, [*args, "--api-key", "flag"]).params["api_key"] == "flag", name
+        assert "from-the-env-3f9a" not in cmd.get_help(cmd.make_context(name, list(args))), name
+    res = runner.invoke(app, ["up", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert "SWASERVE_API_KEY" in res.output and "from-the-env-3f9a" not in res.output
+
+
+def test_a_bad_chat_template_stops_serve_up_and_the_router_before_anything_starts(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Exit 2 naming the flag, before a model loads or a process starts (this test may start none)."""
+    from services.router.__main__ import app as router_app
+
+    env = {"COLUMNS": "200", "NO_COLOR": "1"}
+    for value, why in (
+        (str(tmp_path / "chat.jinja"), "looks like a file path"),
+        ("{% for %}", "does not render"),
+    ):
+        for cli, args in (
+            (app, ["serve", "--model", str(tiny_dir)]),
+            (app, ["up", "--model", str(tiny_dir), "--port", "0"]),
+            (router_app, ["--model", str(tiny_dir), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]),
+        ):
+            res = runner.invoke(cli, [*args, "--chat-template", value], env=env)
+            assert res.exit_code == 2, (args, res.output)
+            assert "--chat-template" in res.output and why in res.output, res.output
 
 
 def test_make_checkpoint_refuses_non_empty_out(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """``python -m services.router --help``: the OpenAI HTTP API over prefill and decode workers, plus
 ``GET/POST/DELETE /workers`` (``swaserve.api.workers``) to list, add and remove workers at runtime.
-Flags: workers and polling, routing (``--policy``, ``--redis-url``, ``--index-mode``, ...): docs/OPERATIONS.md."""
+Flags: workers and polling, routing (``--policy``, ``--redis-url``, ``--index-mode``, ...), the HTTP
+front's (``--api-key``, also ``/workers``'s; ``--chat-template``, ``--max-logprobs``): docs/OPERATIONS.md."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from typing import Annotated
 
 import typer
 
-from swaserve.options import size_option
+from swaserve.engine.types import MAX_LOGPROBS
+from swaserve.options import (
+    ApiKeyOption,
+    ChatTemplateOption,
+    MaxLogprobsOption,
+    ServedModelNameOption,
+    size_option,
+)
 
 app = typer.Typer(add_completion=False, help="swaserve router: OpenAI API, dispatch to gRPC workers.")
 
@@ -23,7 +31,10 @@ def main(
     model: Annotated[Path | None, typer.Option(help="Checkpoint dir (tokenizer, config).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, help="HTTP port.")] = 8000,
-    served_model_name: Annotated[str | None, typer.Option(help="Model name in the API.")] = None,
+    served_model_name: ServedModelNameOption = None,
+    api_key: ApiKeyOption = None,
+    chat_template: ChatTemplateOption = None,
+    max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Per-request deadline, seconds.")] = 600.0,
     max_request_bytes: Annotated[
         int, typer.Option(parser=size_option, metavar="BYTES", help="Larger request bodies get a 413.")
@@ -96,6 +107,7 @@ def main(
 
     from services.router.cluster import ClusterEngine
     from services.router.routing import RoutingOptions
+    from swaserve.api.chat_template import resolve_chat_template
     from swaserve.api.server import build_app
     from swaserve.api.workers import install_worker_routes
     from swaserve.model.checkpoint import default_model_dir
@@ -117,8 +129,13 @@ def main(
             redis.Redis.from_url(redis_url)  # a malformed URL raises ValueError here
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
+    model_dir = model or Path(default_model_dir())
+    try:  # the template the router renders chats with: read and checked now
+        template = resolve_chat_template(chat_template, model_dir)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--chat-template") from e
     engine = ClusterEngine(
-        model or Path(default_model_dir()),
+        model_dir,
         prefill,
         decode,
         served_model_name,
@@ -129,7 +146,13 @@ def main(
         poll_timeout,
         hung_polls,
     )
-    fastapi_app = build_app(engine, max_request_bytes=max_request_bytes)  # type: ignore[arg-type]
+    fastapi_app = build_app(
+        engine,  # type: ignore[arg-type]
+        max_request_bytes=max_request_bytes,
+        api_key=api_key,
+        chat_template=template,
+        max_logprobs=max_logprobs,
+    )
     install_worker_routes(fastapi_app, engine.admin)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(fastapi_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

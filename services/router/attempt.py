@@ -162,7 +162,9 @@ class AttemptRunner:
                     if first_sent is None:
                         yield out
                     elif done:  # its tokens were sent already
-                        yield dataclasses.replace(out, new_token_ids=[], new_text="", new_logprobs=[])
+                        yield dataclasses.replace(
+                            out, new_token_ids=[], new_text="", new_logprobs=[], prompt_logprobs=None
+                        )
                     if done:
                         return
                 elif kind == "complete":
@@ -343,7 +345,9 @@ class Progress:
             self._produced = len(replay)
             self._pending = replay[self.text_len :]
         self.resumes += 1
-        return self.prompt + self.tokens, dataclasses.replace(self.params, max_tokens=left, stop=())
+        # prompt logprobs went out with the first token: the longer prompt must not send them again
+        params = dataclasses.replace(self.params, max_tokens=left, stop=(), prompt_logprobs=None)
+        return self.prompt + self.tokens, params
 
     def relay(self, out: RequestOutput) -> RequestOutput:
         """Record an attempt's output and return it as the client's delta (rewritten after a

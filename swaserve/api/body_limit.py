@@ -11,7 +11,7 @@ from fastapi import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from swaserve.api.protocol import error_body
+from swaserve.api.responses import error_body
 
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 

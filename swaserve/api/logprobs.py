@@ -8,11 +8,13 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from swaserve.api.protocol import (
+from swaserve.api.responses import (
     MIN_LOGPROB,
     ChatLogprobs,
     ChatLogprobToken,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 from swaserve.engine.types import TokenLogprob
@@ -136,3 +138,52 @@ def chat_logprobs(
             )
         )
     return ChatLogprobs(content=content)
+
+
+def echo_logprobs(
+    prompt_ids: Sequence[int], items: Sequence[TokenLogprob], text: Callable[[int], str]
+) -> CompletionLogprobs:
+    """Legacy logprobs of an echoed prompt: its first token has null logprob and top_logprobs,
+    the others ``items`` (prompt tokens 1..); text offsets are cumulative token-text lengths
+    (as vLLM computes them).
+
+    Raises:
+        ValueError: ``items`` does not cover prompt tokens 1.. of ``prompt_ids``.
+    """
+    if [i.token_id for i in items] != list(prompt_ids[1:]):
+        raise ValueError(f"{len(items)} prompt logprobs do not match a prompt of {len(prompt_ids)} tokens")
+    lp = CompletionLogprobs()
+    offset = 0
+    for k, tid in enumerate(prompt_ids):
+        tok = text(tid)
+        lp.tokens.append(tok)
+        lp.text_offset.append(offset)
+        offset += len(tok)
+        if k == 0:
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            continue
+        item = items[k - 1]
+        lp.token_logprobs.append(_finite(item.logprob))
+        top = {text(t): _finite(v) for t, v in item.top}
+        top.setdefault(tok, _finite(item.logprob))
+        lp.top_logprobs.append(top)
+    return lp
+
+
+def prompt_logprobs(items: Sequence[TokenLogprob], text: Callable[[int], str]) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token a map from
+    token id (a string, JSON keys) to logprob, rank among the top alternatives and text; the
+    prompt token itself is always in the map."""
+    out: PromptLogprobs = [None]
+    for item in items:
+        entry = {
+            str(t): PromptLogprob(logprob=_finite(v), rank=r, decoded_token=text(t))
+            for r, (t, v) in enumerate(item.top, start=1)
+        }
+        entry.setdefault(
+            str(item.token_id),
+            PromptLogprob(logprob=_finite(item.logprob), decoded_token=text(item.token_id)),
+        )
+        out.append(entry)
+    return out

@@ -1,10 +1,14 @@
-"""OpenAI-compatible request and response models, and their translation to engine types.
+"""OpenAI-compatible request models and their translation to engine types (responses:
+``api.responses``).
 
-Strict validation (a string where a number belongs is a 400; unknown fields ignored); what a model
-cannot check alone (context length, vocabulary, sampling ranges) raises ``ProtocolError``.
-Extensions (vLLM's spelling): ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos``, ``skip_special_tokens``, ``return_token_ids``, ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar`` (structured output with ``response_format``: ``api.structured``).
+Strict validation: a string where a number belongs, or a field this server does not know, is a
+400 (never silently ignored); what a model cannot check alone (context length, vocabulary,
+sampling ranges) raises ``ProtocolError``. Extensions (vLLM's spelling): ``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``return_token_ids``, ``prompt_logprobs``, ``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs``. Every field and its behaviour: docs/API.md.
+Structured output: ``response_format`` and ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (``api.structured``).
 
 Design notes: docs/DESIGN.md#apiprotocolpy"""
 
@@ -16,43 +20,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swaserve.engine.types import SamplingParams
+from swaserve.api.errors import ProtocolError
+from swaserve.api.tools import Tool, ToolChoice
+from swaserve.engine.types import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
-# JSON has no -inf; vLLM and OpenAI clients accept a large negative number instead.
-MIN_LOGPROB = -9999.0
-
-
-class ProtocolError(Exception):
-    """A request the server must refuse, with the fields of an OpenAI error body.
-
-    Args:
-        message: Human-readable reason, shown to the client.
-        param: The request field at fault, if one is.
-        code: Machine-readable code (e.g. ``context_length_exceeded``, ``model_not_found``).
-        status: HTTP status to answer with.
-        type: OpenAI error type.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        status: int = 400,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status = status
-        self.type = type
-
-
-def _omit_none(value: Any) -> bool:
-    return value is None
+MAX_N = 64  # choices per prompt (n)
+MAX_BATCH = 1024  # prompts per completions request
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,7 +34,7 @@ def _omit_none(value: Any) -> bool:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -131,10 +105,17 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the caller's own records: accepted, has no effect
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM extension
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
     # structured output (at most one; api.structured turns them into a StructuredOutput)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -156,16 +137,26 @@ class _GenerationRequest(_Strict):
         prompt_len: int,
         max_model_len: int,
         logprobs: int | None,
+        max_logprobs: int,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Build and validate SamplingParams; raise ProtocolError for anything out of range."""
-        if self.n is not None and self.n != 1:
-            raise ProtocolError(f"n must be 1 (one choice per request), got {self.n}", param="n")
+        if not 1 <= self.num_choices <= MAX_N:
+            raise ProtocolError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= max_logprobs:
+                raise ProtocolError(f"{name} must be in [0, {max_logprobs}], got {value}", param=name)
         if prompt_len >= max_model_len:
             raise ProtocolError(
                 f"This model's maximum context length is {max_model_len} tokens, and the prompt has "
                 f"{prompt_len} tokens, leaving no room for output.",
                 param=prompt_param,
                 code="context_length_exceeded",
+            )
+        if max_tokens == 0 and prompt_logprobs is None and not getattr(self, "echo", False):
+            raise ProtocolError(
+                f"{max_tokens_param} must be at least 1 (0, the prompt only, goes with echo or prompt_logprobs)",
+                param=max_tokens_param,
             )
         if max_tokens is None:  # a default never overflows the context (vLLM trims it too)
             max_tokens = min(default_max_tokens, max_model_len - prompt_len)
@@ -193,6 +184,8 @@ class _GenerationRequest(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             params.validate()
@@ -215,6 +208,26 @@ class _GenerationRequest(_Strict):
         return params
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` map as sorted pairs (ids checked against the vocabulary later)."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ProtocolError(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not -100.0 <= value <= 100.0:
+            raise ProtocolError(
+                f"logit_bias of token {key} must be in [-100, 100], got {value}", param="logit_bias"
+            )
+        out.append((token, value))
+    return tuple(sorted(out))
+
+
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -235,6 +248,9 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
             )
 
 
+Prompt = str | list[int]
+
+
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions body."""
 
@@ -244,32 +260,39 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def prompt_input(self) -> str | list[int]:
-        """The single prompt, as text or token ids.
+    def prompt_inputs(self) -> list[Prompt]:
+        """The prompts (one, or a batch), each text or token ids.
 
         Raises:
-            ProtocolError: Empty prompt, a batch of several prompts, or unsupported options.
+            ProtocolError: an empty prompt or batch, too many prompts, or unsupported options.
         """
-        if self.echo:
-            raise ProtocolError("echo is not supported", param="echo")
         if self.suffix:
-            raise ProtocolError("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != 1:
-            raise ProtocolError(f"best_of must be 1, got {self.best_of}", param="best_of")
+            raise ProtocolError("suffix (insertion) is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise ProtocolError(
+                f"best_of must equal n ({self.num_choices}): choosing among extra candidates is not "
+                f"supported, got {self.best_of}",
+                param="best_of",
+            )
         prompt: Any = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ProtocolError(
-                    f"batched prompts are not supported (got {len(prompt)}); send one prompt per request",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-        if len(prompt) == 0:
+        is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+        batch: list[Prompt] = prompt if is_batch else [prompt]
+        if not batch:
             raise ProtocolError("prompt must not be empty", param="prompt")
-        return prompt
+        if len(batch) > MAX_BATCH:
+            raise ProtocolError(f"at most {MAX_BATCH} prompts per request, got {len(batch)}", param="prompt")
+        if any(len(p) == 0 for p in batch):
+            raise ProtocolError("prompt must not be empty", param="prompt")
+        return batch
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """SamplingParams for this request (max_tokens defaults to 16, as OpenAI's does)."""
+    def sampling_params(
+        self, prompt_len: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS
+    ) -> SamplingParams:
+        """SamplingParams for one prompt (max_tokens defaults to 16, as OpenAI's does). ``echo``
+        with ``logprobs`` asks the engine for the prompt's logprobs too."""
+        prompt_lps = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_lps = max(self.logprobs, prompt_lps or 0)
         return self._sampling_params(
             max_tokens=self.max_tokens,
             max_tokens_param="max_tokens",
@@ -278,6 +301,8 @@ class CompletionRequest(_GenerationRequest):
             prompt_len=prompt_len,
             max_model_len=max_model_len,
             logprobs=self.logprobs,
+            max_logprobs=max_logprobs,
+            prompt_logprobs=prompt_lps,
         )
 
 
@@ -291,13 +316,16 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text parts joined by newlines into one string."""
+        """The message as chat templates expect it: text parts joined by newlines into one string;
+        ``developer`` (OpenAI's newer name for the system role) as ``system``, which templates know."""
         out = self.model_dump(exclude_none=True)
+        if out["role"] == "developer":
+            out["role"] = "system"
         if isinstance(self.content, list):
             out["content"] = "\n".join(p.text for p in self.content)
         elif self.content is None:
@@ -312,17 +340,56 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM extensions, as transformers' apply_chat_template
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``apply_chat_template`` besides the messages.
+
+        Raises:
+            ProtocolError: both ``add_generation_prompt`` and ``continue_final_message``, a final
+                message to continue that is not the assistant's, or a kwarg the server sets.
+        """
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError(
+                "continue_final_message and add_generation_prompt cannot both be true; set "
+                "add_generation_prompt to false to continue the final message",
+                param="continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ProtocolError(
+                "continue_final_message needs the last message to be the assistant's",
+                param="continue_final_message",
+            )
+        extra = dict(self.chat_template_kwargs or {})
+        taken = sorted(extra.keys() & _TEMPLATE_RESERVED)
+        if taken:
+            raise ProtocolError(
+                f"chat_template_kwargs may not set {', '.join(taken)} (request fields or the server's)",
+                param="chat_template_kwargs",
+            )
+        return {
+            **extra,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+
+    def sampling_params(
+        self, prompt_len: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS
+    ) -> SamplingParams:
         """SamplingParams for this request; max tokens default to the rest of the context."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
             raise ProtocolError(
-                f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs"
+                f"top_logprobs must be in [0, {max_logprobs}], got {self.top_logprobs}", param="top_logprobs"
             )
         explicit = self.max_completion_tokens is not None
         return self._sampling_params(
@@ -333,133 +400,14 @@ class ChatCompletionRequest(_GenerationRequest):
             prompt_len=prompt_len,
             max_model_len=max_model_len,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            max_logprobs=max_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-        )
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class CompletionResponse(BaseModel):
-    """Non-streaming completion, and (with ``object`` unchanged, as OpenAI does) each stream chunk."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobToken(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatLogprobToken] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
-    content: str | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "swaserve"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+# apply_chat_template arguments that chat_template_kwargs must not override
+_TEMPLATE_RESERVED = frozenset(
+    {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
+     "continue_final_message", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+     "tools", "documents", "tokenizer_kwargs"}
+)  # fmt: skip

@@ -1,300 +1,51 @@
-"""OpenAI-compatible HTTP server around one ``EngineClient`` (inline engine, engine process, router).
+"""OpenAI-compatible HTTP server around one ``EngineClient`` (inline engine, engine process, router):
+the app, its error envelope and ``serve``; request handling is ``api.serving``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as SSE streams),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. The first output is awaited before the
-response starts (admission errors stay 400 / 503); a client disconnect aborts the engine request.
+``GET /v1/models[/{id}]``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``.
 
 Request flow, errors, disconnects: docs/DESIGN.md#apiserverpy"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from swaserve.api.auth import ApiKeyAuth
 from swaserve.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
-from swaserve.api.logprobs import TokenTexts
-from swaserve.api.protocol import (
-    ChatCompletionRequest,
+from swaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from swaserve.api.responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
-    ProtocolError,
-    check_token_ids,
     error_body,
 )
-from swaserve.api.render import ChatRenderer, CompletionRenderer, Job, Renderer, sse_data
-from swaserve.api.structured import structured_output
+from swaserve.api.serving import OpenAIServer, not_running
 from swaserve.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
-    PromptEncoder,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
 from swaserve.config import EngineConfig
 from swaserve.engine.client import EngineClient, Unavailable
-from swaserve.engine.types import RequestOutput, SamplingParams
-from swaserve.metrics import RequestTimer, ServerMetrics
+from swaserve.engine.types import MAX_LOGPROBS
+from swaserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before the work it asked for was done."""
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first.
-
-    The request body must already have been read. Raises ClientGone on disconnect; cancelling
-    ``work`` is what aborts an engine request running inside it.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone
-    finally:
-        for t in (task, watcher):
-            t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-
-
-async def _aclose(it: AsyncIterator[Any]) -> None:
-    close = getattr(it, "aclose", None)
-    if close is not None:
-        await close()
-
-
-class OpenAIServer:
-    """Request handling shared by the endpoints: checks, engine calls, streaming, disconnects.
-
-    Args:
-        engine: A started (or to-be-started) engine client.
-        metrics: Where to record latencies and finished requests.
-    """
-
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.model_name = engine.model_name
-        self.created = int(time.time())
-        self.texts = TokenTexts(engine.tokenizer)
-        self.encoder = PromptEncoder(engine.tokenizer)
-
-    def models(self) -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len)
-            ]
-        )
-
-    def model(self, model_id: str) -> ModelCard:
-        self._check_model(model_id)
-        return self.models().data[0]
-
-    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-        """``/tokenize``: the prompt ids a completion or chat request with this input would get."""
-        self._check_model(req.model)
-        max_len = self.engine.max_model_len
-        if isinstance(req, TokenizeChatRequest):
-            text = await self._render_chat(
-                [m.template_dict() for m in req.messages], req.add_generation_prompt
-            )
-            ids = await self.encoder.encode(text, max_len, "messages", req.add_special_tokens)
-        else:
-            ids = await self.encoder.encode(req.prompt, max_len, "prompt", req.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
-
-    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        self._check_model(req.model)
-        check_token_ids(req.tokens, self.engine.model_config.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens))
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ProtocolError(
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-                status=404,
-            )
-
-    def _new_job(self, prefix: str, prompt_ids: list[int], params: SamplingParams, return_ids: bool) -> Job:
-        return Job(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model_name,
-            prompt_ids=prompt_ids,
-            params=params,
-            return_token_ids=return_ids,
-        )
-
-    def _check_ids(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
-        vocab = self.engine.model_config.vocab_size
-        check_token_ids(prompt_ids, vocab, prompt_param)
-        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
-
-    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        self._check_model(req.model)
-        structured = await structured_output(req)
-        prompt = req.prompt_input()
-        if isinstance(prompt, list):
-            prompt_ids = list(prompt)
-        else:
-            prompt_ids = await self.encoder.encode(prompt, self.engine.max_model_len, "prompt")
-        if not prompt_ids:
-            raise ProtocolError("prompt must not be empty (it encodes to no tokens)", param="prompt")
-        params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
-        params = dataclasses.replace(params, structured=structured)
-        self._check_ids(prompt_ids, params, "prompt")
-        job = self._new_job("cmpl", prompt_ids, params, req.return_token_ids)
-        return await self._run(job, CompletionRenderer(self.texts, req.include_usage), req, raw)
-
-    async def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        try:
-            return await asyncio.to_thread(  # off the loop: a long conversation renders for a while
-                self.engine.tokenizer.apply_chat_template,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
-        except Exception as e:  # template errors (bad role order, no template) are the request's fault
-            raise ProtocolError(f"could not apply the chat template: {e}", param="messages") from e
-
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(req.model)
-        structured = await structured_output(req)
-        text = await self._render_chat(req.template_messages(), True)
-        prompt_ids = await self.encoder.encode(text, self.engine.max_model_len, "messages", False)
-        if not prompt_ids:
-            raise ProtocolError("messages render to an empty prompt", param="messages")
-        params = req.sampling_params(len(prompt_ids), self.engine.max_model_len)
-        params = dataclasses.replace(params, structured=structured)
-        self._check_ids(prompt_ids, params, "messages")
-        job = self._new_job("chatcmpl", prompt_ids, params, req.return_token_ids)
-        num_top = req.top_logprobs or 0
-        return await self._run(job, ChatRenderer(self.texts, req.include_usage, num_top), req, raw)
-
-    async def _next(self, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-        """The next output; the engine's ValueError (refused, or failed alone) is a 400."""
-        try:
-            return await anext(gen)
-        except ValueError as e:
-            raise ProtocolError(str(e)) from e
-
-    async def _run(
-        self, job: Job, renderer: Renderer, req: CompletionRequest | ChatCompletionRequest, raw: Request
-    ) -> Response:
-        if not self.engine.running:
-            raise not_running(self.engine)
-        timer = self.metrics.timer()
-        gen = self.engine.generate(job.prompt_ids, job.params, job.request_id)
-        handed_over = False
-        try:
-            if req.stream:
-                first = await unless_disconnected(raw, self._next(gen))
-                stream = self._events(gen, first, job, renderer, timer, req.include_usage)
-                handed_over = True
-                return EventSourceResponse(stream, sep="\n")
-            body = await unless_disconnected(raw, self._collect(gen, job, renderer, timer))
-            return JSONResponse(body)
-        except ProtocolError:
-            timer.discard()  # refused by the engine: not a finished request
-            raise
-        except ClientGone:
-            logger.info("client went away; aborted %s", job.request_id)
-            return Response(status_code=499)
-        finally:
-            if not handed_over:
-                timer.abort()
-                await _aclose(gen)
-
-    async def _collect(
-        self, gen: AsyncIterator[RequestOutput], job: Job, renderer: Renderer, timer: RequestTimer
-    ) -> dict[str, Any]:
-        out = await self._next(gen)
-        while True:
-            timer.observe(out)
-            job.add(out)
-            if out.finished:
-                return renderer.response(job)
-            out = await self._next(gen)
-
-    async def _events(
-        self,
-        gen: AsyncIterator[RequestOutput],
-        first: RequestOutput,
-        job: Job,
-        renderer: Renderer,
-        timer: RequestTimer,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        out, is_first = first, True
-        try:
-            while True:
-                timer.observe(out)
-                for chunk in renderer.chunks(job, out, is_first):
-                    yield sse_data(chunk)
-                is_first = False
-                if out.finished:
-                    break
-                out = await anext(gen)
-            if include_usage:
-                yield sse_data(renderer.usage_chunk(job, job.usage(out)))
-            yield "[DONE]"
-        except Unavailable as e:  # no capacity after the stream started: say so, end it
-            logger.warning("stream %s: %s", job.request_id, e)
-            yield sse_data(error_body(str(e), "server_error", code=e.code))
-            yield "[DONE]"
-        except ValueError as e:  # the engine failed this request alone (its grammar broke)
-            logger.warning("stream %s: %s", job.request_id, e)
-            yield sse_data(error_body(str(e), "invalid_request_error"))
-            yield "[DONE]"
-        except Exception as e:  # an engine failure after the stream started: tell the client, end it
-            logger.exception("stream %s failed", job.request_id)
-            yield sse_data(error_body(f"internal error: {e}", "server_error"))
-            yield "[DONE]"
-        finally:
-            timer.abort()  # no-op when the request finished
-            await _aclose(gen)
 
 
 # --------------------------------------------------------------------------------------------
 # Errors
-
-
-def not_running(engine: EngineClient) -> Unavailable | ProtocolError:
-    """The 503 of an engine that is not running: its own reason (``engine.unavailable()``: the
-    router's missing worker role, a dead engine core), else ``engine_not_running``."""
-    reason = engine.unavailable()
-    if reason is not None:
-        return reason
-    return ProtocolError("engine is not running", type="server_error", code="engine_not_running", status=503)
 
 
 def _error(
@@ -363,7 +114,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(
-    engine: EngineClient, *, manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    engine: EngineClient,
+    *,
+    manage_engine: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
@@ -372,6 +129,15 @@ def build_app(
         manage_engine: Start the engine in the app's lifespan and stop it at shutdown. Pass False
             when the caller starts and stops the engine itself.
         max_request_bytes: A larger request body is a 413 (``api.body_limit``).
+        api_key: Every request but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
+            api_key`` (``api.auth``); None: no key.
+        chat_template: Jinja chat template used instead of the tokenizer's (already checked:
+            ``api.chat_template.resolve_chat_template``).
+        max_logprobs: Largest ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may
+            ask for (``--max-logprobs``), at most the engine's ``MAX_LOGPROBS``.
+
+    Raises:
+        ValueError: ``max_logprobs`` out of ``[0, MAX_LOGPROBS]``; an empty or padded ``api_key``.
 
     Returns:
         The app; ``app.state.server`` is the ``OpenAIServer``, ``app.state.metrics`` the
@@ -379,7 +145,9 @@ def build_app(
     """
     # the router's ClusterEngine adds its workers' loads and its own counters
     metrics = ServerMetrics(engine.stats, engine.model_name, getattr(engine, "router_stats", None))
-    server = OpenAIServer(engine, metrics)
+    if not 0 <= max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {max_logprobs}")
+    server = OpenAIServer(engine, metrics, max_logprobs, chat_template)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -396,6 +164,8 @@ def build_app(
     app.state.metrics = metrics
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    if api_key is not None:  # added last, so it runs first: before any of the body is read
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -444,6 +214,9 @@ def serve(
     engine_config: EngineConfig,
     model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> int:
     """Load the model, then serve it with uvicorn until interrupted.
 
@@ -454,6 +227,7 @@ def serve(
         engine_config: Engine knobs (``engine_process``: inline or a separate core process).
         model_name: Served model name (default: the engine's, i.e. the directory's basename).
         max_request_bytes: A larger request body is a 413.
+        api_key, chat_template, max_logprobs: as ``build_app``'s (the template already checked).
 
     Returns:
         The exit status: 0, or 1 if the engine core process died (open streams got an error
@@ -477,7 +251,13 @@ def serve(
             server.should_exit = True
 
     engine = build_engine_client(model_dir, engine_config, model_name, on_dead=on_dead)
-    app = build_app(engine, max_request_bytes=max_request_bytes)
+    app = build_app(
+        engine,
+        max_request_bytes=max_request_bytes,
+        api_key=api_key,
+        chat_template=chat_template,
+        max_logprobs=max_logprobs,
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):

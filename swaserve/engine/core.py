@@ -74,6 +74,7 @@ class CoreOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, when the prompt is done (prompt_logprobs)
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -232,6 +233,7 @@ class EngineCore:
         self.limits.check_prefilled(request_id, prompt_token_ids, first_token, payload)
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         req.kv_payload = payload
+        req.prompt_logprobs = None  # computed and sent by the prefill worker
         gen = req.sampling.generator if req.sampling is not None else None
         if gen is not None and payload.sampler_state:
             try:
@@ -257,6 +259,8 @@ class EngineCore:
             self.clock() if arrival_time is None else arrival_time,
             max_total_tokens=len(prompt_token_ids) + params.max_tokens,
         )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = []
         req.sampling = SamplingState.create(params, req.prompt_token_ids, self.device)
         req.sampling.output_token_ids = req.output_token_ids
         return req
@@ -307,20 +311,37 @@ class EngineCore:
         chunks = self.scheduler.schedule(now)
         if not chunks:
             return []
-        logits = self.runner.run(chunks)
-        sampling = [c for c in chunks if c.samples]
+        logits, prompt_lps = self.runner.run(chunks)
+        for i, lps in prompt_lps.items():
+            if chunks[i].req.prompt_logprobs is not None:
+                chunks[i].req.prompt_logprobs.extend(lps)
+        ends = [c for c in chunks if c.samples]
+        sampling = [c for c in ends if c.req.params.max_tokens > 0]  # max_tokens 0: the prompt only
+        if len(sampling) < len(ends):
+            logits = logits[[j for j, c in enumerate(ends) if c.req.params.max_tokens > 0]]
         states = [c.req.sampling for c in sampling]
         grammars = [c.req.grammar for c in sampling]
         masked = self.structured.mask(logits, grammars) if any(grammars) else None
         sampled = self.sampler.sample(logits, states, masked) if sampling else []  # type: ignore[arg-type]
         for c in chunks:
             c.req.num_computed = c.start + c.n
-            if not c.samples and self.kv.cache is not None:  # chunked prefill: share what is done
+            # a prefill chunk (the prompt's last one too): share its whole pages now, so requests
+            # with the same prefix (a chat's next turn, the other choices of n) hit them at once
+            if c.start < c.req.num_prompt and self.kv.cache is not None:
                 self.kv.cache_partial(c.req.request_id, c.req.token_slice(0, c.req.num_computed))
         now = self.clock()
-        return [
+        outputs = [self._prompt_only(c.req) for c in ends if c.req.params.max_tokens == 0]
+        outputs += [
             self._append(c.req, s.token_id, s.logprob, now) for c, s in zip(sampling, sampled, strict=True)
         ]
+        return outputs
+
+    def _prompt_only(self, req: Request) -> CoreOutput:
+        """End a ``max_tokens`` 0 request once its prompt is computed: no token, reason LENGTH."""
+        req.finish_reason = FinishReason.LENGTH
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+        return self._output(req, [], [])
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> CoreOutput:
         if req.first_token_time is None:
@@ -358,10 +379,14 @@ class EngineCore:
 
     def _output(self, req: Request, tokens: list[int], lps: list[TokenLogprob]) -> CoreOutput:
         finished = req.finish_reason is not None
+        prompt_lps = None
+        if req.prompt_logprobs is not None and req.num_computed >= req.num_prompt:
+            prompt_lps, req.prompt_logprobs = req.prompt_logprobs, None  # sent once
         return CoreOutput(
             request_id=req.request_id,
             new_token_ids=tokens,
             new_logprobs=lps,
+            prompt_logprobs=prompt_lps,
             finish_reason=req.finish_reason,
             prompt_tokens=req.num_prompt,
             completion_tokens=len(req.output_token_ids),

@@ -4,7 +4,8 @@ For every chunk ``[start, end)`` of a request, both attention kinds get the pool
 tokens (``write_slots``) and the slots of the keys the chunk reads: full layers every position
 ``[0, end)``; SWA layers ``[max(0, start - window), end)`` with the window mask
 ``q_pos - window <= kv_pos <= q_pos`` (``window = sliding_window - 1``). The metadata is built once
-per step and shared by all layers of a kind.
+per step and shared by all layers of a kind. Requests with ``prompt_logprobs`` also get the
+logprob of every prompt token from the logits at the position before it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from swaserve.config import FULL, SWA, ModelConfig
+from swaserve.engine.sampler import fill_logprobs
 from swaserve.engine.scheduler import ScheduledChunk
+from swaserve.engine.types import TokenLogprob
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.kind import KindManager
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.attention import KindMeta, SeqAttn
 from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM
+
+# Prompt-logprob rows whose logits are computed at once: bounds memory to rows x vocab x 4 bytes.
+PROMPT_LOGITS_ROWS = 512
 
 
 class ModelRunner:
@@ -95,10 +101,39 @@ class ModelRunner:
             meta.decode_mask = valid.to(dev)
         return meta
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Forward one step; returns fp32 logits [num sampling chunks, vocab]."""
+    def run(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
+        """Forward one step.
+
+        Returns:
+            fp32 logits [num sampling chunks, vocab], and for each chunk (by index) of a request
+            with ``prompt_logprobs`` the logprobs of the prompt tokens it predicts: positions
+            ``start+1 .. min(start+n, prompt_len-1)`` (token 0 has no logprob).
+        """
         batch, rows = self.build(chunks)
         hidden = self.model(batch)
+        prompt = self._prompt_logprobs(hidden, chunks)
         if not rows:
-            return hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
+            return hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32), prompt
+        return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)]), prompt
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, chunks: Sequence[ScheduledChunk]
+    ) -> dict[int, list[TokenLogprob]]:
+        out: dict[int, list[TokenLogprob]] = {}
+        row = 0
+        for i, c in enumerate(chunks):
+            k = c.req.params.prompt_logprobs
+            m = min(c.start + c.n, c.req.num_prompt - 1) - c.start  # prompt tokens this chunk predicts
+            if k is not None and m > 0:
+                targets = c.req.prompt_token_ids[c.start + 1 : c.start + 1 + m]
+                lps: list[TokenLogprob | None] = []
+                for b in range(0, m, PROMPT_LOGITS_ROWS):
+                    e = min(m, b + PROMPT_LOGITS_ROWS)
+                    block: list[TokenLogprob | None] = [None] * (e - b)
+                    ids = torch.tensor(targets[b:e], dtype=torch.long, device=hidden.device)
+                    logits = self.model.logits(hidden[row + b : row + e])
+                    fill_logprobs(logits, ids, list(range(e - b)), [k] * (e - b), block)
+                    lps.extend(block)
+                out[i] = [lp for lp in lps if lp is not None]
+            row += c.n
+        return out

@@ -112,6 +112,7 @@ class OutputProcessor:
             new_token_ids=list(o.new_token_ids),
             new_text=text,
             new_logprobs=list(o.new_logprobs),
+            prompt_logprobs=o.prompt_logprobs,
             finished=finished,
             finish_reason=reason,
             prompt_tokens=o.prompt_tokens,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from swaserve.engine.types import FinishReason, SamplingParams
+from swaserve.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from swaserve.engine.sampler import SamplingState
@@ -46,6 +46,7 @@ class Request:
     bypassed: int = 0  # waiting requests admitted ahead of this one while it was at the queue head
     export_kv: bool = False  # prefill role: capture the prompt's KV (``kv_payload``) when it finishes
     kv_payload: KVPayload | None = None  # exported KV (prefill role) or KV to import (decode role)
+    prompt_logprobs: list[TokenLogprob] | None = None  # computed so far (``params.prompt_logprobs``)
     grammar: Grammar | None = None  # ``params.structured``'s matcher over the output so far
 
     @property

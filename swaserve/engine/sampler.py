@@ -157,16 +157,16 @@ class Sampler:
             return []
         if logits.dtype != torch.float32:
             logits = logits.float()
-        pick = logits if masked is None else masked.float()
+        x = apply_logit_bias(logits if masked is None else masked.float(), states)
         if all(s.params.greedy for s in states) and not any(s.needs_penalties for s in states):
-            token_ids = pick.argmax(dim=-1)
+            token_ids = x.argmax(dim=-1)
         else:
-            token_ids = self._pick(pick, states)
+            token_ids = self._pick(x, states)
         ids = token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(states)
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if lp_rows:
-            _fill_logprobs(
+            fill_logprobs(
                 logits, token_ids, lp_rows, [states[i].params.logprobs or 0 for i in lp_rows], logprobs
             )
         return [SampledToken(t, lp) for t, lp in zip(ids, logprobs, strict=True)]
@@ -361,14 +361,33 @@ def _draw(x: torch.Tensor, thresh: torch.Tensor, states: Sequence[SamplingState]
     return torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
 
 
-def _fill_logprobs(
+def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """``logits`` plus each request's ``logit_bias`` (a copy; ``logits`` itself when no request
+    has one). Args: logits [B, V] float32; states: the B requests (bias token ids < V)."""
+    rows = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    pos = torch.tensor([i * vocab + t for i, t, _ in rows], dtype=torch.long).to(logits.device)
+    bias = torch.tensor([b for _, _, b in rows], dtype=torch.float32).to(logits.device)
+    x = logits.clone(memory_format=torch.contiguous_format)
+    x.view(-1).index_add_(0, pos, bias)  # a token listed twice gets both biases (a JSON object cannot)
+    return x
+
+
+def fill_logprobs(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
     rows: list[int],
     top_ns: list[int],
     out: list[TokenLogprob | None],
 ) -> None:
-    """Store raw-logit logprobs (chosen token and top-N) of ``rows`` into ``out``."""
+    """Store raw-logit logprobs (``token_ids``' own and the top-N of the row) of ``rows`` into ``out``.
+
+    Args:
+        logits: [B, V] float32 raw logits. token_ids: [B] int64, the token of each row to score.
+        rows: which rows to score; top_ns: N per scored row; out: B slots, filled at ``rows``.
+    """
     if len(rows) == logits.shape[0]:
         raw, chosen_ids = logits, token_ids
     else:

@@ -195,7 +195,12 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         cached = 0
-        if self.priority is not None and self.kv.cache is not None and req.kv_payload is None:
+        if (
+            self.priority is not None
+            and self.kv.cache is not None
+            and req.kv_payload is None
+            and req.params.prompt_logprobs is None
+        ):
             P = self.kv.page_size
             cached = self.kv.cache.match_length(req.prompt_token_ids, (req.num_prompt - 1) // P * P)[0]
         self.waiting.add(req, req.num_prompt - cached, cached)
@@ -254,7 +259,8 @@ class Scheduler:
                 break  # the queue is in key order: nobody further on is smaller
             req = self.waiting[i]
             imported = req.kv_payload is not None and not req.export_kv
-            prompt = None if imported else req.prompt_token_ids  # imported KV: no cache lookup
+            # no cache lookup for imported KV, nor where every prompt position must be computed
+            prompt = None if imported or req.params.prompt_logprobs is not None else req.prompt_token_ids
             adm = self.kv.admit(req.request_id, req.max_total_tokens, prompt)
             if adm is None:
                 i += 1  # a request that fits may go ahead of one that does not (yet)

@@ -19,6 +19,9 @@ class FinishReason(StrEnum):
     HANDOFF = "handoff"  # prefill role: first token sampled, decoding goes on elsewhere (internal)
 
 
+MAX_LOGPROBS = 20  # most top alternatives per token the engine computes (vLLM's default bound)
+
+
 StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 STRUCTURED_KINDS: tuple[str, ...] = get_args(StructuredKind)
 
@@ -55,7 +58,8 @@ class SamplingParams:
     """Per-request sampling settings (OpenAI / vLLM semantics).
 
     Attributes:
-        max_tokens: Number of output tokens at most (>= 1).
+        max_tokens: Number of output tokens at most (>= 0; 0: only the prompt is computed, e.g.
+            for its ``prompt_logprobs``, and the request ends with reason LENGTH, no token).
         temperature: 0 means greedy (argmax, exact); otherwise logits are divided by it.
         top_p: Nucleus mass in (0, 1]; 1 disables.
         top_k: Keep the k most likely tokens; None disables.
@@ -70,6 +74,11 @@ class SamplingParams:
         logprobs: Number of top alternatives per output token to return (0 = only the sampled one);
             None = no logprobs.
         skip_special_tokens: Leave special tokens out of the detokenized text.
+        logit_bias: (token id, bias) pairs added to the logits before penalties and sampling
+            (OpenAI ``logit_bias``, bias in [-100, 100]); logprobs stay those of the raw logits.
+        prompt_logprobs: Number of top alternatives per prompt token to return (0 = only the
+            prompt token's own); None = none. Such a request skips the prefix cache lookup (every
+            prompt position must be computed).
         structured: Constrain the output to a JSON schema, regex, choice or grammar; the request
             ends (``STOP``) when the constraint is complete. None = unconstrained.
     """
@@ -88,6 +97,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
 
     @property
@@ -96,8 +107,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for any out-of-range value."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -114,8 +125,13 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be in [-2^63, 2^64), got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:  # also refuses NaN
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
         if self.structured is not None:
             self.structured.validate()
 
@@ -150,6 +166,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # when the request first got a prefill slot
     first_token_time: float | None = None
     kv_payload: Any = None  # prefill role, final output: the prompt's KV (``transfer.kv_transfer.KVPayload``)
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, with the output that completed the prompt
     error: str = ""  # set on the last output of a request the engine failed (its grammar broke): why
 
 
@@ -179,6 +196,9 @@ class EngineLimits:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} out of range [0, {self.vocab_size})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

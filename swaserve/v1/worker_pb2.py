@@ -24,47 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swaserve/v1/worker.proto\x12\x0bswaserve.v1\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\x81\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x12\x31\n\nstructured\x18\x0f \x01(\x0b\x32\x1d.swaserve.v1.StructuredOutputB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.swaserve.v1.SamplingParams\x12\x11\n\tkv_target\x18\x04 \x01(\t\x12\x18\n\x0b\x66irst_token\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x0e\n\x0c_first_token\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.swaserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"l\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.swaserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"8\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rkv_bytes_sent\x18\x02 \x01(\x04\"9\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\"\xb2\x01\n\x10GenerateResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.swaserve.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x15.swaserve.v1.CompleteH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.swaserve.v1.ErrorH\x00\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.swaserve.v1.UsageB\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"y\n\x08PoolLoad\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x04\x12\x12\n\nused_pages\x18\x02 \x01(\x04\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x03 \x01(\x04\x12\x15\n\rrequest_pages\x18\x04 \x01(\x04\x12\x17\n\x0fpeak_used_pages\x18\x05 \x01(\x04\"\xb7\x03\n\x04Load\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x04\x12+\n\x05pools\x18\x05 \x03(\x0b\x32\x1c.swaserve.v1.Load.PoolsEntry\x12\x14\n\x0cstaged_bytes\x18\x06 \x01(\x04\x12\x15\n\ropen_requests\x18\x07 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x08 \x01(\x04\x12\x19\n\x11min_prompt_tokens\x18\t \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\n \x01(\x04\x12\x1a\n\x12index_block_tokens\x18\x0b \x01(\r\x12\x13\n\x0bqueue_order\x18\x0c \x01(\t\x12\x19\n\x11model_fingerprint\x18\r \x01(\t\x12\x19\n\x11model_description\x18\x0e \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x0f \x01(\t\x1a\x43\n\nPoolsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.swaserve.v1.PoolLoad:\x02\x38\x01\x32\xce\x01\n\x06Worker\x12I\n\x08Generate\x12\x1c.swaserve.v1.GenerateRequest\x1a\x1d.swaserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.swaserve.v1.AbortRequest\x1a\x1a.swaserve.v1.AbortResponse\x12\x39\n\x07GetLoad\x12\x1b.swaserve.v1.GetLoadRequest\x1a\x11.swaserve.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swaserve/v1/worker.proto\x12\x0bswaserve.v1\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xa5\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.swaserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x02\x88\x01\x01\x12\x31\n\nstructured\x18\x0f \x01(\x0b\x32\x1d.swaserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.swaserve.v1.SamplingParams\x12\x11\n\tkv_target\x18\x04 \x01(\t\x12\x18\n\x0b\x66irst_token\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x0e\n\x0c_first_token\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.swaserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xbd\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.swaserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.swaserve.v1.TokenLogprob\x12\x1b\n\x13has_prompt_logprobs\x18\x0b \x01(\x08\"8\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rkv_bytes_sent\x18\x02 \x01(\x04\"9\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\"\xb2\x01\n\x10GenerateResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.swaserve.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x15.swaserve.v1.CompleteH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.swaserve.v1.ErrorH\x00\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.swaserve.v1.UsageB\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"y\n\x08PoolLoad\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x04\x12\x12\n\nused_pages\x18\x02 \x01(\x04\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x03 \x01(\x04\x12\x15\n\rrequest_pages\x18\x04 \x01(\x04\x12\x17\n\x0fpeak_used_pages\x18\x05 \x01(\x04\"\xb7\x03\n\x04Load\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x04\x12+\n\x05pools\x18\x05 \x03(\x0b\x32\x1c.swaserve.v1.Load.PoolsEntry\x12\x14\n\x0cstaged_bytes\x18\x06 \x01(\x04\x12\x15\n\ropen_requests\x18\x07 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x08 \x01(\x04\x12\x19\n\x11min_prompt_tokens\x18\t \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\n \x01(\x04\x12\x1a\n\x12index_block_tokens\x18\x0b \x01(\r\x12\x13\n\x0bqueue_order\x18\x0c \x01(\t\x12\x19\n\x11model_fingerprint\x18\r \x01(\t\x12\x19\n\x11model_description\x18\x0e \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x0f \x01(\t\x1a\x43\n\nPoolsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.swaserve.v1.PoolLoad:\x02\x38\x01\x32\xce\x01\n\x06Worker\x12I\n\x08Generate\x12\x1c.swaserve.v1.GenerateRequest\x1a\x1d.swaserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.swaserve.v1.AbortRequest\x1a\x1a.swaserve.v1.AbortResponse\x12\x39\n\x07GetLoad\x12\x1b.swaserve.v1.GetLoadRequest\x1a\x11.swaserve.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swaserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_LOAD_POOLSENTRY']._loaded_options = None
   _globals['_LOAD_POOLSENTRY']._serialized_options = b'8\001'
   _globals['_STRUCTUREDOUTPUT']._serialized_start=41
   _globals['_STRUCTUREDOUTPUT']._serialized_end=87
   _globals['_SAMPLINGPARAMS']._serialized_start=90
-  _globals['_SAMPLINGPARAMS']._serialized_end=475
-  _globals['_GENERATEREQUEST']._serialized_start=478
-  _globals['_GENERATEREQUEST']._serialized_end=649
-  _globals['_TOPLOGPROB']._serialized_start=651
-  _globals['_TOPLOGPROB']._serialized_end=698
-  _globals['_TOKENLOGPROB']._serialized_start=700
-  _globals['_TOKENLOGPROB']._serialized_end=787
-  _globals['_USAGE']._serialized_start=789
-  _globals['_USAGE']._serialized_end=869
-  _globals['_CHUNK']._serialized_start=871
-  _globals['_CHUNK']._serialized_end=979
-  _globals['_COMPLETE']._serialized_start=981
-  _globals['_COMPLETE']._serialized_end=1037
-  _globals['_ERROR']._serialized_start=1039
-  _globals['_ERROR']._serialized_end=1096
-  _globals['_GENERATERESPONSE']._serialized_start=1099
-  _globals['_GENERATERESPONSE']._serialized_end=1277
-  _globals['_ABORTREQUEST']._serialized_start=1279
-  _globals['_ABORTREQUEST']._serialized_end=1313
-  _globals['_ABORTRESPONSE']._serialized_start=1315
-  _globals['_ABORTRESPONSE']._serialized_end=1345
-  _globals['_GETLOADREQUEST']._serialized_start=1347
-  _globals['_GETLOADREQUEST']._serialized_end=1363
-  _globals['_POOLLOAD']._serialized_start=1365
-  _globals['_POOLLOAD']._serialized_end=1486
-  _globals['_LOAD']._serialized_start=1489
-  _globals['_LOAD']._serialized_end=1928
-  _globals['_LOAD_POOLSENTRY']._serialized_start=1861
-  _globals['_LOAD_POOLSENTRY']._serialized_end=1928
-  _globals['_WORKER']._serialized_start=1931
-  _globals['_WORKER']._serialized_end=2137
+  _globals['_SAMPLINGPARAMS']._serialized_end=639
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=549
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=597
+  _globals['_GENERATEREQUEST']._serialized_start=642
+  _globals['_GENERATEREQUEST']._serialized_end=813
+  _globals['_TOPLOGPROB']._serialized_start=815
+  _globals['_TOPLOGPROB']._serialized_end=862
+  _globals['_TOKENLOGPROB']._serialized_start=864
+  _globals['_TOKENLOGPROB']._serialized_end=951
+  _globals['_USAGE']._serialized_start=953
+  _globals['_USAGE']._serialized_end=1033
+  _globals['_CHUNK']._serialized_start=1036
+  _globals['_CHUNK']._serialized_end=1225
+  _globals['_COMPLETE']._serialized_start=1227
+  _globals['_COMPLETE']._serialized_end=1283
+  _globals['_ERROR']._serialized_start=1285
+  _globals['_ERROR']._serialized_end=1342
+  _globals['_GENERATERESPONSE']._serialized_start=1345
+  _globals['_GENERATERESPONSE']._serialized_end=1523
+  _globals['_ABORTREQUEST']._serialized_start=1525
+  _globals['_ABORTREQUEST']._serialized_end=1559
+  _globals['_ABORTRESPONSE']._serialized_start=1561
+  _globals['_ABORTRESPONSE']._serialized_end=1591
+  _globals['_GETLOADREQUEST']._serialized_start=1593
+  _globals['_GETLOADREQUEST']._serialized_end=1609
+  _globals['_POOLLOAD']._serialized_start=1611
+  _globals['_POOLLOAD']._serialized_end=1732
+  _globals['_LOAD']._serialized_start=1735
+  _globals['_LOAD']._serialized_end=2174
+  _globals['_LOAD_POOLSENTRY']._serialized_start=2107
+  _globals['_LOAD_POOLSENTRY']._serialized_end=2174
+  _globals['_WORKER']._serialized_start=2177
+  _globals['_WORKER']._serialized_end=2383
 # @@protoc_insertion_point(module_scope)

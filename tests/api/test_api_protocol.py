@@ -10,12 +10,12 @@ from pydantic import ValidationError
 
 from swaserve.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from swaserve.api.protocol import (
-    MIN_LOGPROB,
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
     check_token_ids,
 )
+from swaserve.api.responses import MIN_LOGPROB
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from swaserve.kvcache.prefix_cache import CacheStats
@@ -45,32 +45,70 @@ def refused(fn: object, *args: object) -> ProtocolError:
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [
-        ("hello", "hello"),
-        ([5, 6, 7], [5, 6, 7]),
-        (["hello"], "hello"),
-        ([[5, 6]], [5, 6]),
+        ("hello", ["hello"]),
+        ([5, 6, 7], [[5, 6, 7]]),
+        (["hello"], ["hello"]),
+        ([[5, 6]], [[5, 6]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
     ],
 )
 def test_prompt_forms(prompt: object, expected: object) -> None:
-    assert completion(prompt=prompt).prompt_input() == expected
+    assert completion(prompt=prompt).prompt_inputs() == expected
 
 
-@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], ["a", ""]])
 def test_empty_prompt_is_refused(prompt: object) -> None:
-    err = refused(completion(prompt=prompt).prompt_input)
+    err = refused(completion(prompt=prompt).prompt_inputs)
     assert err.param == "prompt" and err.status == 400 and "empty" in err.message
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
-def test_batched_prompts_are_refused(prompt: object) -> None:
-    err = refused(completion(prompt=prompt).prompt_input)
-    assert err.param == "prompt" and "batched" in err.message and "2" in err.message
+def test_suffix_and_best_of_above_n_are_refused() -> None:
+    assert refused(completion(suffix="x").prompt_inputs).param == "suffix"
+    assert refused(completion(best_of=3).prompt_inputs).param == "best_of"
+    assert completion(echo=True, best_of=2, n=2).prompt_inputs() == ["hi"]
 
 
-def test_echo_and_best_of_are_refused() -> None:
-    assert refused(completion(echo=True).prompt_input).param == "echo"
-    assert refused(completion(best_of=3).prompt_input).param == "best_of"
-    assert completion(echo=False, best_of=1).prompt_input() == "hi"
+def test_echo_with_logprobs_asks_for_prompt_logprobs_and_allows_max_tokens_zero() -> None:
+    p = completion(echo=True, logprobs=2, max_tokens=0).sampling_params(5, MAX_LEN)
+    assert p.prompt_logprobs == 2 and p.max_tokens == 0 and p.logprobs == 2
+    assert completion(echo=True).sampling_params(5, MAX_LEN).prompt_logprobs is None
+    assert refused(completion(max_tokens=0).sampling_params, 5, MAX_LEN).param == "max_tokens"
+
+
+def test_logit_bias_keys_and_range() -> None:
+    assert completion(logit_bias={"7": 100, "3": -5.5}).sampling_params(5, MAX_LEN).logit_bias == (
+        (3, -5.5),
+        (7, 100.0),
+    )
+    assert refused(completion(logit_bias={"x": 1}).sampling_params, 5, MAX_LEN).param == "logit_bias"
+    assert refused(completion(logit_bias={"1": 101}).sampling_params, 5, MAX_LEN).param == "logit_bias"
+
+
+def test_n_and_max_logprobs_bounds() -> None:
+    assert completion(n=3).sampling_params(5, MAX_LEN) == SamplingParams(max_tokens=16)
+    assert refused(completion(n=0).sampling_params, 5, MAX_LEN).param == "n"
+    assert refused(completion(n=65).sampling_params, 5, MAX_LEN).param == "n"
+    assert refused(completion(logprobs=6).sampling_params, 5, MAX_LEN, 5).param == "logprobs"
+    assert refused(chat(logprobs=True, top_logprobs=6).sampling_params, 5, MAX_LEN, 5).param == "top_logprobs"
+    assert refused(completion(prompt_logprobs=6).sampling_params, 5, MAX_LEN, 5).param == "prompt_logprobs"
+
+
+def test_chat_template_options() -> None:
+    assert chat().template_options() == {"add_generation_prompt": True, "continue_final_message": False}
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    opts = chat(messages=msgs, add_generation_prompt=False, continue_final_message=True,
+                chat_template_kwargs={"enable_thinking": False}).template_options()  # fmt: skip
+    assert opts == {"enable_thinking": False, "add_generation_prompt": False, "continue_final_message": True}
+    assert refused(chat(continue_final_message=True).template_options).param == "continue_final_message"
+    bad = chat(
+        messages=msgs,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        chat_template_kwargs={"tokenize": True},
+    )
+    assert refused(bad.template_options).param == "chat_template_kwargs"
+    assert chat(messages=[{"role": "developer", "content": "x"}]).template_messages()[0]["role"] == "system"
 
 
 @pytest.mark.parametrize(
@@ -94,12 +132,12 @@ def test_wrong_types_and_missing_fields_fail_validation(body: dict[str, object])
         CompletionRequest.model_validate(body)
 
 
-def test_unknown_fields_are_ignored_and_ints_count_as_floats() -> None:
-    req = CompletionRequest.model_validate(
-        {"prompt": "x", "temperature": 0, "top_p": 1, "frobnicate": {"a": 1}, "metadata": None}
-    )
+def test_unknown_fields_are_refused_and_ints_count_as_floats() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "top_p": 1})
     params = req.sampling_params(1, MAX_LEN)
     assert params.temperature == 0.0 and params.greedy and params.top_p == 1.0
+    with pytest.raises(ValidationError, match="frobnicate"):
+        CompletionRequest.model_validate({"prompt": "x", "frobnicate": {"a": 1}})
 
 
 # ---------------------------------------------------------------------------- sampling params
@@ -153,12 +191,6 @@ def test_stop_list_and_limits() -> None:
     assert completion(stop=["a", "b", "c", "d"]).sampling_params(1, MAX_LEN).stop == ("a", "b", "c", "d")
     assert refused(completion(stop=["a", "b", "c", "d", "e"]).sampling_params, 1, MAX_LEN).param == "stop"
     assert refused(completion(stop="").sampling_params, 1, MAX_LEN).param == "stop"
-
-
-def test_n_must_be_one() -> None:
-    assert completion(n=1).sampling_params(1, MAX_LEN).max_tokens == 16
-    err = refused(completion(n=2).sampling_params, 1, MAX_LEN)
-    assert err.param == "n" and err.status == 400
 
 
 @pytest.mark.parametrize(
@@ -217,6 +249,7 @@ def test_chat_default_max_tokens_fill_the_context() -> None:
     assert (
         refused(chat(max_completion_tokens=0).sampling_params, 30, MAX_LEN).param == "max_completion_tokens"
     )
+    assert chat(max_completion_tokens=0, prompt_logprobs=1).sampling_params(30, MAX_LEN).max_tokens == 0
 
 
 def test_chat_logprobs_flags() -> None:

@@ -149,7 +149,7 @@ async def test_token_id_prompts_equal_text_prompt(served: Served) -> None:
 
 
 async def test_optional_fields_are_absent_unless_asked(served: Served) -> None:
-    body = await complete(served, prompt="hello", max_tokens=2, user="u1", metadata={"x": 1})
+    body = await complete(served, prompt="hello", max_tokens=2, user="u1")
     assert "token_ids" not in body["choices"][0] and "prompt_token_ids" not in body["choices"][0]
 
 
@@ -441,7 +441,7 @@ def bad_cases(vocab: int, max_len: int) -> list[Case]:
         ),
         ("empty-prompt", "/v1/completions", {"prompt": ""}, 400, "prompt", None),
         ("empty-ids", "/v1/completions", {"prompt": []}, 400, "prompt", None),
-        ("batch", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+        ("batch-with-empty", "/v1/completions", {"prompt": ["a", ""]}, 400, "prompt", None),
         (
             "too-long",
             "/v1/completions",
@@ -481,8 +481,18 @@ def bad_cases(vocab: int, max_len: int) -> list[Case]:
             "stop_token_ids",
             None,
         ),
-        ("n-2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
-        ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", None),
+        ("n-65", "/v1/completions", {"prompt": "x", "n": 65}, 400, "n", None),
+        ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", None),
+        ("unknown-field", "/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate", None),
+        (
+            "bias-out-of-vocab",
+            "/v1/completions",
+            {"prompt": "x", "logit_bias": {str(vocab): 1}},
+            400,
+            "logit_bias",
+            None,
+        ),
+        ("batch-id-out-of-vocab", "/v1/completions", {"prompt": [[1], [vocab]]}, 400, "prompt", None),
         (
             "stream-bad-value",
             "/v1/completions",
@@ -551,7 +561,7 @@ def bad_cases(vocab: int, max_len: int) -> list[Case]:
         (
             "chat-stream-bad",
             "/v1/chat/completions",
-            {"messages": chat_msgs, "stream": True, "n": 3},
+            {"messages": chat_msgs, "stream": True, "n": 0},
             400,
             "n",
             None,

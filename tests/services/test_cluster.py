@@ -163,6 +163,49 @@ def test_bad_checksum_is_never_decoded(cluster: Cluster) -> None:
 # SSE chunks: the same shape as `swaserve serve`
 
 
+def test_openai_client_through_the_cluster(cluster: Cluster, hf_tiny) -> None:  # type: ignore[no-untyped-def]
+    """The official (sync) openai client through the router: echo logprobs computed by a prefill
+    worker equal transformers', n greedy choices equal one request, batched prompts, logit_bias,
+    max_tokens 0, prompt_logprobs over gRPC."""
+    import platform
+
+    import openai
+    import torch
+
+    from tests.helpers.engine import reference_logits
+
+    platform.processor()  # the client's headers run `uname -p`; once, before it is needed
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = "mimo-v2-tiny-v1"
+    ids = [7, 19, 44, 301, 12, 9, 250, 77, 3, 18, 120, 64]
+    ref = torch.log_softmax(reference_logits(hf_tiny, ids), dim=-1)
+    for max_tokens in (0, 1):
+        r = client.completions.create(
+            model=model, prompt=ids, echo=True, logprobs=1, max_tokens=max_tokens, temperature=0
+        )
+        lp = r.choices[0].logprobs
+        assert (
+            lp is not None
+            and lp.token_logprobs[0] is None
+            and len(lp.token_logprobs) == len(ids) + max_tokens
+        )
+        assert max(abs(lp.token_logprobs[q] - ref[q - 1, ids[q]].item()) for q in range(1, len(ids))) <= 1e-4
+    one = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    many = client.completions.create(model=model, prompt=[ids, ids[:5]], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == one.choices[0].text
+    assert many.choices[2].text == many.choices[3].text
+    forced = client.completions.create(
+        model=model, prompt=ids, max_tokens=4, temperature=0, logit_bias={"42": 100},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    assert forced.choices[0].model_extra["token_ids"] == [42] * 4  # type: ignore[index]
+    plp = client.completions.create(model=model, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    entries = plp.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert entries[0] is None and abs(entries[1][str(ids[1])]["logprob"] - ref[0, ids[1]].item()) <= 1e-4
+    wait_idle(cluster)
+
+
 def _sse(text: str, drop_cached: bool = False) -> list[Any]:
     """The data payloads of an SSE body without ids and timestamps (and without the prompt-cache
     count where the two servers' cache histories differ)."""
