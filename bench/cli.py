@@ -202,7 +202,8 @@ def bench_guided(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
     requests: Annotated[int, typer.Option(min=1, help="Chat requests, sent at once.")] = 16,
     max_tokens: Annotated[int, typer.Option(min=8, help="Output tokens of each request.")] = 64,
-    rounds: Annotated[int, typer.Option(min=1, help="Timed runs of each, alternating (best is kept).")] = 2,
+    rounds: Annotated[int, typer.Option(min=1, help="Timed runs of each, alternating (best is kept).")] = 3,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 1,
     model: Annotated[
         Path | None, typer.Option(help="Checkpoint directory (default: the default model).")
     ] = None,
@@ -210,6 +211,5 @@ def bench_guided(
     """Structured output: tokens/s of the same requests unconstrained vs with a json_schema."""
     from bench.guided import main
 
-    main(
-        str(json_path) if json_path is not None else None, str(model) if model else None, requests, max_tokens
-    )
+    path = str(json_path) if json_path is not None else None
+    main(path, str(model) if model else None, requests, max_tokens, rounds, threads)
