@@ -186,9 +186,11 @@ def bench_routing_cluster(
 @app.command("frontend")
 def bench_frontend(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
-    limit: Annotated[int, typer.Option(min=1, help="Trace requests of the make-run replay.")] = 250,
+    limit: Annotated[
+        int, typer.Option(min=0, help="Trace requests of the make-run replay (0: probes only).")
+    ] = 250,
     saturated: Annotated[int, typer.Option(min=1, help="Requests sent at once (throughput).")] = 100,
-    probe_tokens: Annotated[int, typer.Option(min=16, help="Prompt tokens of the long prefill.")] = 8192,
+    probe_tokens: Annotated[int, typer.Option(min=16, help="Prompt tokens of the long prefill.")] = 32000,
     probe_interval: Annotated[float, typer.Option(min=0.001, help="Seconds between probes.")] = 0.02,
 ) -> None:
     """Inline engine vs separate engine-core process: TTFT/ITL, tokens/s, probe latency."""

@@ -12,9 +12,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -24,6 +26,7 @@ from swaserve.api.protocol import ChatCompletionRequest, CompletionRequest, Prot
 from swaserve.api.responses import (
     ChatCompletionResponse,
     CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     error_body,
@@ -113,6 +116,45 @@ def _install_error_handlers(app: FastAPI) -> None:
 # App
 
 
+_ERRORS = {
+    400: "Invalid request: a wrong type, an unknown field, a value out of range (`error.param` names it)",
+    401: "Missing or wrong API key (`--api-key`)",
+    404: "Unknown model or path",
+    413: "Request body over `--max-request-bytes`",
+    503: "No engine or worker can take the request now",
+}
+
+
+def _document_errors(app: FastAPI) -> None:
+    """OpenAPI: the error answers this server sends (OpenAI's envelope), not FastAPI's 422."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            schemas.update(
+                ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}").pop("$defs")
+            )
+            schemas["ErrorResponse"] = ErrorResponse.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
+            ref = {
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+            }
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    responses = op.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status, text in _ERRORS.items():
+                        responses.setdefault(str(status), {"description": text, **ref})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def build_app(
     engine: EngineClient,
     *,
@@ -163,6 +205,7 @@ def build_app(
     app.state.server = server
     app.state.metrics = metrics
     _install_error_handlers(app)
+    _document_errors(app)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     if api_key is not None:  # added last, so it runs first: before any of the body is read
         app.add_middleware(ApiKeyAuth, api_key=api_key)

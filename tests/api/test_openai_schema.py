@@ -137,3 +137,17 @@ async def test_every_openai_field_is_honored_or_refused_as_documented(
         ):
             wrong.append(f"{field}: documented {docs[field]!r}, got {r.status_code} {r.text[:200]}")
     assert not wrong, "\n".join(wrong)
+
+
+async def test_openapi_documents_the_errors_sent(client: httpx.AsyncClient) -> None:
+    """The schema lists OpenAI-envelope 400s (what the server sends), never FastAPI's 422."""
+    schema = (await client.get("/openapi.json")).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and "400" in responses
+        ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/ErrorResponse")
+    r = await client.post("/v1/completions", json={"prompt": 3})
+    assert r.status_code == 400 and set(r.json()["error"]) == set(
+        schema["components"]["schemas"]["ErrorDetail"]["properties"]
+    )
