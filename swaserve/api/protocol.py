@@ -195,16 +195,17 @@ class _GenerationRequest(_Strict):
             if field == "max_tokens":
                 field = max_tokens_param
             raise ProtocolError(message, param=field if field in type(self).model_fields else None) from e
-        for name, value in (
+        checked: tuple[tuple[str, float], ...] = (
             ("temperature", params.temperature),
             ("top_p", params.top_p),
             ("min_p", params.min_p),
             ("presence_penalty", params.presence_penalty),
             ("frequency_penalty", params.frequency_penalty),
             ("repetition_penalty", params.repetition_penalty),
-        ):
-            if not math.isfinite(value):
-                raise ProtocolError(f"{name} must be a finite number, got {value}", param=name)
+        )
+        for field_name, number in checked:
+            if not math.isfinite(number):
+                raise ProtocolError(f"{field_name} must be a finite number, got {number}", param=field_name)
         return params
 
 

@@ -281,11 +281,11 @@ class ChatRenderer(Renderer):
         else:
             st.buffered += out.new_text
             if out.finished:
-                calls = calls_from_constrained(plan, st.buffered)
-                if calls is None:
+                parsed = calls_from_constrained(plan, st.buffered)
+                if parsed is None:
                     content = st.buffered  # cut short (max_tokens): the raw text
                 else:
-                    deltas, st.count = _tool_deltas(calls, 0), len(calls)
+                    deltas, st.count = _tool_deltas(parsed, 0), len(parsed)
         return content or None, deltas, st.count > 0
 
     def chunks(self, job: Job, choice: Choice, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
@@ -295,7 +295,8 @@ class ChatRenderer(Renderer):
             choices.append(
                 ChatStreamChoice(index=choice.index, delta=delta, prompt_token_ids=job.ids(choice.prompt_ids))
             )
-        content, tool_deltas, called = out.new_text or None, [], False
+        content, called = out.new_text or None, False
+        tool_deltas: list[ToolCallDelta] = []
         if self.tools is not None:
             content, tool_deltas, called = self._stream_tools(choice, out)
         keep_ids = bool(out.new_token_ids) and (job.return_token_ids or choice.params.logprobs is not None)
@@ -325,10 +326,10 @@ class ChatRenderer(Renderer):
             return ChatResponseMessage(content=text)
         if plan.mode == "auto":
             parser = ToolCallParser(plan.parallel)
-            content, calls = parser.feed(text)
+            content, found = parser.feed(text)
             content += parser.finish()
             return ChatResponseMessage(
-                content=content.strip() or None if calls else content, tool_calls=calls or None
+                content=content.strip() or None if found else content, tool_calls=found or None
             )
         calls = calls_from_constrained(plan, text)
         if calls is None:

@@ -313,8 +313,9 @@ class EngineCore:
             return []
         logits, prompt_lps = self.runner.run(chunks)
         for i, lps in prompt_lps.items():
-            if chunks[i].req.prompt_logprobs is not None:
-                chunks[i].req.prompt_logprobs.extend(lps)
+            have = chunks[i].req.prompt_logprobs
+            if have is not None:
+                have.extend(lps)
         ends = [c for c in chunks if c.samples]
         sampling = [c for c in ends if c.req.params.max_tokens > 0]  # max_tokens 0: the prompt only
         if len(sampling) < len(ends):
