@@ -357,8 +357,8 @@ def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
             assert time.monotonic() < deadline
         assert url is not None
         assert httpx.get(f"{url}/health").status_code == 200
-        children = subprocess.run(
-            ["pgrep", "-f", f"services\\.(router|prefill|decode) --model {tiny_dir}"],
+        children = subprocess.run(  # this demo's own children: other clusters may run on the machine
+            ["pgrep", "-P", str(proc.pid), "-f", f"services\\.(router|prefill|decode) --model {tiny_dir}"],
             capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         assert len(children) == 3, "router + 1 prefill + 1 decode worker"
