@@ -302,7 +302,7 @@ MaxLogprobsOption = Annotated[
     typer.Option(
         min=0,
         max=MAX_LOGPROBS,
-        help="Most alternatives per token a request may ask for (completions: logprobs; chat: "
-        "top_logprobs); more is a 400. At most the engine's bound.",
+        help="Most alternatives per token a request may ask for (logprobs, top_logprobs, "
+        "prompt_logprobs); more is a 400. At most the engine's bound.",
     ),
 ]

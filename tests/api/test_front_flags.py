@@ -308,6 +308,11 @@ async def test_logprobs_past_max_logprobs_are_a_400_naming_the_field(live: Live)
             model=NAME, messages=msgs, max_tokens=1, logprobs=True, top_logprobs=MAX_LOGPROBS + 1
         )
     assert e.value.param == "top_logprobs" and f"[0, {MAX_LOGPROBS}]" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # vLLM's prompt_logprobs: the same bound
+        await client.completions.create(
+            model=NAME, prompt="hello", max_tokens=1, extra_body={"prompt_logprobs": MAX_LOGPROBS + 1}
+        )
+    assert e.value.param == "prompt_logprobs"
 
 
 async def test_max_logprobs_above_the_default_and_apps_keep_their_own(live: Live) -> None:
