@@ -161,6 +161,8 @@ class EngineCore:
         )  # fmt: skip
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.steps = 0  # forwards run (stats: the engine's progress)
+        self.computed_tokens = 0  # tokens those forwards computed
         self.limits = EngineLimits(
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
@@ -296,6 +298,8 @@ class EngineCore:
         if not chunks:
             return []
         logits = self.runner.run(chunks)
+        self.steps += 1
+        self.computed_tokens += sum(c.n for c in chunks)
         sampling = [c for c in chunks if c.samples]
         states = [c.req.sampling for c in sampling]
         sampled = self.sampler.sample(logits, states) if sampling else []  # type: ignore[arg-type]
@@ -361,6 +365,8 @@ class EngineCore:
                 for r in reqs
             ),
             prefill_tokens=sum(max(0, r.num_prompt - r.num_computed) for r in reqs),
+            steps_total=self.steps,
+            computed_tokens_total=self.computed_tokens,
         )
 
     def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:

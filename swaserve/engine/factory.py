@@ -42,8 +42,9 @@ def build_engine_client(
 ) -> LocalEngineClient:
     """The engine client for ``config.engine_process`` (not started; ``await client.start()``).
 
-    ``on_dead``: separate core only: called if the core process dies while serving (the shells
-    exit non-zero). ``num_threads``: torch threads of the process that runs the model.
+    ``on_dead``: called if the engine dies while serving: the separate core's process exits, or a
+    step (either mode) runs past ``engine_step_timeout`` (the shells exit non-zero).
+    ``num_threads``: torch threads of the process that runs the model.
     """
     mode = resolve_engine_process(config.engine_process, config.device)
     if mode == "inline":
@@ -53,7 +54,7 @@ def build_engine_client(
             import torch
 
             torch.set_num_threads(num_threads)
-        return AsyncLLMEngine.from_model_dir(model_dir, config, model_name)
+        return AsyncLLMEngine.from_model_dir(model_dir, config, model_name, on_dead)
     from swaserve.engine.mp_client import MPEngineClient
 
     return MPEngineClient(model_dir, config, model_name, on_dead=on_dead, num_threads=num_threads)
