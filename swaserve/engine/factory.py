@@ -1,11 +1,10 @@
 """Builds the engine client ``--engine-process`` asks for: inline or the core in its own process.
 
 ``auto`` = separate on every device. Measured (``swaserve bench frontend``, 2-core CPU, make-run
-workload, docs/BENCHMARKS.md): during an 8k-token prefill ``/health`` p99 1073 ms inline vs
-11.5 ms separate, a prefill worker's ``GetLoad`` p99 1526 ms vs 5.2 ms; saturated output
-tokens/s separate / inline 0.97; replay TTFT p50 8.6 s vs 10.6 s, ITL p50 199 ms vs 138 ms (the
-fronts' CPU work competes with the cores on 2 cores). On CUDA the front's CPU work overlaps the
-GPU forward (not measured here: no device).
+workload, docs/BENCHMARKS.md): saturated output tokens/s separate / inline 0.97; replay TTFT p50
+8.6 s vs 10.6 s, ITL p50 199 ms vs 138 ms (the fronts' CPU work competes with the cores on 2
+cores); during an 8k-token prefill probes answer in both (p99 <= 40 ms; inline runs each step on
+a step thread). On CUDA the front's CPU work overlaps the GPU forward (not measured: no device).
 """
 
 from __future__ import annotations
