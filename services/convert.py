@@ -11,6 +11,8 @@ from swaserve.transfer.kv_transfer import KVPage, KVPayload, expected_pages, to_
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import worker_pb2 as pb
 
+ENGINE_NOT_RUNNING = "engine not running"  # how a worker's GetLoad UNAVAILABLE details begin
+
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     m = pb.SamplingParams(

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from services.convert import chunk_message, page_from_proto, params_from_proto, usage
+from services.convert import ENGINE_NOT_RUNNING, chunk_message, page_from_proto, params_from_proto, usage
 from services.index_events import EventPump
 from services.transport import GrpcKVSender, KVSender
 from swaserve.config import FULL, SWA
@@ -219,6 +219,11 @@ class WorkerService(wgrpc.WorkerServicer):
         return pb.AbortResponse(found=found)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
+        if not self.engine.running:  # starting, stopping, or its engine died or hung: not usable
+            why = self.engine.unavailable()
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{ENGINE_NOT_RUNNING}: {why or 'not started or stopping'}"
+            )
         st = self.engine.stats()
         lo, hi = self.opts.prompt_range or (0, 0)
         pools = {
@@ -247,6 +252,8 @@ class WorkerService(wgrpc.WorkerServicer):
             model_fingerprint=self.identity.fingerprint,
             model_description=self.identity.description,
             boot_id=self.boot_id,
+            steps=st.steps_total,
+            computed_tokens=st.computed_tokens_total,
         )
 
     async def expire_staging(self) -> None:

@@ -241,4 +241,6 @@ class WorkerAdmin:
             "model_fingerprint": (ld.model_fingerprint or None) if ld is not None else None,
             "model": (ld.model_description or None) if ld is not None else None,
             "boot_id": (ld.boot_id or None) if ld is not None else None,  # its process
+            "steps": ld.steps if ld is not None else None,  # its engine's progress: steps run
+            "computed_tokens": ld.computed_tokens if ld is not None else None,  # ... tokens computed
         }

@@ -83,6 +83,13 @@ class DispatchError(RuntimeError):
             return NoWorkerAvailable(f"no {role} worker available, retry later ({self})")
         return RuntimeError(f"request failed: {self}")
 
+    def no_other_worker(self, role: str) -> DispatchError:
+        """This failure when no worker of ``role`` is left for a retry of the request (it never
+        goes back to one that failed it): a 503 class whatever the failure, ``Overloaded`` when
+        it was no room, else ``NoWorkerAvailable`` (through ``final``/``interrupted``)."""
+        code = self.code if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
+        return DispatchError(f"{self}; no other {role} worker to retry it on", self.worker, code, self.why)
+
     def interrupted(self, generated: int) -> Unavailable:
         """What ``generate`` raises when this failure hit a request whose output had started and
         no resume is left: a 503-class error (``Overloaded``/``NoWorkerAvailable`` by its code,
@@ -99,7 +106,7 @@ def _lost(att: Attempt) -> DispatchError:
     w = att.lost
     assert w is not None
     return DispatchError(
-        f"{w.role} worker {w.address} stopped answering its load polls and was marked down",
+        f"{w.role} worker {w.address} was marked down ({w.down_reason or 'unreachable'})",
         w,
         grpc.StatusCode.UNAVAILABLE,
         why="worker_down",

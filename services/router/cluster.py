@@ -297,11 +297,13 @@ class ClusterEngine(EngineClient):
                     if task is not None and task.cancelling():
                         raise asyncio.CancelledError from e  # the client went away: no retry
                     resume = started[0] or progress.resumed
-                    if attempt > self.max_retries:
-                        raise (e.interrupted(len(progress.tokens)) if resume else e.final()) from e
-                    self._abort_attempt(p, d, wire_id)  # whatever it left (staged KV) goes
                     if e.worker is not None:
-                        avoid.add(e.worker)
+                        avoid.add(e.worker)  # never again for this request
+                    left_out = [r for r in ("prefill", "decode") if not self.candidates(r, avoid)]
+                    if attempt > self.max_retries or left_out:  # left_out: no worker to retry on
+                        last = e.no_other_worker(left_out[0]) if left_out else e
+                        raise (last.interrupted(len(progress.tokens)) if resume else last.final()) from e
+                    self._abort_attempt(p, d, wire_id)  # whatever it left (staged KV) goes
                     if not resume:
                         log.warning("retrying %s (attempt %d): %s", request_id, attempt + 1, e)
                         self.retries[e.reason] += 1

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.convert import ENGINE_NOT_RUNNING
 from services.router.routing import RouterRouting
 from swaserve.kvcache.stats import PoolStats
 from swaserve.metrics import WorkerStats
@@ -289,12 +290,16 @@ class WorkerPool:
         return f"no {role} worker can take requests ({states})"
 
     def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
-        """Workers of ``role`` a request may go to: reachable ones not in ``avoid`` if any is
-        left, else reachable ones, else all in use (a worker that failed this request or looks
-        unreachable is still tried when it is the only one). Draining and refused workers
-        never."""
-        mine = [w for w in self.handles.values() if w.role == role and not w.draining and w.refusal is None]
-        pool = [w for w in mine if w.healthy and w not in avoid] or [w for w in mine if w.healthy] or mine
+        """Workers of ``role`` a request may go to: the reachable ones not in ``avoid`` (the
+        workers that failed this request), else the unreachable-looking ones not in it (a poll may
+        be behind). Never one in ``avoid``, even when it is the only one; never a draining or
+        refused worker. Empty: the request cannot go anywhere (docs/DESIGN.md#servicesrouterclusterpy)."""
+        mine = [
+            w
+            for w in self.handles.values()
+            if w.role == role and not w.draining and w.refusal is None and w not in avoid
+        ]
+        pool = [w for w in mine if w.healthy] or mine
         return {w.address: w for w in pool}
 
     # -- attempts -----------------------------------------------------------------------------
@@ -343,8 +348,11 @@ class WorkerPool:
         except grpc.aio.AioRpcError as e:
             w.missed += 1
             hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.missed >= self.hung_polls
-            if e.code() == grpc.StatusCode.UNAVAILABLE or hung:
-                self.mark_down(w, "unreachable" if not hung else f"not answering for {w.missed} polls")
+            if hung:
+                self.mark_down(w, f"not answering for {w.missed} polls")
+            elif e.code() == grpc.StatusCode.UNAVAILABLE:  # refused, or its engine is not running
+                details = e.details() or ""
+                self.mark_down(w, details if details.startswith(ENGINE_NOT_RUNNING) else "unreachable")
             await self._observe(w)
         else:
             await self.record(w, load)

@@ -168,6 +168,8 @@ class EngineCore:
         self.sampler = Sampler()
         self.structured = StructuredDecoder(model_dir, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.steps = 0  # forwards run (stats: the engine's progress)
+        self.computed_tokens = 0  # tokens those forwards computed
         self.limits = EngineLimits(
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
@@ -312,6 +314,8 @@ class EngineCore:
         if not chunks:
             return []
         logits, prompt_lps = self.runner.run(chunks)
+        self.steps += 1
+        self.computed_tokens += sum(c.n for c in chunks)
         for i, lps in prompt_lps.items():
             have = chunks[i].req.prompt_logprobs
             if have is not None:
@@ -413,6 +417,8 @@ class EngineCore:
                 for r in reqs
             ),
             prefill_tokens=sum(max(0, r.num_prompt - r.num_computed) for r in reqs),
+            steps_total=self.steps,
+            computed_tokens_total=self.computed_tokens,
         )
 
     def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:

@@ -2,7 +2,8 @@
 
 ``python -m swaserve.engine.core_proc SPEC`` (SPEC: a ``CoreSpec`` as JSON; started by
 ``engine.mp_client.MPEngineClient``). Loop: take every queued message (adds, aborts, calls), step
-while there is work, send one ``Outputs`` per step (outputs, refusals, cache events, stats). A
+while there is work, send one ``Outputs`` per step (outputs, refusals, cache events, stats), and
+one before a step when messages changed something (so the front's load is never a step old). A
 malformed or oversized message is logged and refused; a failed step ends the requests in flight
 and the loop goes on. The process dies with its parent and ignores SIGINT (the front stops it).
 """
@@ -215,6 +216,7 @@ def run(spec: CoreSpec) -> int:
             log.error("the front process is gone: exiting")
             return 1
         if not loop.shutdown and core.has_unfinished():
+            loop.flush()  # what the messages changed (adds, aborts) reaches the front before the step
             loop.step()
         loop.flush()
     out.close(linger=2000)

@@ -1,11 +1,10 @@
 """Builds the engine client ``--engine-process`` asks for: inline or the core in its own process.
 
 ``auto`` = separate on every device. Measured (``swaserve bench frontend``, 2-core CPU, make-run
-workload, docs/BENCHMARKS.md): during an 8k-token prefill ``/health`` p99 1073 ms inline vs
-11.5 ms separate, a prefill worker's ``GetLoad`` p99 1526 ms vs 5.2 ms; saturated output
-tokens/s separate / inline 0.97; replay TTFT p50 8.6 s vs 10.6 s, ITL p50 199 ms vs 138 ms (the
-fronts' CPU work competes with the cores on 2 cores). On CUDA the front's CPU work overlaps the
-GPU forward (not measured here: no device).
+workload, docs/BENCHMARKS.md): saturated output tokens/s separate / inline 0.97; replay TTFT p50
+8.6 s vs 10.6 s, ITL p50 199 ms vs 138 ms (the fronts' CPU work competes with the cores on 2
+cores); during an 8k-token prefill probes answer in both (p99 <= 40 ms; inline runs each step on
+a step thread). On CUDA the front's CPU work overlaps the GPU forward (not measured: no device).
 """
 
 from __future__ import annotations
@@ -42,8 +41,9 @@ def build_engine_client(
 ) -> LocalEngineClient:
     """The engine client for ``config.engine_process`` (not started; ``await client.start()``).
 
-    ``on_dead``: separate core only: called if the core process dies while serving (the shells
-    exit non-zero). ``num_threads``: torch threads of the process that runs the model.
+    ``on_dead``: called if the engine dies while serving: the separate core's process exits, or a
+    step (either mode) runs past ``engine_step_timeout`` (the shells exit non-zero).
+    ``num_threads``: torch threads of the process that runs the model.
     """
     mode = resolve_engine_process(config.engine_process, config.device)
     if mode == "inline":
@@ -53,7 +53,7 @@ def build_engine_client(
             import torch
 
             torch.set_num_threads(num_threads)
-        return AsyncLLMEngine.from_model_dir(model_dir, config, model_name)
+        return AsyncLLMEngine.from_model_dir(model_dir, config, model_name, on_dead)
     from swaserve.engine.mp_client import MPEngineClient
 
     return MPEngineClient(model_dir, config, model_name, on_dead=on_dead, num_threads=num_threads)

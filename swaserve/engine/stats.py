@@ -1,6 +1,6 @@
 """Snapshot of engine state, for metrics, benches and tests: ``EngineStats`` (running and waiting
 requests, token totals, each pool's ``PoolStats``, the prefix cache's ``CacheStats`` and pages,
-outstanding and prefill tokens). Its kvcache types are imported at run time: msgspec decodes them."""
+outstanding and prefill tokens, steps and tokens computed). Its kvcache types are imported at run time: msgspec decodes them."""
 
 from __future__ import annotations
 
@@ -21,3 +21,5 @@ class EngineStats:
     cache_pages: dict[str, int] = field(default_factory=dict)  # pages the prefix cache holds per tier
     outstanding_tokens: int = 0  # prompt tokens not computed yet + output tokens still allowed
     prefill_tokens: int = 0  # prompt tokens not computed yet
+    steps_total: int = 0  # engine steps (forwards) run since start: its progress
+    computed_tokens_total: int = 0  # tokens run through the model since start (prefill chunks + decode)

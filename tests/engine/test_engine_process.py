@@ -1,8 +1,9 @@
 """The engine core in its own process (``MPEngineClient``) against the inline engine client.
 
 Same outputs token for token (greedy, seeded, stop strings, logprobs, prefix hits, PD export and
-import); a killed core ends every stream with ``EngineDead`` and is reported; malformed and
-oversized IPC messages are refused while the core keeps serving.
+import); the core reports its load before each step; a killed core ends every stream with
+``EngineDead`` and is reported; malformed and oversized IPC messages are refused while the core
+keeps serving.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from swaserve.config import EngineConfig
 from swaserve.engine.async_engine import AsyncLLMEngine
 from swaserve.engine.client import EngineDead, LocalEngineClient
-from swaserve.engine.ipc import AddRequest, encode
+from swaserve.engine.ipc import AddRequest, Outputs, encode
 from swaserve.engine.mp_client import MPEngineClient
 from swaserve.engine.types import SamplingParams
 
@@ -183,6 +184,39 @@ async def test_killed_core_ends_every_stream_and_is_reported(
         await sep.stop()
 
 
+async def test_the_core_reports_its_load_before_a_step(tiny_dir: Path) -> None:
+    """What a message changed reaches the front before the core steps, so during a long step the
+    front's stats (a worker's ``GetLoad``) count the request in it, not the load of a step ago;
+    steps and computed tokens count the core's progress."""
+    sep = await _started(MPEngineClient(tiny_dir, dataclasses.replace(CFG, max_num_batched_tokens=512)))
+    received: list[Outputs] = []
+    handle = sep._on_outputs  # every message from the core, in order
+
+    def record(msg: Outputs) -> None:
+        received.append(msg)
+        handle(msg)
+
+    sep._on_outputs = record  # type: ignore[method-assign]
+    prompt = [5 + i % 300 for i in range(500)]  # one step
+    try:
+        before = sep.stats()
+        toks = [
+            t
+            async for o in sep.generate(prompt, SamplingParams(max_tokens=1), "one")
+            for t in o.new_token_ids
+        ]
+        assert len(toks) == 1
+        first = next(i for i, m in enumerate(received) if any(o.request_id == "one" for o in m.outputs))
+        # before the step that computed it: a message counting the request, no step run yet
+        ahead = [m.stats for m in received[:first] if m.stats.num_running + m.stats.num_waiting]
+        assert ahead and (ahead[0].prefill_tokens, ahead[0].steps_total) == (500, before.steps_total), ahead
+        after = sep.stats()
+        assert after.steps_total > before.steps_total
+        assert after.computed_tokens_total - before.computed_tokens_total == 500
+    finally:
+        await sep.stop()
+
+
 async def test_a_hung_core_is_killed_and_reported(tiny_dir: Path) -> None:
     """A core that holds work but sends nothing for ``engine_step_timeout`` (here SIGSTOP) is
     killed: the stream ends with ``EngineDead`` and ``on_dead`` is called. An idle core's silence,
@@ -192,6 +226,8 @@ async def test_a_hung_core_is_killed_and_reported(tiny_dir: Path) -> None:
     sep = await _started(MPEngineClient(tiny_dir, cfg, on_dead=dead.append))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:
+        async for _ in sep.generate([5, 6], params, "warm-up"):  # a fresh core's first forward
+            pass  # pays one-time costs that can pass the 1 s on a loaded machine: not the point here
         await asyncio.sleep(2.5)  # idle for longer than the timeout
         toks = [t async for o in sep.generate([5, 6, 7], params, "idle-then-work") for t in o.new_token_ids]
         assert len(toks) == 8 and not dead

@@ -8,6 +8,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +22,26 @@ from swaserve.v1 import worker_pb2_grpc as wgrpc
 MODEL = "mimo-v2-tiny-v1"
 WORKER_ARGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", "16MiB", "--page-size", "4"]
 CLIENT_TIMEOUT = 60.0  # < the routers' --request-timeout
+# a short poll deadline: a worker that does not answer is marked down within about 2 x 1.2 s
+FAST_POLLS = [
+    "--request-timeout",
+    "120",
+    "--poll-interval",
+    "0.2",
+    "--poll-timeout",
+    "1",
+    "--hung-polls",
+    "2",
+]
+
+
+def one_pair(model: Path, prefill_args: list[str]) -> Cluster:
+    """A router (``FAST_POLLS``, no Redis) over 1 prefill + 1 decode worker (``WORKER_ARGS``, then
+    ``prefill_args`` for the prefill worker)."""
+    return Cluster(
+        model, prefill=1, decode=1, worker_args=WORKER_ARGS, prefill_args=prefill_args,
+        router_args=FAST_POLLS, redis=False,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -194,6 +194,7 @@ def test_a_request_that_cannot_be_resumed_is_a_503(cluster: Cluster) -> None:
     err = r.json()["error"]
     assert err["type"] == "server_error" and err["code"] == "no_worker_available", err
     assert "interrupted after" in err["message"] and "marked down" in err["message"], err
-    assert retried(url, "resumed") - resumed == 2  # max_retries
+    # resumed once, on the other decode worker (stopped too); never again on one that failed it
+    assert retried(url, "resumed") - resumed == 1
     assert metric(url, "swaserve:router_requests_total", status="unavailable") - unavailable == 1
     settled(cluster)

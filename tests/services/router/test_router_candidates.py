@@ -1,0 +1,44 @@
+"""Where a request's next attempt may go (``WorkerPool.candidates``): never to a worker that failed
+it, even the only one of its role (then nowhere: the router answers 503 at once); reachable
+workers before ones that look unreachable; draining and refused workers never."""
+
+from __future__ import annotations
+
+from services.router.routing import RouterRouting, RoutingOptions
+from services.router.workers import Refusal, WorkerHandle, WorkerPool
+
+
+def pool_of(*names: str) -> tuple[WorkerPool, list[WorkerHandle]]:
+    pool = WorkerPool(RouterRouting(RoutingOptions()))
+    handles = [WorkerHandle(n, "prefill", None, None) for n in names]  # type: ignore[arg-type]
+    pool.handles = {w.address: w for w in handles}
+    return pool, handles
+
+
+def test_a_worker_that_failed_a_request_is_never_tried_again_for_it() -> None:
+    pool, (a, b) = pool_of("10.0.0.1:1", "10.0.0.2:1")
+    assert set(pool.candidates("prefill", set())) == {a.address, b.address}
+    assert set(pool.candidates("prefill", {a})) == {b.address}
+    b.healthy = False  # its last poll failed: tried only when no reachable one is left
+    assert set(pool.candidates("prefill", set())) == {a.address}
+    assert set(pool.candidates("prefill", {a})) == {b.address}
+    assert pool.candidates("prefill", {a, b}) == {}
+    assert pool.candidates("decode", set()) == {}
+
+
+def test_the_only_worker_of_a_role_that_failed_a_request_is_not_a_candidate() -> None:
+    pool, (only,) = pool_of("10.0.0.1:1")
+    assert set(pool.candidates("prefill", set())) == {only.address}
+    only.healthy = False  # looks down, but it did not fail this request: still a last resort
+    assert set(pool.candidates("prefill", set())) == {only.address}
+    assert pool.candidates("prefill", {only}) == {}  # up or down: not again for this request
+    only.healthy = True
+    assert pool.candidates("prefill", {only}) == {}
+
+
+def test_draining_and_refused_workers_are_never_candidates() -> None:
+    pool, (a, b, c) = pool_of("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
+    b.draining = True
+    c.refusal, c.healthy = Refusal("duplicate", "the same process as 10.0.0.1:1"), False
+    assert set(pool.candidates("prefill", set())) == {a.address}
+    assert pool.candidates("prefill", {a}) == {}
