@@ -26,7 +26,7 @@ from swaserve.engine.types import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_N = 64  # choices per prompt (n)
-MAX_BATCH = 1024  # prompts per completions request
+MAX_BATCH = 1024  # prompts per completions request, and choices (prompts x n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -38,7 +38,9 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a usage chunk before [DONE]
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+    include_obfuscation: bool = False  # OpenAI's padding field: not sent here, so only false
 
 
 def check_text(value: Any, path: tuple[str | int, ...] = ()) -> None:
@@ -127,6 +129,21 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def _check_stream_options(self) -> None:
+        if self.stream_options is None:
+            return
+        if not self.stream:
+            raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
+        if self.stream_options.include_obfuscation:
+            raise ProtocolError(
+                "stream_options.include_obfuscation is not supported (no obfuscation field is sent)",
+                param="stream_options",
+            )
+
     def _sampling_params(
         self,
         *,
@@ -141,6 +158,7 @@ class _GenerationRequest(_Strict):
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Build and validate SamplingParams; raise ProtocolError for anything out of range."""
+        self._check_stream_options()
         if not 1 <= self.num_choices <= MAX_N:
             raise ProtocolError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -282,6 +300,11 @@ class CompletionRequest(_GenerationRequest):
             raise ProtocolError("prompt must not be empty", param="prompt")
         if len(batch) > MAX_BATCH:
             raise ProtocolError(f"at most {MAX_BATCH} prompts per request, got {len(batch)}", param="prompt")
+        if len(batch) * self.num_choices > MAX_BATCH:
+            raise ProtocolError(
+                f"at most {MAX_BATCH} choices per request (prompts x n), got {len(batch)} x {self.num_choices}",
+                param="n",
+            )
         if any(len(p) == 0 for p in batch):
             raise ProtocolError("prompt must not be empty", param="prompt")
         return batch

@@ -11,8 +11,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
-
 from swaserve.api.logprobs import (
     TokenTexts,
     chat_logprobs,
@@ -129,11 +127,14 @@ class Renderer(ABC):
         include_usage: Streams end with a usage chunk, and other chunks carry ``"usage": null``.
     """
 
-    def __init__(self, texts: TokenTexts, include_usage: bool) -> None:
+    def __init__(self, texts: TokenTexts, include_usage: bool, continuous_usage: bool = False) -> None:
         self.texts = texts
-        self.include_usage = include_usage
+        self.include_usage = include_usage or continuous_usage
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
 
-    def _dump(self, chunk: BaseModel) -> dict[str, Any]:
+    def _dump(self, chunk: CompletionResponse | ChatCompletionChunk, job: Job) -> dict[str, Any]:
+        if self.continuous_usage:
+            chunk.usage = job.usage()
         return chunk.model_dump(exclude=None if self.include_usage else {"usage"})
 
     def _prompt_logprobs(self, choice: Choice) -> PromptLogprobs | None:
@@ -155,8 +156,14 @@ class Renderer(ABC):
 
 
 class CompletionRenderer(Renderer):
-    def __init__(self, texts: TokenTexts, include_usage: bool, echo_logprobs: bool = False) -> None:
-        super().__init__(texts, include_usage)
+    def __init__(
+        self,
+        texts: TokenTexts,
+        include_usage: bool,
+        echo_logprobs: bool = False,
+        continuous_usage: bool = False,
+    ) -> None:
+        super().__init__(texts, include_usage, continuous_usage)
         self.echo_logprobs = echo_logprobs  # echo with logprobs: the prompt's come first
 
     def _logprobs(
@@ -194,7 +201,7 @@ class CompletionRenderer(Renderer):
             token_ids=job.ids(out.new_token_ids),
             prompt_logprobs=self._prompt_logprobs(choice) if first else None,
         )
-        return [self._dump(CompletionResponse(**job.head, choices=[c]))]
+        return [self._dump(CompletionResponse(**job.head, choices=[c]), job)]
 
     def usage_chunk(self, job: Job) -> dict[str, Any]:
         return CompletionResponse(**job.head, choices=[], usage=job.usage()).model_dump()
@@ -241,9 +248,14 @@ class ChatRenderer(Renderer):
     """Args: num_top: alternatives per token in logprobs; tools: the request's ``ToolPlan``."""
 
     def __init__(
-        self, texts: TokenTexts, include_usage: bool, num_top: int, tools: ToolPlan | None = None
+        self,
+        texts: TokenTexts,
+        include_usage: bool,
+        num_top: int,
+        tools: ToolPlan | None = None,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(texts, include_usage)
+        super().__init__(texts, include_usage, continuous_usage)
         self.num_top = num_top
         self.tools = tools if tools is not None and tools.mode != "none" else None
         self._streams: dict[int, _ToolStream] = {}
@@ -312,7 +324,9 @@ class ChatRenderer(Renderer):
             )
         plp = self._prompt_logprobs(choice) if first and choice.index == 0 else None
         return [
-            self._dump(ChatCompletionChunk(**job.head, choices=[c], prompt_logprobs=plp if k == 0 else None))
+            self._dump(
+                ChatCompletionChunk(**job.head, choices=[c], prompt_logprobs=plp if k == 0 else None), job
+            )
             for k, c in enumerate(choices)
         ]
 

@@ -301,7 +301,9 @@ class OpenAIServer:
                     else await asyncio.to_thread(self.engine.tokenizer.decode, prompt_ids)
                 )
             self._add_choices(job, k, prompt_ids, params, param, echo)
-        renderer = CompletionRenderer(self.texts, req.include_usage, req.echo and req.logprobs is not None)
+        renderer = CompletionRenderer(
+            self.texts, req.include_usage, req.echo and req.logprobs is not None, req.continuous_usage
+        )
         return await self._run(job, renderer, req, raw)
 
     async def _render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
@@ -339,7 +341,9 @@ class OpenAIServer:
             params = dataclasses.replace(params, structured=tools.constraint)
         job = self._job("chatcmpl", req.return_token_ids, req.num_choices)
         self._add_choices(job, 0, prompt_ids, params, "messages", None)
-        renderer = ChatRenderer(self.texts, req.include_usage, req.top_logprobs or 0, tools)
+        renderer = ChatRenderer(
+            self.texts, req.include_usage, req.top_logprobs or 0, tools, req.continuous_usage
+        )
         return await self._run(job, renderer, req, raw)
 
     async def _run(

@@ -250,3 +250,30 @@ async def test_lm_eval_local_chat_completions_request(served) -> None:  # type: 
     r = await client._client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+async def test_stream_options_as_clients_send_them(served) -> None:  # type: ignore[no-untyped-def]
+    """guidellm sends vLLM's continuous_usage_stats; the openai client types include_obfuscation."""
+    client, engine = served
+    stream = await client.completions.create(
+        model=engine.model_name, prompt="a b c", max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    usages = [c.usage async for c in stream]
+    counts = [u.completion_tokens for u in usages if u is not None]
+    assert len(counts) == len(usages) and counts == sorted(counts) and counts[-1] == 4
+    ok = await client.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
+    assert [c async for c in ok]
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        await client.completions.create(
+            model=engine.model_name, prompt="x", max_tokens=2, stream_options={"include_usage": True}
+        )
+    with pytest.raises(openai.BadRequestError, match="choices per request"):
+        await client.completions.create(model=engine.model_name, prompt=["x"] * 64, max_tokens=1, n=17)

@@ -40,7 +40,10 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "n": {"n": 2},
     "seed": {"seed": 1},
     "stop": {"stop": ["\n"]},
-    "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
+    "stream_options": {
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    },
     "suffix": {"suffix": "x"},
     "temperature": {"temperature": 0.5},
     "top_p": {"top_p": 0.9},
