@@ -71,6 +71,9 @@ def serve(
     api_key: ApiKeyOption = None,
     chat_template: ChatTemplateOption = None,
     max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
+    num_threads: Annotated[
+        int | None, typer.Option(min=1, help="CPU threads for torch in the engine (default: torch's choice).")
+    ] = None,
     engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
@@ -80,7 +83,7 @@ def serve(
 
     code = run_server(
         str(model_dir), host, port, engine_config, served_model_name, max_request_bytes,
-        api_key=api_key, chat_template=template, max_logprobs=max_logprobs,
+        api_key=api_key, chat_template=template, max_logprobs=max_logprobs, num_threads=num_threads,
     )  # fmt: skip
     if code:
         raise typer.Exit(code)

@@ -260,6 +260,7 @@ def serve(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_logprobs: int = MAX_LOGPROBS,
+    num_threads: int | None = None,
 ) -> int:
     """Load the model, then serve it with uvicorn until interrupted.
 
@@ -271,6 +272,7 @@ def serve(
         model_name: Served model name (default: the engine's, i.e. the directory's basename).
         max_request_bytes: A larger request body is a 413.
         api_key, chat_template, max_logprobs: as ``build_app``'s (the template already checked).
+        num_threads: torch threads of the process that runs the model (None: torch's default).
 
     Returns:
         The exit status: 0, or 1 if the engine core process died (open streams got an error
@@ -293,7 +295,9 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    engine = build_engine_client(model_dir, engine_config, model_name, on_dead=on_dead)
+    engine = build_engine_client(
+        model_dir, engine_config, model_name, on_dead=on_dead, num_threads=num_threads
+    )
     app = build_app(
         engine,
         max_request_bytes=max_request_bytes,
