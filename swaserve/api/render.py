@@ -160,11 +160,16 @@ class CompletionRenderer(Renderer):
         self,
         texts: TokenTexts,
         include_usage: bool,
-        echo_logprobs: bool = False,
+        show_prompt_logprobs: bool = False,
         continuous_usage: bool = False,
     ) -> None:
         super().__init__(texts, include_usage, continuous_usage)
-        self.echo_logprobs = echo_logprobs  # echo with logprobs: the prompt's come first
+        # echo + logprobs computes prompt logprobs for the echoed logprobs; vLLM's prompt_logprobs
+        # field goes out only when the request asked for it
+        self.show_prompt_logprobs = show_prompt_logprobs
+
+    def _prompt_logprobs(self, choice: Choice) -> PromptLogprobs | None:
+        return super()._prompt_logprobs(choice) if self.show_prompt_logprobs else None
 
     def _logprobs(
         self, choice: Choice, items: list[TokenLogprob], offsets: list[int], with_echo: bool

@@ -302,7 +302,7 @@ class OpenAIServer:
                 )
             self._add_choices(job, k, prompt_ids, params, param, echo)
         renderer = CompletionRenderer(
-            self.texts, req.include_usage, req.echo and req.logprobs is not None, req.continuous_usage
+            self.texts, req.include_usage, req.prompt_logprobs is not None, req.continuous_usage
         )
         return await self._run(job, renderer, req, raw)
 

@@ -65,6 +65,7 @@ async def test_echo_logprobs_equal_transformers_log_softmax(served, hf_tiny) -> 
             model=engine.model_name, prompt=ids, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0
         )
         (choice,) = r.choices
+        assert "prompt_logprobs" not in (choice.model_extra or {})  # not asked for: not sent
         lp = choice.logprobs
         assert lp is not None and len(lp.token_logprobs) == len(ids) + max_tokens
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
