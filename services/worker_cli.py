@@ -66,7 +66,10 @@ def worker_app(role: str) -> typer.Typer:
         ] = "1GiB",  # type: ignore[assignment]
         staging_ttl: Annotated[float, typer.Option(min=1.0, help="decode: seconds staged KV waits.")] = 120.0,
         num_threads: Annotated[
-            int | None, typer.Option(min=1, help="CPU threads for torch (default: torch's choice).")
+            int | None,
+            typer.Option(
+                min=1, help="CPU threads for torch (default: torch's choice, at most the usable CPUs)."
+            ),
         ] = None,
         prompt_len_range: Annotated[
             str | None,

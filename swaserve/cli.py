@@ -72,7 +72,11 @@ def serve(
     chat_template: ChatTemplateOption = None,
     max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
     num_threads: Annotated[
-        int | None, typer.Option(min=1, help="CPU threads for torch in the engine (default: torch's choice).")
+        int | None,
+        typer.Option(
+            min=1,
+            help="CPU threads for torch in the engine (default: torch's choice, at most the usable CPUs).",
+        ),
     ] = None,
     engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
 ) -> None:

@@ -9,7 +9,6 @@ launcher dies (``PR_SET_PDEATHSIG``); ``Cluster.stop`` terminates all (SIGKILL a
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swaserve.options import API_KEY_ENV
-from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready
+from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready, usable_cpus
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
@@ -101,7 +100,7 @@ class Cluster:
         if not any(a.startswith("--num-threads") for a in cmd):
             # workers share the machine's cores: more torch threads than cores make OpenMP spin
             # against each other (measured 10-20x slower prefill on 2 cores)
-            cmd += ["--num-threads", str(max(1, (os.cpu_count() or 1) // (self.prefill + self.decode)))]
+            cmd += ["--num-threads", str(max(1, usable_cpus() // (self.prefill + self.decode)))]
         self.metrics_urls[f"{role}-{i}"] = f"http://127.0.0.1:{mport}/metrics"
         return addr, ServiceProcess(f"{role}-{i}", cmd, grpc_ready(addr))
 

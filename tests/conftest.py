@@ -4,6 +4,7 @@ and the ``cluster`` marker's guard: a test not marked ``cluster`` that starts a 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import multiprocessing.process
 import multiprocessing.util
 import os
@@ -98,6 +99,31 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     with _no_child_processes(item):
         return (yield)
+
+
+# A backstop for a hang pytest-timeout cannot break (its SIGALRM handler runs only when the main
+# thread returns to Python bytecode): past the per-test ``timeout`` plus this grace, faulthandler's
+# own thread prints every thread's stack to the real stderr and exits the run, so CI fails at once
+# with the stacks instead of running into its wall-clock limit.
+HANG_GRACE_S = float(os.environ.get("SWASERVE_TEST_HANG_GRACE_S", "120"))
+_real_stderr: int | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _real_stderr
+    _real_stderr = os.dup(2)  # output capture is suspended here: fd 2 is the terminal or CI's log
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if limit > 0 and _real_stderr is not None:
+        faulthandler.dump_traceback_later(limit + HANG_GRACE_S, exit=True, file=_real_stderr)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

@@ -272,7 +272,7 @@ def serve(
         model_name: Served model name (default: the engine's, i.e. the directory's basename).
         max_request_bytes: A larger request body is a 413.
         api_key, chat_template, max_logprobs: as ``build_app``'s (the template already checked).
-        num_threads: torch threads of the process that runs the model (None: torch's default).
+        num_threads: torch threads of the process that runs the model (None: torch's default, capped at the usable CPUs).
 
     Returns:
         The exit status: 0, or 1 if the engine core process died (open streams got an error

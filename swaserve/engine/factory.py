@@ -15,6 +15,7 @@ from typing import Literal
 
 from swaserve.config import EngineConfig
 from swaserve.engine.client import LocalEngineClient
+from swaserve.procs import usable_cpus
 
 EngineProcess = Literal["inline", "separate"]
 
@@ -43,15 +44,18 @@ def build_engine_client(
 
     ``on_dead``: called if the engine dies while serving: the separate core's process exits, or a
     step (either mode) runs past ``engine_step_timeout`` (the shells exit non-zero).
-    ``num_threads``: torch threads of the process that runs the model.
+    ``num_threads``: torch threads of the process that runs the model (default: torch's own
+    count, capped by ``usable_cpus()`` so a CPU-limited container does not oversubscribe).
     """
+    import torch
+
+    if num_threads is None and torch.get_num_threads() > usable_cpus():
+        num_threads = usable_cpus()
     mode = resolve_engine_process(config.engine_process, config.device)
     if mode == "inline":
         from swaserve.engine.async_engine import AsyncLLMEngine
 
         if num_threads is not None:
-            import torch
-
             torch.set_num_threads(num_threads)
         return AsyncLLMEngine.from_model_dir(model_dir, config, model_name, on_dead)
     from swaserve.engine.mp_client import MPEngineClient
