@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swaserve.api.auth import ApiKeyAuth
 from swaserve.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from swaserve.api.offloop import OffLoopJSONRoute
 from swaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from swaserve.api.responses import (
     ChatCompletionResponse,
@@ -202,6 +203,7 @@ def build_app(
                 await engine.stop()
 
     app = FastAPI(title="swaserve", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = OffLoopJSONRoute  # a large body's JSON decodes in a thread
     app.state.server = server
     app.state.metrics = metrics
     _install_error_handlers(app)

@@ -73,7 +73,7 @@ def _free_port() -> int:
 class _Collect(logging.Handler):
     """The server side's log records (the clients' libraries left out)."""
 
-    CLIENTS = ("openai", "httpx", "httpcore")
+    CLIENTS = ("openai", "httpx", "httpcore", "httpx2", "httpcore2")
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -101,6 +101,11 @@ async def live() -> AsyncIterator[Live]:
     root.addHandler(collect)
     old_level = root.level
     root.setLevel(logging.DEBUG)
+    # an earlier uvicorn with its default log_config (dictConfig) left its loggers not propagating
+    uv = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.access", "uvicorn.error")]
+    old_propagate = [lg.propagate for lg in uv]
+    for lg in uv:
+        lg.propagate = True
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, log_level="debug", access_log=True)
@@ -120,6 +125,8 @@ async def live() -> AsyncIterator[Live]:
         await asyncio.wait_for(task, 30)
         root.removeHandler(collect)
         root.setLevel(old_level)
+        for lg, p in zip(uv, old_propagate, strict=True):
+            lg.propagate = p
 
 
 def _assert_auth_error(r: httpx.Response, message: str) -> None:

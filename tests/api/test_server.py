@@ -795,6 +795,39 @@ async def test_a_body_past_max_request_bytes_is_a_413_and_the_server_keeps_servi
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+async def test_a_large_body_decodes_off_the_event_loop(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from swaserve.api import offloop
+
+    threads: list[threading.Thread] = []
+    real = json.loads
+
+    def loads(raw: bytes) -> Any:
+        threads.append(threading.current_thread())
+        return real(raw)
+
+    monkeypatch.setattr(offloop, "_decode", loads)
+    loop_thread = threading.current_thread()
+    small = await complete(served, prompt=[5, 6, 7], max_tokens=1)
+    assert threads == [loop_thread]  # inline: a thread hop costs more than a small body
+    # past OFF_LOOP_BYTES: decoded in a worker thread, then validated and answered as before
+    pad = " " * offloop.OFF_LOOP_BYTES
+    r = await served.client.post(
+        "/v1/completions",
+        content=b'{"prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0' + pad.encode() + b"}",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    assert len(threads) == 2 and threads[1] is not loop_thread
+    assert r.json()["choices"][0]["text"] == small["choices"][0]["text"]
+    bad = b'{"prompt": [5, 6, 7], "max_tokens": 1' + pad.encode()  # cut short: the same 400 as inline
+    r = await served.client.post("/v1/completions", content=bad, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
 async def test_tokenize_detokenize_and_the_model_card(served: Served) -> None:
     c, tok = served.client, served.engine.tokenizer
     name, max_len = served.engine.model_name, served.engine.max_model_len
