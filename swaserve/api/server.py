@@ -39,6 +39,7 @@ from swaserve.api.tokenize import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from swaserve.config import EngineConfig
 from swaserve.engine.client import EngineClient, Unavailable
@@ -235,6 +236,10 @@ def build_app(
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         return await server.detokenize(req)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+    async def get_tokenizer_info() -> TokenizerInfoResponse:
+        return server.tokenizer_info()
 
     @app.get("/health")
     async def health() -> Response:

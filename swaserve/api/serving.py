@@ -40,6 +40,8 @@ from swaserve.api.tokenize import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
+    tokenizer_info,
 )
 from swaserve.api.tools import plan_tools
 from swaserve.engine.client import EngineClient, Unavailable
@@ -241,6 +243,9 @@ class OpenAIServer:
         else:
             ids = await self.encoder.encode(req.prompt, max_len, "prompt", req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids)
+
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        return tokenizer_info(self.engine.tokenizer, self.engine.max_model_len, self.chat_template)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self._check_model(req.model)

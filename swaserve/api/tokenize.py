@@ -101,3 +101,35 @@ class DetokenizeRequest(_Exact):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info (vLLM's endpoint; lm-eval's ``tokenizer_backend=remote`` reads it):
+    what a client needs to tokenize and render chats as the server does. ``chat_template``: the
+    one the server renders with (``--chat-template`` or the tokenizer's); ``model_max_length``:
+    the server's context length (tokens)."""
+
+    tokenizer_class: str
+    model_max_length: int
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+
+
+def tokenizer_info(tokenizer: Any, max_model_len: int, chat_template: str | None) -> TokenizerInfoResponse:
+    def token(name: str) -> str | None:
+        value = getattr(tokenizer, name, None)
+        return value if isinstance(value, str) else None
+
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return TokenizerInfoResponse(
+        tokenizer_class=type(tokenizer).__name__,
+        model_max_length=max_model_len,
+        bos_token=token("bos_token"),
+        eos_token=token("eos_token"),
+        pad_token=token("pad_token"),
+        unk_token=token("unk_token"),
+        chat_template=template if isinstance(template, str) else None,
+    )

@@ -252,6 +252,8 @@ async def test_the_chat_template_replaces_the_tokenizers(live: Live) -> None:
     ) as h:
         r = await h.post("/tokenize", json={"messages": msgs})
         assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+        info = await h.get("/tokenizer_info")  # what a remote tokenizer renders chats with
+        assert info.status_code == 200 and info.json()["chat_template"] == TEMPLATE, info.text
     chat = await live.client().chat.completions.create(model=NAME, messages=msgs, max_tokens=1)  # type: ignore[arg-type]
     assert chat.usage is not None and chat.usage.prompt_tokens == len(want)
 

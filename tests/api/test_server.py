@@ -852,4 +852,11 @@ async def test_tokenize_detokenize_and_the_model_card(served: Served) -> None:
     )
     r = await c.get(f"/v1/models/{name}")
     assert r.status_code == 200 and r.json()["id"] == name and r.json()["max_model_len"] == max_len
+    # vLLM's /tokenizer_info, as lm-eval's remote tokenizer reads it: special tokens that
+    # /tokenize maps to the tokenizer's ids, and the template the server renders chats with
+    info = (await c.get("/tokenizer_info")).json()
+    assert info["model_max_length"] == max_len and info["chat_template"] == tok.chat_template
+    assert info["eos_token"] == tok.eos_token and info["tokenizer_class"] == type(tok).__name__
+    r = await c.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert r.json()["tokens"] == [tok.eos_token_id]
     assert_openai_error(await c.get("/v1/models/gpt-5"), 404, "model", "model_not_found")
