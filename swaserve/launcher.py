@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swaserve.cpus import usable_cpus
 from swaserve.options import API_KEY_ENV
-from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready, usable_cpus
+from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from swaserve.config import EngineConfig
+from swaserve.cpus import usable_cpus
 from swaserve.engine.client import LocalEngineClient
-from swaserve.procs import usable_cpus
 
 EngineProcess = Literal["inline", "separate"]
 

@@ -1,11 +1,11 @@
-"""``usable_cpus``: the affinity set capped by a cgroup CPU quota (v2 and v1 files)."""
+"""``swaserve.cpus.usable_cpus``: the affinity set capped by a cgroup CPU quota (v2 and v1 files)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from swaserve.procs import usable_cpus
+from swaserve.cpus import usable_cpus
 
 
 def test_usable_cpus_reads_the_cgroup_quota(tmp_path: Path) -> None:
