@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("inline", "separate")
-BIG_MB, BIG_BODIES = 10, 5  # the rejected bodies: size (MB) and how many, one after another
+BIG_MB, BIG_BODIES = 10, 40  # the rejected bodies: size (MB) and how many, one after another (~3 s of probes)
 PROBES = (("serve_probe", "health"), ("serve_reject", "health"), ("up_probe", "router_health"),
           ("up_probe", "prefill_get_load"), ("up_reject", "router_health"), ("up_reject", "prefill_get_load"))  # fmt: skip
 
