@@ -2,7 +2,9 @@
 request whose ``json()`` decodes a body of ``OFF_LOOP_BYTES`` or more in a worker thread
 (``asyncio.to_thread``), so a multi-MB body (~15-30 ms of ``json.loads`` per 10 MB on this
 machine) never holds ``/health`` or other streams. Smaller bodies decode inline: a thread hop
-costs more than they do. Errors are the ones ``json.loads`` raises, handled as before."""
+costs more than they do. Errors are the ones ``json.loads`` raises, handled as before. The route
+also makes the app's ``state.max_model_len`` visible to the request models' size checks
+(``api.protocol.check_sizes``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Any
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
+
+from swaserve.api.protocol import MAX_MODEL_LEN
 
 OFF_LOOP_BYTES = 256 << 10
 _decode = json.loads  # module-level so a test can watch which thread runs it
@@ -35,6 +39,7 @@ class OffLoopJSONRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def offloop(request: Request) -> Response:
+            MAX_MODEL_LEN.set(getattr(request.app.state, "max_model_len", None))  # this task only
             return await handler(OffLoopJSONRequest(request.scope, request.receive))
 
         return offloop

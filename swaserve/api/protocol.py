@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -27,6 +28,42 @@ from swaserve.engine.types import MAX_LOGPROBS, SamplingParams
 MAX_STOP_STRINGS = 4
 MAX_N = 64  # choices per prompt (n)
 MAX_BATCH = 1024  # prompts per completions request, and choices (prompts x n)
+MAX_MESSAGES = 4096  # chat messages per request
+MAX_TOOLS = 1024  # tools per request (OpenAI allows 128)
+MAX_CHOICES = 2000  # guided_choice alternatives (llguidance refuses more, after compiling them)
+
+# the serving engine's context length, set per request by the HTTP front (``api.offloop``): lists
+# longer than it are refused before the body is validated element by element
+MAX_MODEL_LEN: ContextVar[int | None] = ContextVar("swaserve_max_model_len", default=None)
+
+
+def check_sizes(data: Any) -> None:
+    """Raise ProtocolError (400) for a list in a request body whose length alone makes it fail:
+    more messages, tools or guided choices than the limits above, or a token-id prompt (or
+    ``tokens`` to detokenize) longer than the context (``MAX_MODEL_LEN``). Runs before the
+    per-element validation a multi-MB body would otherwise cost on the event loop."""
+    if not isinstance(data, dict):
+        return
+    for name, limit in (("messages", MAX_MESSAGES), ("tools", MAX_TOOLS), ("guided_choice", MAX_CHOICES)):
+        v = data.get(name)
+        if isinstance(v, list) and len(v) > limit:
+            raise ProtocolError(f"{name}: {len(v)} items, more than the limit of {limit}", param=name)
+    max_len = MAX_MODEL_LEN.get()
+    if max_len is None:
+        return
+    for name in ("prompt", "tokens"):
+        v = data.get(name)
+        if not isinstance(v, list) or not v:
+            continue
+        ids = [v] if not isinstance(v[0], list) else v[: MAX_BATCH + 1]
+        for p in ids:
+            if isinstance(p, list) and len(p) > max_len:
+                raise ProtocolError(
+                    f"This model's maximum context length is {max_len} tokens, and {name} has "
+                    f"{len(p)} token ids.",
+                    param=name,
+                    code="context_length_exceeded",
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,7 +99,8 @@ def check_text(value: Any, path: tuple[str | int, ...] = ()) -> None:
             check_text(v, (*path, str(k)))
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            check_text(v, (*path, i))
+            if isinstance(v, (str, dict, list)):  # skip numbers fast: token-id prompts are long
+                check_text(v, (*path, i))
 
 
 class JsonSchemaFormat(_Strict):
@@ -89,6 +127,7 @@ class _GenerationRequest(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
+        check_sizes(data)
         check_text(data)
         return data
 
@@ -335,14 +374,34 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One chat message. Extra keys (``tool_calls``, ``tool_call_id``...) go to the chat template."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
+class ChatMessage(_Strict):
+    """One chat message: OpenAI's fields, each honored or refused. ``tool_calls`` (assistant) and
+    ``tool_call_id`` (tool, required there) and vLLM's ``reasoning_content`` (assistant) go to the
+    chat template; ``refusal``, ``annotations``, ``audio`` and ``function_call`` are accepted only
+    as null (the openai client sends them back that way when a response message is replayed)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool messages need a tool_call_id, and only they carry one")
+        return self
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: text parts joined by newlines into one string;

@@ -828,6 +828,54 @@ async def test_a_large_body_decodes_off_the_event_loop(
     assert_openai_error(r, 400)
 
 
+async def test_oversized_lists_are_refused_before_validation(served: Served) -> None:
+    from swaserve.api.protocol import MAX_CHOICES, MAX_MESSAGES, MAX_TOOLS
+
+    c, max_len = served.client, served.engine.max_model_len
+    msgs = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
+    err = assert_openai_error(await c.post("/v1/chat/completions", json={"messages": msgs}), 400, "messages")
+    assert str(MAX_MESSAGES) in err["message"]
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]
+    body = {"messages": msgs[:1], "tools": tools}
+    assert_openai_error(await c.post("/v1/chat/completions", json=body), 400, "tools")
+    choices = [f"c{i}" for i in range(MAX_CHOICES + 1)]
+    body = {"prompt": "a", "max_tokens": 1, "guided_choice": choices}
+    assert_openai_error(await c.post("/v1/completions", json=body), 400, "guided_choice")
+    long_ids = [5] * (max_len + 1)  # one token id too many, alone and in a batch
+    for prompt in (long_ids, [[5, 6], long_ids]):
+        r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert_openai_error(r, 400, "prompt", "context_length_exceeded")
+    assert_openai_error(await c.post("/detokenize", json={"tokens": long_ids}), 400, "tokens")
+    assert_openai_error(await c.post("/tokenize", json={"messages": msgs}), 400, "messages")
+    assert (await complete(served, prompt=[5] * 8, max_tokens=1))["usage"]["prompt_tokens"] == 8
+
+
+async def test_chat_messages_take_only_their_roles_fields(served: Served) -> None:
+    c = served.client
+    bad = [
+        {"role": "user", "content": "a", "baz": 1},  # unknown field
+        {"role": "user", "content": None},  # only an assistant message may have no content
+        {"role": "user", "content": "a", "tool_calls": []},
+        {"role": "tool", "content": "42"},  # no tool_call_id
+        {"role": "user", "content": "a", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "a", "refusal": "no"},  # refusal: only null
+    ]
+    for m in bad:
+        r = await c.post("/v1/chat/completions", json={"messages": [m], "max_tokens": 1})
+        assert_openai_error(r, 400)
+    # an assistant message replayed as the openai client serializes a response's message
+    replay = {"role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{}"}}]}  # fmt: skip
+    msgs = [
+        {"role": "user", "content": "hi"},
+        replay,
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    r = await c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
 async def test_tokenize_detokenize_and_the_model_card(served: Served) -> None:
     c, tok = served.client, served.engine.tokenizer
     name, max_len = served.engine.model_name, served.engine.max_model_len
