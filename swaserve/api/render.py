@@ -33,6 +33,7 @@ from swaserve.api.responses import (
     Usage,
 )
 from swaserve.api.tools import (
+    FunctionCall,
     FunctionCallDelta,
     ToolCall,
     ToolCallDelta,
@@ -350,9 +351,12 @@ class ChatRenderer(Renderer):
             return ChatResponseMessage(
                 content=content.strip() or None if found else content, tool_calls=found or None
             )
+        if plan.mode == "named":  # the output is the arguments, as streamed (cut short: partial)
+            fn = FunctionCall(name=plan.name or "", arguments=text)
+            return ChatResponseMessage(content=None, tool_calls=[ToolCall(id=new_call_id(), function=fn)])
         calls = calls_from_constrained(plan, text)
         if calls is None:
-            return ChatResponseMessage(content=text)
+            return ChatResponseMessage(content=text)  # a list of calls cut short: the raw text
         return ChatResponseMessage(content=None, tool_calls=calls)
 
     def response(self, job: Job) -> dict[str, Any]:

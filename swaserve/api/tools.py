@@ -149,17 +149,13 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bo
 
 
 def calls_from_constrained(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The calls of a ``named`` / ``required`` output (None: it is not complete JSON, e.g. cut by
-    ``max_tokens``)."""
+    """The calls of a ``required`` output, a JSON list of calls (None: it is not complete JSON,
+    e.g. cut by ``max_tokens``). A ``named`` output is the arguments themselves (``api.render``)."""
+    assert plan.mode == "required"
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if plan.mode == "named":
-        assert plan.name is not None
-        return [
-            ToolCall(id=new_call_id(), function=FunctionCall(name=plan.name, arguments=json.dumps(value)))
-        ]
     return [
         ToolCall(
             id=new_call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"]))

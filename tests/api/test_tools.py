@@ -102,7 +102,21 @@ async def test_named_tool_choice_returns_a_call_whose_arguments_validate(served,
     content, calls, reason = await assemble(stream)
     assert content == "" and reason == "tool_calls" and len(calls) == 1
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
-    assert json.loads(calls[0]["arguments"]) == json.loads(msg.tool_calls[0].function.arguments)  # type: ignore[index]
+    assert calls[0]["arguments"] == msg.tool_calls[0].function.arguments  # type: ignore[index]
+
+
+async def test_a_named_call_cut_by_max_tokens_is_the_same_partial_call_streamed_or_not(served) -> None:  # type: ignore[no-untyped-def]
+    client, engine = served
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw: Any = {"model": engine.model_name, "messages": MSGS, "tools": TOOLS, "tool_choice": choice,
+               "max_tokens": 3, "temperature": 0}  # fmt: skip
+    r = await client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and msg.content is None
+    assert msg.tool_calls and msg.tool_calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    partial = msg.tool_calls[0].function.arguments  # type: ignore[union-attr]
+    content, calls, reason = await assemble(await client.chat.completions.create(**kw, stream=True))
+    assert content == "" and reason == "length" and calls[0]["arguments"] == partial
 
 
 async def test_required_tool_choice_calls_some_tool(served) -> None:  # type: ignore[no-untyped-def]
