@@ -68,16 +68,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ())]
-    if loc and loc[0] == "body":
-        loc = loc[1:]
+
+    def fields(err: Any) -> list[str]:  # the body's field path: no "body", no union member names
+        return [str(p) for p in err.get("loc", ()) if p != "body" and not str(p)[:1].isupper()]
+
+    loc = fields(first)
     if first.get("type") == "json_invalid":
         return f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if not loc and isinstance(first.get("input"), bytes | str):
         return "Request body must be a JSON object sent with Content-Type: application/json", None
     parts = []
     for err in errors[:3]:
-        path = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        path = ".".join(fields(err)) or "body"
         parts.append(f"{path}: {err.get('msg')}")
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return "Invalid request: " + "; ".join(parts) + more, (loc[0] if loc else None)

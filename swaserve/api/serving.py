@@ -32,7 +32,7 @@ from swaserve.api.protocol import (
 )
 from swaserve.api.render import ChatRenderer, Choice, CompletionRenderer, Job, Renderer, sse_data
 from swaserve.api.responses import ModelCard, ModelList, error_body
-from swaserve.api.structured import structured_output
+from swaserve.api.structured import checked, structured_output
 from swaserve.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -343,7 +343,7 @@ class OpenAIServer:
                     "it cannot be combined with response_format or guided_*",
                     param="tool_choice",
                 )
-            params = dataclasses.replace(params, structured=tools.constraint)
+            params = dataclasses.replace(params, structured=await checked(tools.constraint, "tools"))
         job = self._job("chatcmpl", req.return_token_ids, req.num_choices)
         self._add_choices(job, 0, prompt_ids, params, "messages", None)
         renderer = ChatRenderer(

@@ -87,8 +87,13 @@ async def structured_output(req: CompletionRequest | ChatCompletionRequest) -> S
     if got is None:
         return None
     param, so = got
+    return await checked(so, param)  # a large schema compiles for a while
+
+
+async def checked(so: StructuredOutput, param: str) -> StructuredOutput:
+    """``so`` once llguidance compiles it (in a worker thread). Raises ProtocolError (400, ``param``)."""
     try:
-        await asyncio.to_thread(validate, so)  # a large schema compiles for a while
+        await asyncio.to_thread(validate, so)
     except ValueError as e:
         raise ProtocolError(f"invalid {param}: {e}", param=param) from None
     return so

@@ -189,6 +189,15 @@ async def test_tools_reach_the_template_unless_choice_is_none(served) -> None:  
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
         ),
+        (  # a parameters schema llguidance cannot compile
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ],
 )
 async def test_bad_tool_requests_are_400s_and_the_server_keeps_serving(
