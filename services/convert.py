@@ -91,6 +91,7 @@ def _logprobs_to_proto(lps: list[TokenLogprob]) -> list[pb.TokenLogprob]:
             token_id=lp.token_id,
             logprob=lp.logprob,
             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            rank=lp.rank,
         )
         for lp in lps
     ]
@@ -98,7 +99,8 @@ def _logprobs_to_proto(lps: list[TokenLogprob]) -> list[pb.TokenLogprob]:
 
 def _logprobs_from_proto(lps: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
     return [
-        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in lps
+        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top), lp.rank)
+        for lp in lps
     ]
 
 

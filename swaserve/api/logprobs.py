@@ -173,8 +173,8 @@ def echo_logprobs(
 
 def prompt_logprobs(items: Sequence[TokenLogprob], text: Callable[[int], str]) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token a map from
-    token id (a string, JSON keys) to logprob, rank among the top alternatives and text; the
-    prompt token itself is always in the map."""
+    token id (a string, JSON keys) to logprob, rank (1: the most likely token) and text; the
+    prompt token itself is always in the map, with its rank over the whole vocabulary."""
     out: PromptLogprobs = [None]
     for item in items:
         entry = {
@@ -183,7 +183,9 @@ def prompt_logprobs(items: Sequence[TokenLogprob], text: Callable[[int], str]) -
         }
         entry.setdefault(
             str(item.token_id),
-            PromptLogprob(logprob=_finite(item.logprob), decoded_token=text(item.token_id)),
+            PromptLogprob(
+                logprob=_finite(item.logprob), rank=item.rank or None, decoded_token=text(item.token_id)
+            ),
         )
         out.append(entry)
     return out

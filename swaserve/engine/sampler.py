@@ -394,7 +394,9 @@ def fill_logprobs(
         idx = _index(rows, logits.device)
         raw, chosen_ids = logits.index_select(0, idx), token_ids.index_select(0, idx)
     lse = _logsumexp(raw)
-    chosen = (raw.gather(1, chosen_ids.unsqueeze(1)) - lse).squeeze(1).tolist()
+    chosen_raw = raw.gather(1, chosen_ids.unsqueeze(1))
+    chosen = (chosen_raw - lse).squeeze(1).tolist()
+    ranks = ((raw > chosen_raw).sum(dim=1) + 1).tolist()
     n_max = min(max(top_ns), raw.shape[1])
     top_vals: list[list[float]] = [[] for _ in rows]
     top_ids: list[list[int]] = [[] for _ in rows]
@@ -403,7 +405,8 @@ def fill_logprobs(
         top_vals, top_ids = (vals - lse).tolist(), ids.tolist()
     for j, (row, token) in enumerate(zip(rows, chosen_ids.tolist(), strict=True)):
         n = top_ns[j]
-        out[row] = TokenLogprob(token, chosen[j], tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
+        top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        out[row] = TokenLogprob(token, chosen[j], top, int(ranks[j]))
 
 
 def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:

@@ -138,11 +138,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability of one output token and its top alternatives (natural log)."""
+    """Log-probability of one output token and its top alternatives (natural log); ``rank``: 1 +
+    the tokens with a higher logprob (0: not computed)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
 
 
 @dataclass

@@ -45,6 +45,9 @@ def test_prompt_logprobs_equal_transformers_log_softmax(tiny_dir: Path, hf_tiny,
         vals, ids = ref[q].topk(4)
         assert [t for t, _ in lp.top] == ids.tolist()
         assert max(abs(v - r) for (_, v), r in zip(lp.top, vals.tolist(), strict=True)) <= TOL
+        higher = (ref[q] > ref[q, prompt[q + 1]] + TOL).sum().item()  # its rank, up to ties within TOL
+        assert higher + 1 <= lp.rank <= (ref[q] > ref[q, prompt[q + 1]] - TOL).sum().item() + 1
+    assert any(lp.rank > 4 for lp in lps)  # ranks outside the top-4 are known too
     # the same request without prompt logprobs samples the same tokens
     plain = run(eng, "plain", prompt, SamplingParams(max_tokens=3, temperature=0.0))
     assert [t for o in plain for t in o.new_token_ids] == [t for o in outs for t in o.new_token_ids]
