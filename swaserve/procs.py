@@ -1,5 +1,5 @@
 """Child service processes: ``ServiceProcess`` (own process group, SIGTERM when the parent dies
-via Linux ``PR_SET_PDEATHSIG``, output prefixed by its name, a readiness check, stop with a grace
+via ``setpriv --pdeathsig``, output prefixed by its name, a readiness check, stop with a grace
 period), readiness checks over gRPC health and HTTP ``/health``, and ``free_port``. Used by the
 launcher, the local Redis server, the demo, benches and tests.
 """
@@ -7,10 +7,9 @@ launcher, the local Redis server, the demo, benches and tests.
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,8 +19,6 @@ import time
 from collections.abc import Callable
 
 import httpx
-
-_PR_SET_PDEATHSIG = 1
 
 _ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
 
@@ -33,10 +30,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    # Without prctl (not Linux) the callers' stop() is the only guard.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """``cmd`` run through util-linux ``setpriv --pdeathsig TERM`` where it exists (Linux): the
+    child gets SIGTERM when this process dies, set before ``cmd`` is exec'ed. Not a
+    ``preexec_fn``: Python code between fork and exec can deadlock in a process with threads
+    (it takes the at-fork locks; seen here as a test run hung in ``_fork_exec`` for good), and it
+    keeps subprocess off its vfork path. Without setpriv the callers' ``stop()`` is the only guard."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
 
 
 class ClusterError(RuntimeError):
@@ -72,7 +73,7 @@ class ServiceProcess:
     def start(self) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            self.cmd,
+            _with_parent_death_signal(self.cmd),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -80,7 +81,6 @@ class ServiceProcess:
             errors="replace",
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._reader = threading.Thread(target=self._pump, name=f"{self.name}-output", daemon=True)
         self._reader.start()
