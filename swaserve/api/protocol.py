@@ -103,6 +103,14 @@ def check_text(value: Any, path: tuple[str | int, ...] = ()) -> None:
                 check_text(v, (*path, i))
 
 
+def check_body(data: Any) -> Any:
+    """``check_sizes`` then ``check_text`` on a raw request body (a model's before-validator);
+    returns ``data``."""
+    check_sizes(data)
+    check_text(data)
+    return data
+
+
 class JsonSchemaFormat(_Strict):
     """``response_format.json_schema``: OpenAI's named schema (``name``, ``description`` and
     ``strict`` are accepted and not used: the schema is always enforced)."""
@@ -127,9 +135,7 @@ class _GenerationRequest(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
-        check_sizes(data)
-        check_text(data)
-        return data
+        return check_body(data)
 
     model: str | None = None
     max_tokens: int | None = None

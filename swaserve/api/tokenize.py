@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swaserve.api.protocol import ChatMessage, ProtocolError, check_sizes, check_text
+from swaserve.api.protocol import ChatMessage, ProtocolError, check_body
 
 _BOUNDED_NORMALIZERS = {"NFC": 3, "NFKC": 3, "NFD": 1, "NFKD": 1}
 
@@ -67,9 +67,7 @@ class _Exact(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
-        check_sizes(data)
-        check_text(data)
-        return data
+        return check_body(data)
 
 
 class TokenizeCompletionRequest(_Exact):

@@ -49,8 +49,9 @@ def build_engine_client(
     """
     import torch
 
-    if num_threads is None and torch.get_num_threads() > usable_cpus():
-        num_threads = usable_cpus()
+    if num_threads is None:
+        cpus = usable_cpus()
+        num_threads = cpus if torch.get_num_threads() > cpus else None
     mode = resolve_engine_process(config.engine_process, config.device)
     if mode == "inline":
         from swaserve.engine.async_engine import AsyncLLMEngine

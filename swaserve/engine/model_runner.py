@@ -132,7 +132,7 @@ class ModelRunner:
                     block: list[TokenLogprob | None] = [None] * (e - b)
                     ids = torch.tensor(targets[b:e], dtype=torch.long, device=hidden.device)
                     logits = self.model.logits(hidden[row + b : row + e])
-                    fill_logprobs(logits, ids, list(range(e - b)), [k] * (e - b), block)
+                    fill_logprobs(logits, ids, list(range(e - b)), [k] * (e - b), block, with_rank=True)
                     lps.extend(block)
                 out[i] = [lp for lp in lps if lp is not None]
             row += c.n

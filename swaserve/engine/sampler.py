@@ -381,12 +381,15 @@ def fill_logprobs(
     rows: list[int],
     top_ns: list[int],
     out: list[TokenLogprob | None],
+    with_rank: bool = False,
 ) -> None:
     """Store raw-logit logprobs (``token_ids``' own and the top-N of the row) of ``rows`` into ``out``.
 
     Args:
         logits: [B, V] float32 raw logits. token_ids: [B] int64, the token of each row to score.
         rows: which rows to score; top_ns: N per scored row; out: B slots, filled at ``rows``.
+        with_rank: also each token's rank over the vocabulary (a [B, V] compare; only prompt
+            logprobs show it, so sampled tokens skip it).
     """
     if len(rows) == logits.shape[0]:
         raw, chosen_ids = logits, token_ids
@@ -396,7 +399,7 @@ def fill_logprobs(
     lse = _logsumexp(raw)
     chosen_raw = raw.gather(1, chosen_ids.unsqueeze(1))
     chosen = (chosen_raw - lse).squeeze(1).tolist()
-    ranks = ((raw > chosen_raw).sum(dim=1) + 1).tolist()
+    ranks = ((raw > chosen_raw).sum(dim=1) + 1).tolist() if with_rank else [0] * len(rows)
     n_max = min(max(top_ns), raw.shape[1])
     top_vals: list[list[float]] = [[] for _ in rows]
     top_ids: list[list[int]] = [[] for _ in rows]
