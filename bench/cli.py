@@ -56,11 +56,28 @@ def bench_prefix_cache(
             "prompt ends and divergence points)."
         ),
     ] = True,
+    budget_share: Annotated[
+        float | None,
+        typer.Option(
+            min=1e-6,
+            help="Device KV budget as a share of the trace's footprint (default 0.25; --budget wins).",
+        ),
+    ] = None,
     swa_ratio: Annotated[
         float | None,
-        typer.Option(min=0.0, help="Hybrid SWA-pool pages per full page (default: the engine's, 1/9)."),
+        typer.Option(
+            min=0.0,
+            help="Fixed SWA pages per full page for the hybrid layout, as --swa-full-tokens-ratio "
+            "(default: one shared budget, split by the traffic).",
+        ),
     ] = None,
     curve: Annotated[bool, typer.Option(help="Also replay the hit-rate curve over budgets.")] = True,
+    sweep: Annotated[
+        bool, typer.Option(help="On the curve, also replay each fixed ratio (best fixed ratio in hindsight).")
+    ] = True,
+    jobs: Annotated[
+        int | None, typer.Option(min=1, help="Replays run in parallel (default: the usable CPUs).")
+    ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
 ) -> None:
     """Prefix-cache token hit rates of a trace at a memory budget (real cache, no model)."""
@@ -78,6 +95,9 @@ def bench_prefix_cache(
             chunk,
             cache_partial,
             swa_ratio=swa_ratio,
+            budget_share=budget_share,
+            sweep=sweep,
+            jobs=jobs,
         )
     except (OSError, TraceError, BenchInputError) as e:  # unreadable or malformed trace, tiny budget
         raise typer.BadParameter(str(e)) from e

@@ -10,9 +10,12 @@ Method: docs/DESIGN.md#benchprefix_cachepy"""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import resource
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from bench.kv_capacity import SHAPES, model_config
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.plan import PoolPlan
-from swaserve.kvcache.sizing import DEFAULT_SWA_FULL_TOKENS_RATIO, host_plan, page_bytes, plan_pools
+from swaserve.kvcache.sizing import host_plan, page_bytes, plan_pools
 from swaserve.traces import TRACE_BLOCK_TOKENS, TokenBlocks, TraceError, detect_kind, read_mooncake
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +36,7 @@ DTYPE_BYTES = 2
 MOONCAKE_VOCAB = 256
 DEVICE_FRACTION = 0.25  # default device budget, share of the footprint
 CURVE = (  # (device share, host share) of the footprint
+    (0.02, 0.0),
     (0.05, 0.0),
     (0.1, 0.0),
     (0.25, 0.0),
@@ -42,6 +46,12 @@ CURVE = (  # (device share, host share) of the footprint
     (0.1, 1.0),
     (0.25, 1.0),
 )
+
+
+# fixed SWA pages per full page swept for "best fixed ratio in hindsight" on the device-only curve
+# budgets (0: only what the running request needs; 1/9: the former default); MiMo-V2.5-Pro SWA
+# byte shares 0, 0.40, 0.55, 0.64, 0.75
+FIXED_RATIOS = (0.0, 1 / 9, 0.2, 0.3, 0.5)
 
 
 class BenchInputError(ValueError):
@@ -144,8 +154,9 @@ def footprint_bytes(cfg: ModelConfig, unique_pages: int) -> int:
 def hybrid_plan(
     cfg: ModelConfig, budget: int, chunk: int = CHUNK, swa_ratio: float | None = None
 ) -> PoolPlan:
-    """The engine's split of ``budget`` bytes with prefix caching (``plan_pools``: ``swa_ratio`` SWA
-    pages per full page, default the engine's), for one running request at a time.
+    """The split of ``budget`` bytes with prefix caching (``plan_pools``) for one running request at a
+    time: one shared budget split by the traffic (``swa_ratio`` None, the default), or a fixed
+    ``swa_ratio`` SWA pages per full page (``--swa-full-tokens-ratio``).
 
     Raises:
         BenchInputError: the budget cannot hold one page of each pool.
@@ -159,7 +170,7 @@ def hybrid_plan(
         swa_full_tokens_ratio=swa_ratio,
     )
     try:
-        return plan_pools(cfg, ecfg, DTYPE_BYTES)
+        return plan_pools(cfg, ecfg, DTYPE_BYTES, shared=True)
     except ValueError as e:
         raise BenchInputError(str(e)) from e
 
@@ -183,6 +194,7 @@ class Replay:
     """Token counts of one replay (one layout, one device and host budget)."""
 
     layout: str
+    swa_ratio: float | None  # fixed SWA pages per full page; None = shared budget, adaptive split
     device_bytes: int  # of the plan (<= the budget: whole pages)
     host_bytes: int
     full_pages: int
@@ -195,6 +207,7 @@ class Replay:
     rejected: int = 0  # requests that never fit the pools (admission failed): 0 hits, tokens counted
     stalled: int = 0  # admitted requests whose prefill could not go on (not expected alone)
     seconds: float = 0.0
+    swa_byte_share: float = 0.0  # adaptive: the SWA target at the end, share of the device budget
 
     @property
     def hits(self) -> int:
@@ -218,12 +231,14 @@ def replay(
     chunk: int = CHUNK,
     cache_partial: bool = True,
     write_policy: str = "on_evict",
+    swa_ratio: float | None = None,
 ) -> Replay:
     """Run every prompt of ``work`` through a ``KVCacheManager`` with ``plan`` (module doc)."""
     try:
         host = host_plan(plan, host_bytes) if host_bytes > 0 else None
     except ValueError as e:
         raise BenchInputError(str(e)) from e
+    shared = plan.shared_bytes is not None
     kv = KVCacheManager(
         plan,
         PAGE,
@@ -234,11 +249,19 @@ def replay(
         prefix_caching=True,
         host_pages=host,
         write_policy=write_policy,  # type: ignore[arg-type]
+        host_bytes=host_bytes if shared and host_bytes > 0 else None,
+    )
+    dev_bytes = (
+        plan.shared_bytes
+        if shared
+        else plan.full_pages * plan.full_page_bytes + plan.swa_pages * plan.swa_page_bytes
     )
     out = Replay(
-        layout, plan.full_pages * plan.full_page_bytes + plan.swa_pages * plan.swa_page_bytes, host_bytes,
+        layout, swa_ratio if layout == "hybrid" else None, dev_bytes or 0, host_bytes,
         plan.full_pages, plan.swa_pages, host[0] if host else 0, host[1] if host else 0,
     )  # fmt: skip
+    if not shared and layout == "hybrid":
+        out.swa_byte_share = plan.swa_pages * plan.swa_page_bytes / max(1, out.device_bytes)
     t0 = time.perf_counter()
     for i, prompt in enumerate(work.prompts()):
         rid, n = str(i), len(prompt)
@@ -262,6 +285,8 @@ def replay(
         kv.free(rid, prompt[:start])
     out.seconds = time.perf_counter() - t0
     assert kv.cache is not None
+    if kv.cache.split is not None:
+        out.swa_byte_share = kv.cache.split.target / kv.cache.split.total
     s = kv.cache.stats
     if (s.hits_device, s.hits_host) != (out.hits_device, out.hits_host):
         raise RuntimeError(f"cache stats {s} disagree with the per-request hits {out}")
@@ -276,7 +301,41 @@ def _replay_record(r: Replay) -> dict[str, object]:
     d = asdict(r)
     d.update({k: _r(v) for k, v in r.rates().items()})
     d["seconds"] = round(r.seconds, 2)
+    d["swa_byte_share"] = _r(r.swa_byte_share)
     return d
+
+
+# one replay: (layout, fixed SWA ratio or None, device bytes, host bytes)
+Task = tuple[str, float | None, int, int]
+_JOB: dict[str, object] = {}  # the workload and settings, inherited by forked workers
+
+
+def _run_task(task: Task) -> Replay:
+    layout, ratio, d, h = task
+    cfg, work, chunk, partial, policy = (_JOB[k] for k in ("cfg", "work", "chunk", "partial", "policy"))
+    plan = hybrid_plan(cfg, d, chunk, ratio) if layout == "hybrid" else full_plan(cfg, d)  # type: ignore[arg-type]
+    return replay(cfg, work, layout, plan, h, chunk, partial, policy, ratio)  # type: ignore[arg-type]
+
+
+def _run_all(tasks: list[Task], jobs: int) -> dict[Task, Replay | BenchInputError]:
+    """Every task's replay (or the budget error), ``jobs`` processes (fork) at a time."""
+    out: dict[Task, Replay | BenchInputError] = {}
+    if jobs <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            try:
+                out[t] = _run_task(t)
+            except BenchInputError as e:
+                out[t] = e
+        return out
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
+        futs = {t: ex.submit(_run_task, t) for t in tasks}
+        for t, f in futs.items():
+            try:
+                out[t] = f.result()
+            except BenchInputError as e:
+                out[t] = e
+    return out
 
 
 def bench_trace(
@@ -289,23 +348,30 @@ def bench_trace(
     cache_partial: bool = True,
     write_policy: str = "on_evict",
     swa_ratio: float | None = None,
+    budget_share: float | None = None,
+    sweep: bool = True,
+    jobs: int = 1,
 ) -> dict[str, object]:
-    """Replay one trace in both layouts at the budgets (and the curve); returns its JSON record."""
+    """Replay one trace: hybrid (adaptive, or ``swa_ratio`` fixed) and full layout at the budget, and
+    along the curve adaptive, full layout and the sweep of fixed ratios; returns its JSON record."""
     t0 = time.perf_counter()
     cfg = model_config(SHAPE)
     work = load_workload(path, limit)
     foot = footprint_bytes(cfg, work.unique_pages)
-    dev = budget if budget is not None else int(foot * DEVICE_FRACTION)
+    if budget is None:
+        budget = int(foot * (budget_share if budget_share is not None else DEVICE_FRACTION))
     host_b = host_budget if host_budget is not None else (0 if work.kind == "mooncake" else foot)
-    done: dict[tuple[str, int, int], Replay] = {}
-
-    def run(layout: str, d: int, h: int) -> Replay:
-        if (layout, d, h) not in done:
-            plan = hybrid_plan(cfg, d, chunk, swa_ratio) if layout == "hybrid" else full_plan(cfg, d)
-            done[layout, d, h] = replay(cfg, work, layout, plan, h, chunk, cache_partial, write_policy)
-        return done[layout, d, h]
-
-    hyb, full = run("hybrid", dev, host_b), run("full", dev, host_b)
+    _JOB.update(cfg=cfg, work=work, chunk=chunk, partial=cache_partial, policy=write_policy)
+    main_tasks: list[Task] = [("hybrid", swa_ratio, budget, host_b), ("full", None, budget, host_b)]
+    tasks = list(main_tasks)
+    points = [(d, h, int(foot * d), int(foot * h)) for d, h in CURVE] if curve else []
+    for _, _, d, h in points:
+        tasks += [("hybrid", None, d, h), ("full", None, d, h)]
+        tasks += [("hybrid", r, d, h) for r in (FIXED_RATIOS if sweep and h == 0 else ())]
+    done = _run_all(list(dict.fromkeys(tasks)), jobs)
+    hyb, full = done[main_tasks[0]], done[main_tasks[1]]
+    if isinstance(hyb, BenchInputError) or isinstance(full, BenchInputError):
+        raise hyb if isinstance(hyb, BenchInputError) else full  # type: ignore[misc]
     ideal = work.ideal_hit_rate
     hr, fr = hyb.rates(), full.rates()
     rec: dict[str, object] = {
@@ -315,15 +381,15 @@ def bench_trace(
         "page_size": PAGE,
         "chunk_tokens": chunk,
         "cache_partial": cache_partial,
-        "swa_full_tokens_ratio": swa_ratio if swa_ratio is not None else DEFAULT_SWA_FULL_TOKENS_RATIO,
+        "swa_full_tokens_ratio": swa_ratio,  # None: one shared budget, adaptive split
         "write_policy": write_policy,
         "requests": work.requests,
         "prompt_tokens": work.prompt_tokens,
         "unique_pages": work.unique_pages,
         "ideal_hit_tokens": work.ideal_hits,
         "footprint_bytes": foot,
-        "device_budget_bytes": dev,
-        "device_budget_share": _r(dev / foot) if foot else None,
+        "device_budget_bytes": budget,
+        "device_budget_share": _r(budget / foot) if foot else None,
         "host_budget_bytes": host_b,
         "host_budget_share": _r(host_b / foot) if foot else None,
         "hit_rate": _r(hr["hit_rate"]),
@@ -333,48 +399,75 @@ def bench_trace(
         "full_layout_hit_rate": _r(fr["hit_rate"]),
         "hit_vs_ideal": _r(hr["hit_rate"] / ideal) if ideal else None,
         "full_layout_vs_ideal": _r(fr["hit_rate"] / ideal) if ideal else None,
-        "hybrid_swa_byte_share": _r(hyb.swa_pages * page_bytes(cfg, PAGE, DTYPE_BYTES)[1] / max(1, dev)),
+        "hybrid_swa_byte_share": _r(hyb.swa_byte_share),
         "hybrid": _replay_record(hyb),
         "full": _replay_record(full),
+        "fixed_ratios": list(FIXED_RATIOS) if sweep else [],
     }
     if curve:
-        rows = []
-        for dfrac, hfrac in CURVE:
-            try:
-                h = run("hybrid", int(foot * dfrac), int(foot * hfrac))
-                f = run("full", int(foot * dfrac), int(foot * hfrac))
-            except BenchInputError as e:  # a tiny trace (--limit): the share holds no page
-                rows.append({"device_share": dfrac, "host_share": hfrac, "error": str(e)})
+        rows: list[dict[str, object]] = []
+        for dfrac, hfrac, d, h in points:
+            a, f = done["hybrid", None, d, h], done["full", None, d, h]
+            if isinstance(a, BenchInputError) or isinstance(f, BenchInputError):  # tiny trace (--limit)
+                rows.append(
+                    {
+                        "device_share": dfrac,
+                        "host_share": hfrac,
+                        "error": str(a if isinstance(a, Exception) else f),
+                    }
+                )
                 continue
-            rows.append(
-                {
-                    "device_share": dfrac,
-                    "host_share": hfrac,
-                    "hybrid": {
-                        **{k: _r(v) for k, v in h.rates().items()},
-                        "rejected": h.rejected,
-                        "seconds": round(h.seconds, 1),
-                    },
-                    "full": {
-                        **{k: _r(v) for k, v in f.rates().items()},
-                        "rejected": f.rejected,
-                        "seconds": round(f.seconds, 1),
-                    },
-                }
-            )
+            row: dict[str, object] = {
+                "device_share": dfrac,
+                "host_share": hfrac,
+                "adaptive": {**{k: _r(v) for k, v in a.rates().items()}, "swa_byte_share": _r(a.swa_byte_share),
+                             "rejected": a.rejected, "seconds": round(a.seconds, 1)},
+                "full": {**{k: _r(v) for k, v in f.rates().items()}, "rejected": f.rejected,
+                         "seconds": round(f.seconds, 1)},
+            }  # fmt: skip
+            fixed = {r: done["hybrid", r, d, h] for r in (FIXED_RATIOS if sweep and h == 0 else ())}
+            fixed_ok = {r: x.rates()["hit_rate"] for r, x in fixed.items() if isinstance(x, Replay)}
+            row["fixed"] = {str(_r(r)): _r(v) for r, v in fixed_ok.items()}
+            ah = a.rates()["hit_rate"]
+            if fixed_ok:
+                best = max(fixed_ok, key=lambda r: fixed_ok[r])
+                row["best_fixed_ratio"], row["best_fixed_hit_rate"] = _r(best), _r(fixed_ok[best])
+                row["adaptive_vs_best_fixed"] = _r(ah / fixed_ok[best]) if fixed_ok[best] else None
+            row["adaptive_vs_full"] = _r(ah / f.rates()["hit_rate"]) if f.rates()["hit_rate"] else None
+            row["adaptive_vs_ideal"] = _r(ah / ideal) if ideal else None
+            rows.append(row)
         rec["curve"] = rows
-    rec["targets"] = targets(rec)
+    rec["targets"] = targets(rec, limit is None)
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     rec["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return rec
 
 
-def targets(rec: dict[str, object]) -> dict[str, bool]:
-    """The issue's targets for the trace kind (at the record's budgets)."""
-    hit, ideal, full = (float(rec[k]) for k in ("hit_rate", "ideal_hit_rate", "full_layout_hit_rate"))  # type: ignore[arg-type]
-    if rec["kind"] == "mooncake":
-        return {"hybrid >= 0.97 x ideal": hit >= 0.97 * ideal, "hybrid > full layout": hit > full}
-    return {"hybrid >= 0.93": hit >= 0.93, "hybrid >= 0.98 x ideal": hit >= 0.98 * ideal}
+def targets(rec: dict[str, object], whole_trace: bool = True) -> dict[str, bool]:
+    """The targets of issue 14 over the curve (device-only budgets), plus the agent trace's own."""
+    out: dict[str, bool] = {}
+    hit, ideal = float(rec["hit_rate"]), float(rec["ideal_hit_rate"])  # type: ignore[arg-type]
+    if rec["kind"] == "agent":
+        out["hybrid >= 0.93 (host tier)"] = hit >= 0.93
+        out["hybrid >= 0.98 x ideal (host tier)"] = hit >= 0.98 * ideal
+    curve = rec.get("curve", [])
+    assert isinstance(curve, list)
+    rows: list[dict] = [c for c in curve if isinstance(c, dict) and "error" not in c]
+    for c in rows:
+        a, f = c["adaptive"]["hit_rate"], c["full"]["hit_rate"]
+        d, h = c["device_share"], c["host_share"]
+        where = f"device {d}" + (f" + host {h}" if h else "")
+        if h == 0 and d >= 0.25:
+            out[f"{where}: adaptive >= 0.97 x ideal"] = a >= 0.97 * ideal
+        if h == 0 and d == 0.05:
+            out[f"{where}: adaptive >= min(2 x full layout, 0.9 x ideal)"] = a >= min(2 * f, 0.9 * ideal)
+        if "best_fixed_hit_rate" in c:
+            out[f"{where}: adaptive >= 0.98 x best fixed ratio"] = a >= 0.98 * c["best_fixed_hit_rate"]
+    if whole_trace and rec["kind"] == "mooncake":
+        hyb = rec["hybrid"]
+        assert isinstance(hyb, dict)
+        out["whole trace replay < 120 s per layout"] = float(hyb["seconds"]) < 120
+    return out
 
 
 # -- output ------------------------------------------------------------------------------------------
@@ -386,6 +479,7 @@ def print_record(rec: dict[str, object]) -> None:
     hyb, full = rec["hybrid"], rec["full"]
     assert isinstance(hyb, dict) and isinstance(full, dict)
     ideal = float(rec["ideal_hit_rate"])  # type: ignore[arg-type]
+    ratio = rec["swa_full_tokens_ratio"]
     print(
         f"Prefix cache: {rec['trace']} ({rec['kind']}: {rec['requests']} requests, "
         f"{rec['prompt_tokens']} prompt tokens, {rec['unique_pages']} distinct pages)"
@@ -394,40 +488,59 @@ def print_record(rec: dict[str, object]) -> None:
         f"{SHAPE.name}, bf16 KV, page {PAGE}, prefill chunk {rec['chunk_tokens']}"
         f"{', cache_partial' if rec['cache_partial'] else ''}; footprint {_gb(rec['footprint_bytes'])} GB; "
         f"device {_gb(rec['device_budget_bytes'])} GB ({rec['device_budget_share']}), "
-        f"host {_gb(rec['host_budget_bytes'])} GB ({rec['host_budget_share']})"
+        f"host {_gb(rec['host_budget_bytes'])} GB ({rec['host_budget_share']}); hybrid split: "
+        + ("one shared budget, adaptive" if ratio is None else f"fixed, {ratio} SWA pages per full page")
     )
     print(
-        f"{'layout':<8}{'full pg':>10}{'swa pg':>10}{'host full':>11}{'host swa':>10}"
+        f"{'layout':<8}{'swa bytes':>10}{'host full':>11}{'host swa':>10}"
         f"{'device':>8}{'host':>8}{'total':>8}{'ideal':>8}{'/ideal':>8}{'reject':>8}{'s':>7}"
     )
     for r in (hyb, full):
+        share = f"{r['swa_byte_share']:.3f}" if r["layout"] == "hybrid" else "0.500"
         print(
-            f"{r['layout']:<8}{r['full_pages']:>10}{r['swa_pages']:>10}{r['host_full_pages']:>11}"
+            f"{r['layout']:<8}{share:>10}{r['host_full_pages']:>11}"
             f"{r['host_swa_pages']:>10}{r['device_hit_rate']:>8.4f}{r['host_hit_rate']:>8.4f}"
             f"{r['hit_rate']:>8.4f}{ideal:>8.4f}{r['hit_rate'] / max(ideal, 1e-12):>8.3f}"
             f"{r['rejected'] + r['stalled']:>8}{r['seconds']:>7.1f}"
         )
-    tg = rec.get("targets")
-    if isinstance(tg, dict):
-        print("targets: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in tg.items()))
     curve = rec.get("curve")
     if isinstance(curve, list):
-        print("Hit-rate curve (budgets as shares of the footprint; total = device + host)")
-        print(f"{'device':>7}{'host':>6}{'hybrid total':>14}{'device':>8}{'full total':>12}{'device':>8}")
+        print("Hit-rate curve (budgets as shares of the footprint; hit rates device + host)")
+        print(
+            f"{'device':>7}{'host':>6}{'adaptive':>10}{'swa share':>10}{'best fixed':>11}{'(ratio)':>9}"
+            f"{'full':>8}{'/best':>7}{'/full':>7}{'/ideal':>8}{'s':>6}"
+        )
         for c in curve:
             if "error" in c:
                 print(f"{c['device_share']:>7}{c['host_share']:>6}  {c['error']}")
                 continue
-            h, f = c["hybrid"], c["full"]
+            a, f = c["adaptive"], c["full"]
+            bf = c.get("best_fixed_hit_rate")
             print(
-                f"{c['device_share']:>7}{c['host_share']:>6}{h['hit_rate']:>14.4f}{h['device_hit_rate']:>8.4f}"
-                f"{f['hit_rate']:>12.4f}{f['device_hit_rate']:>8.4f}"
+                f"{c['device_share']:>7}{c['host_share']:>6}{a['hit_rate']:>10.4f}{a['swa_byte_share']:>10.3f}"
+                + (f"{bf:>11.4f}{c['best_fixed_ratio']:>9.3f}" if bf is not None else f"{'-':>11}{'-':>9}")
+                + f"{f['hit_rate']:>8.4f}"
+                + (f"{c['adaptive_vs_best_fixed']:>7.3f}" if bf else f"{'-':>7}")
+                + f"{c['adaptive_vs_full'] or 0:>7.2f}{c['adaptive_vs_ideal'] or 0:>8.3f}{a['seconds']:>6.0f}"
                 + (
-                    f"  (rejected {h['rejected']} / {f['rejected']})"
-                    if h["rejected"] or f["rejected"]
+                    f"  (rejected {a['rejected']} / {f['rejected']})"
+                    if a["rejected"] or f["rejected"]
                     else ""
                 )
             )
+        sweep = [c for c in curve if c.get("fixed")]
+        if sweep:
+            ratios = list(sweep[0]["fixed"])
+            print("Fixed ratios (SWA pages per full page), hit rate")
+            print(f"{'device':>7}{'host':>6}" + "".join(f"{r:>9}" for r in ratios))
+            for c in sweep:
+                print(
+                    f"{c['device_share']:>7}{c['host_share']:>6}"
+                    + "".join(f"{c['fixed'].get(r, 0):>9.4f}" for r in ratios)
+                )
+    tg = rec.get("targets")
+    if isinstance(tg, dict):
+        print("targets: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in tg.items()))
     print(f"wall {rec['wall_s']} s, peak RSS {rec['peak_rss_mb']} MB")
 
 
@@ -442,18 +555,26 @@ def main(
     cache_partial: bool = True,
     write_policy: str = "on_evict",
     swa_ratio: float | None = None,
+    budget_share: float | None = None,
+    sweep: bool = True,
+    jobs: int | None = None,
 ) -> dict[str, object]:
     """Bench each trace (default: both bundled ones), print its tables, write JSON.
 
     JSON: one trace -> its record; several -> ``{"traces": [record, ...]}``. A record has
     ``hit_rate`` (hybrid, device + host), ``device_hit_rate``, ``host_hit_rate``, ``ideal_hit_rate``,
     ``full_layout_hit_rate``, the ratios to the ideal, budgets, ``hybrid``/``full`` details (pages,
-    per-tier rates, rejected requests), ``curve`` and ``targets``.
+    per-tier rates, rejected requests), ``curve`` (per budget: adaptive, full layout, each fixed
+    ratio, the best fixed ratio in hindsight) and ``targets``.
     """
     paths = [Path(t) for t in traces] if traces else [CONVERSATION_TRACE, AGENT_TRACE]
+    jobs = jobs if jobs is not None else max(1, len(os.sched_getaffinity(0)))
     recs = []
     for p in paths:
-        rec = bench_trace(p, limit, budget, host_budget, curve, chunk, cache_partial, write_policy, swa_ratio)
+        rec = bench_trace(
+            p, limit, budget, host_budget, curve, chunk, cache_partial, write_policy, swa_ratio,
+            budget_share, sweep, jobs,
+        )  # fmt: skip
         print_record(rec)
         print()
         recs.append(rec)

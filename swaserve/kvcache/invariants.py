@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+from swaserve.kvcache.budget import ByteBudget
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import RadixNode
 
 
 def _owned(pool: PagePool, owners: dict[int, str], name: str) -> None:
-    for p in range(pool.num_pages):
+    for p in range(pool.issued):
         free = pool.is_free(p)
         assert not (free and p in owners), f"{name} page {p} is free and owned by {owners[p]}"
         assert free or p in owners, f"{name} page {p} is neither free nor owned (leak)"
@@ -88,6 +89,20 @@ def check(kv: KVCacheManager) -> None:
     for name, pool in pools.items():
         if pool is not None and (name != "swa" or kv.has_swa):
             _owned(pool, owners[name], name)
+    budgets: list[tuple[ByteBudget | None, list[PagePool | None], str]] = [
+        (kv.budget, [kv.full.pool, kv.swa.pool], "device")
+    ]
+    if cache is not None and cache.host_full is not None and cache.host_full.budget is not None:
+        budgets.append((cache.host_full.budget, [cache.host_full, cache.host_swa], "host"))
+    for budget, bpools, name in budgets:
+        if budget is None:
+            continue
+        ps = [q for q in bpools if q is not None and q.budget is budget]
+        used = sum(q.num_used * q.page_bytes for q in ps)
+        reserved = sum(q.reserved * q.page_bytes for q in ps)
+        assert budget.used == used, f"{name} budget: {budget.used} B used, pools hold {used} B"
+        assert budget.reserved == reserved, f"{name} budget: {budget.reserved} B reserved, pools {reserved} B"
+        assert budget.used + budget.reserved <= budget.total, f"{name} budget exceeded: {budget}"
     if cache is not None:
         assert kv.cached_pages() == cache.cached_pages(), (
             "pool-derived cache page counts disagree with the tree"

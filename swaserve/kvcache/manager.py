@@ -5,7 +5,9 @@ Admission (``admit`` -> one ``Admission`` per request, or None: no room now) res
 pool, the most pages the request can hold at once that it must be guaranteed (full: prompt +
 max_tokens; SWA: window + one token, i.e. ceil(window / page) + 2), so a running request never
 fails for lack of pages. Prefill chunks bigger than that draw on unreserved free pages; the
-scheduler sizes chunks with ``max_chunk``.
+scheduler sizes chunks with ``max_chunk``. With a shared plan (``PoolPlan.shared_bytes``) both pools
+draw from one ``ByteBudget`` and the prefix cache's ``AdaptiveSplit`` decides what it evicts; the
+checks above then add both kinds' bytes.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from swaserve.config import FULL, SWA
+from swaserve.kvcache.adaptive import AdaptiveSplit
 from swaserve.kvcache.block_events import BlockEvent
+from swaserve.kvcache.budget import ByteBudget
 from swaserve.kvcache.host import PageMover
 from swaserve.kvcache.kind import FullAttentionManager, KindManager, SlidingWindowManager
-from swaserve.kvcache.plan import PoolPlan
+from swaserve.kvcache.plan import PoolPlan, cdiv
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.prefix_cache import Acquired, PrefixCache, WritePolicy
 from swaserve.kvcache.radix import CacheLock
@@ -55,6 +59,8 @@ class KVCacheManager:
         host_pages: (full, swa) pages of the host tier; None = no host tier.
         mover: copies pages between device and host (``HostKVStorage``; default: accounting only).
         write_policy: when pages get a host copy ("on_evict" | "second_hit").
+        host_bytes: with a shared plan, the host tier's byte budget, shared by its two pools
+            (``host_pages`` then ignored); None = ``host_pages`` as given.
     """
 
     def __init__(
@@ -69,14 +75,16 @@ class KVCacheManager:
         host_pages: tuple[int, int] | None = None,
         mover: PageMover | None = None,
         write_policy: WritePolicy = "on_evict",
+        host_bytes: int | None = None,
     ) -> None:
         if layout not in ("hybrid", "full"):
             raise ValueError(f"kv layout must be 'hybrid' or 'full', got {layout!r}")
         self.plan, self.page_size, self.window, self.layout = plan, page_size, window, layout
+        self.budget = ByteBudget(plan.shared_bytes) if plan.shared_bytes is not None else None
         self.full: KindManager = FullAttentionManager(
-            PagePool(plan.full_pages, plan.full_page_bytes, num_full_layers), page_size
+            PagePool(plan.full_pages, plan.full_page_bytes, num_full_layers, self.budget), page_size
         )
-        swa_pool = PagePool(plan.swa_pages, plan.swa_page_bytes, num_swa_layers)
+        swa_pool = PagePool(plan.swa_pages, plan.swa_page_bytes, num_swa_layers, self.budget)
         self.swa: KindManager = (
             SlidingWindowManager(swa_pool, page_size, window, keep_boundary_window=prefix_caching)
             if layout == "hybrid"
@@ -86,9 +94,21 @@ class KVCacheManager:
         self.cache: PrefixCache | None = None
         if prefix_caching:
             host_full = host_swa = None
-            if host_pages is not None:
+            self.host_budget = None
+            if self.budget is not None and host_bytes:
+                self.host_budget = ByteBudget(host_bytes)
+                host_full = PagePool(1, plan.full_page_bytes, num_full_layers, self.host_budget)
+                host_swa = PagePool(1, plan.swa_page_bytes, num_swa_layers, self.host_budget)
+            elif host_pages is not None:
                 host_full = PagePool(host_pages[0], plan.full_page_bytes, num_full_layers)
                 host_swa = PagePool(max(1, host_pages[1]), plan.swa_page_bytes, num_swa_layers)
+            split = host_split = None
+            if self.budget is not None and self.has_swa and layout == "hybrid" and window:
+                split = self._split(
+                    self.budget.total, (self.budget.total + (host_bytes or 0)) / self.budget.total
+                )
+                if self.host_budget is not None:
+                    host_split = self._split(self.host_budget.total, 1.0)
             self.cache = PrefixCache(
                 page_size,
                 self.swa.window,
@@ -98,17 +118,38 @@ class KVCacheManager:
                 host_swa if self.has_swa else None,
                 mover,
                 write_policy,
+                split,
+                host_split,
             )
         self.admitted: dict[str, Admission] = {}  # rid -> what it got at admission
+
+    def _split(self, total: int, horizon: float) -> AdaptiveSplit:
+        """The adaptive split of ``total`` shared bytes (defaults: ``kvcache.adaptive``)."""
+        pbf, pbs = self.plan.full_page_bytes, self.plan.swa_page_bytes
+        return AdaptiveSplit(
+            total, pbf, pbs, self.page_size, cdiv(self.window, self.page_size), horizon=horizon
+        )
 
     def _kinds(self) -> list[KindManager]:
         return [self.full, self.swa] if self.has_swa else [self.full]
 
+    def _bytes(self, pages: list[int]) -> int:
+        """Bytes of ``pages[i]`` pages of kind ``_kinds()[i]``."""
+        return sum(n * k.pool.page_bytes for k, n in zip(self._kinds(), pages, strict=True))
+
     def fits_ever(self, max_total_tokens: int) -> bool:
         """Could this request be admitted into empty pools?"""
-        return all(k.guarantee_for(max_total_tokens) <= k.pool.num_pages for k in self._kinds())
+        gs = [k.guarantee_for(max_total_tokens) for k in self._kinds()]
+        if self.budget is not None:
+            return self._bytes(gs) <= self.budget.total
+        return all(g <= k.pool.num_pages for k, g in zip(self._kinds(), gs, strict=True))
 
     def can_admit(self, max_total_tokens: int) -> bool:
+        if self.budget is not None:
+            return (
+                self._bytes([k.guarantee_for(max_total_tokens) for k in self._kinds()])
+                <= self.budget.available
+            )
         return all(k.can_admit(max_total_tokens) for k in self._kinds())
 
     def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None = None) -> Admission | None:
@@ -122,14 +163,22 @@ class KVCacheManager:
         acq: Acquired | None = None
         if self.cache is not None and prompt:
             limit = (len(prompt) - 1) // P * P
-            acq = self.cache.acquire(prompt, limit) or self.cache.acquire(prompt, limit, use_host=False)
+            acq = self.cache.acquire(prompt, limit) or self.cache.acquire(
+                prompt, limit, use_host=False, observe=False
+            )
             assert acq is not None  # without host loads nothing can fail
         n = acq.length // P if acq is not None else 0
         gs = [k.guarantee_for(max_total_tokens, n) for k in self._kinds()]
-        if self.cache is not None:
+        if self.cache is not None and self.budget is not None:
+            self.cache.make_room_bytes(self._bytes(gs))
+        elif self.cache is not None:
             for k, g in zip(self._kinds(), gs, strict=True):
                 self.cache.make_room(FULL if k is self.full else SWA, g)
-        if not all(k.pool.can_reserve(g) for k, g in zip(self._kinds(), gs, strict=True)):
+        if self.budget is not None:
+            room = self._bytes(gs) <= self.budget.available
+        else:
+            room = all(k.pool.can_reserve(g) for k, g in zip(self._kinds(), gs, strict=True))
+        if not room:
             if acq is not None and self.cache is not None:
                 self.cache.release(acq.lock)
             return None
@@ -167,30 +216,57 @@ class KVCacheManager:
         if start < d < end:
             end = d
         if self.cache is not None:
+            extra = []
             for k in self._kinds():
                 t = k.tables[rid]
                 _, new = k.pages_to_add(rid, start, end)
-                if new > t.reserved:
+                extra.append(max(0, new - t.reserved))
+                if new > t.reserved and self.budget is None:
                     self.cache.make_room(FULL if k is self.full else SWA, new - t.reserved)
+            if self.budget is not None and any(extra):
+                self.cache.make_room_bytes(self._bytes(extra))
         lo, hi = 0, end - start
-        if all(self._fits(k, rid, start, end) for k in self._kinds()):
+        if self._fits_all(rid, start, end):
             return hi  # the common case: the whole chunk fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if all(self._fits(k, rid, start, start + mid) for k in self._kinds()):
+            if self._fits_all(rid, start, start + mid):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
+    def _fits_all(self, rid: str, start: int, end: int) -> bool:
+        if self.budget is None:
+            return all(self._fits(k, rid, start, end) for k in self._kinds())
+        # one budget: the kinds allocate in order (full, then SWA, which may free first), so each
+        # running sum of unreserved bytes taken must fit what the budget has available
+        taken = 0
+        for k in self._kinds():
+            taken += self._cost(k, rid, start, end) * k.pool.page_bytes
+            if taken > self.budget.available:
+                return False
+        return True
+
     @staticmethod
-    def _fits(k: KindManager, rid: str, start: int, end: int) -> bool:
+    def _chunk(k: KindManager, rid: str, start: int, end: int) -> tuple[int, int, int]:
+        """(pages chunk [start, end) adds, pages it frees, reservation after the rebalance)."""
         t = k.tables[rid]
         freed, new = k.pages_to_add(rid, start, end)
         freed = max(0, freed - max(0, t.shared_end - t.base))  # cache pages leave without freeing
         held = len(t.private()) - freed
-        reserved_after = max(t.reserved, t.guarantee - held)  # reservation after rebalance
-        extra_available = k.pool.num_available + freed - (reserved_after - t.reserved)
+        return new, freed, max(t.reserved, t.guarantee - held)
+
+    @classmethod
+    def _cost(cls, k: KindManager, rid: str, start: int, end: int) -> int:
+        """Unpromised pages of ``k``'s pool chunk [start, end) takes, net of the pages it frees."""
+        new, freed, reserved_after = cls._chunk(k, rid, start, end)
+        return max(0, new - reserved_after) + (reserved_after - k.tables[rid].reserved) - freed
+
+    @classmethod
+    def _fits(cls, k: KindManager, rid: str, start: int, end: int) -> bool:
+        new, freed, reserved_after = cls._chunk(k, rid, start, end)
+        extra_available = k.pool.num_available + freed - (reserved_after - k.tables[rid].reserved)
         return new <= reserved_after + max(0, extra_available)
 
     def allocate(self, rid: str, start: int, end: int) -> bool:

@@ -14,9 +14,14 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """Pages and bytes per page (all layers of the pool, K and V) of the full and SWA pools."""
+    """Pages and bytes per page (all layers of the pool, K and V) of the full and SWA pools.
+
+    ``shared_bytes``: both pools draw from one byte budget of this size (``kvcache.budget``; the
+    page counts are then the most each pool could hold alone); None = pools of their own.
+    """
 
     full_pages: int
     swa_pages: int
     full_page_bytes: int
     swa_page_bytes: int
+    shared_bytes: int | None = None

@@ -3,44 +3,72 @@
 A ``PagePool`` knows nothing about tensors; it hands out page ids. ``reserve`` sets pages aside for a
 request at admission so that later ``allocate`` calls for it cannot fail; unreserved allocations
 (e.g. a prefill chunk larger than the reservation) succeed only if unreserved pages are free.
+A pool bound to a ``ByteBudget`` shares its room with the other pools of that budget (its free and
+available pages are the budget's bytes divided by its page size); page ids are then issued lazily,
+lowest free id first in issue order, so ids stay below the most pages the pool ever held.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from swaserve.kvcache.budget import ByteBudget
 from swaserve.kvcache.stats import PoolStats
 
 
 class PagePool:
-    """Free list of ``num_pages`` page ids.
+    """Free list of ``num_pages`` page ids, or pages drawn from a shared ``budget``.
+
+    Args:
+        num_pages: pages of a pool of its own; ignored with ``budget`` (then the most pages the
+            budget could hold, ``budget.total // page_bytes``).
+        page_bytes: bytes of one page (all layers of the pool, K and V).
+        budget: shared bytes (``kvcache.budget``); None = a pool of its own.
 
     Invariants: every page id is either free or held by exactly one owner; ``reserved`` never exceeds
     the free pages, so a reserved allocation always succeeds.
     """
 
-    def __init__(self, num_pages: int, page_bytes: int, num_layers: int) -> None:
+    def __init__(
+        self, num_pages: int, page_bytes: int, num_layers: int, budget: ByteBudget | None = None
+    ) -> None:
+        if budget is not None:
+            if page_bytes < 1:
+                raise ValueError("a pool on a shared budget needs page_bytes >= 1")
+            num_pages = budget.total // page_bytes
         if num_pages < 1:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.num_layers = num_layers
-        self._free: deque[int] = deque(range(num_pages))
-        self._is_free = [True] * num_pages
+        self.budget = budget
+        self._issued = 0 if budget is not None else num_pages  # ids 0 .. issued-1 exist
+        self._free: deque[int] = deque(range(self._issued))
+        self._is_free = bytearray(b"\x01") * self._issued
+        self._used = 0
         self.reserved = 0  # pages promised to admitted requests, not yet allocated
         self.peak_used = 0
 
     @property
+    def issued(self) -> int:
+        """Page ids handed out at least once (all of them for a pool of its own)."""
+        return self._issued
+
+    @property
     def num_free(self) -> int:
+        if self.budget is not None:
+            return self.budget.free // self.page_bytes
         return len(self._free)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self._used
 
     @property
     def num_available(self) -> int:
         """Free pages not promised to anyone."""
+        if self.budget is not None:
+            return self.budget.available // self.page_bytes
         return len(self._free) - self.reserved
 
     def can_reserve(self, n: int) -> bool:
@@ -51,12 +79,16 @@ class PagePool:
         if n < 0 or not self.can_reserve(n):
             return False
         self.reserved += n
+        if self.budget is not None:
+            self.budget.reserved += n * self.page_bytes
         return True
 
     def unreserve(self, n: int) -> None:
         if n < 0 or n > self.reserved:
             raise ValueError(f"unreserve({n}) with {self.reserved} reserved")
         self.reserved -= n
+        if self.budget is not None:
+            self.budget.reserved -= n * self.page_bytes
 
     def allocate(self, n: int, from_reserved: int = 0) -> list[int] | None:
         """Take ``n`` pages, ``from_reserved`` of them out of the caller's reservation.
@@ -68,22 +100,33 @@ class PagePool:
         if n - from_reserved > self.num_available:
             return None
         self.reserved -= from_reserved
+        if self.budget is not None:
+            self.budget.reserved -= from_reserved * self.page_bytes
+            self.budget.used += n * self.page_bytes
+            fresh = max(0, n - len(self._free))  # ids never issued before
+            self._free.extend(range(self._issued, self._issued + fresh))
+            self._is_free.extend(b"\x01" * fresh)
+            self._issued += fresh
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
             self._is_free[p] = False
-        self.peak_used = max(self.peak_used, self.num_used)
+        self._used += n
+        self.peak_used = max(self.peak_used, self._used)
         return pages
 
     def free(self, pages: list[int]) -> None:
         """Return pages to the free list. Raises ValueError on a double free."""
         for p in pages:
-            if self._is_free[p]:
-                raise ValueError(f"page {p} freed twice")
+            if p < 0 or self.is_free(p):
+                raise ValueError(f"page {p} freed twice (or never allocated)")
             self._is_free[p] = True
             self._free.append(p)
+        self._used -= len(pages)
+        if self.budget is not None:
+            self.budget.used -= len(pages) * self.page_bytes
 
     def is_free(self, page: int) -> bool:
-        return self._is_free[page]
+        return page >= self._issued or bool(self._is_free[page])
 
     def stats(self) -> PoolStats:
         return PoolStats(self.num_pages, self.num_used, self.peak_used, self.page_bytes, self.num_layers)

@@ -9,12 +9,15 @@ Eviction stages and host tier: docs/DESIGN.md#kvcacheprefix_cachepy"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from swaserve.config import FULL, SWA
+from swaserve.kvcache.adaptive import AdaptiveSplit, node_page_hashes
 from swaserve.kvcache.block_events import BlockEvent, BlockEventLog
 from swaserve.kvcache.host import NoCopy, PageMover
+from swaserve.kvcache.host_tier import HostTier
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import INNER, TRIM_INNER, TRIM_LEAF, CacheLock, RadixNode, RadixTree
 
@@ -44,12 +47,14 @@ class Acquired:
     diverge: int = 0  # tokens the tree holds full KV for (>= length): where the prompt leaves it
 
 
-class PrefixCache:
+class PrefixCache(HostTier):
     """Args:
     page_size: tokens per page. window: SWA window in tokens, None = SWA-unaware (full layout).
     full_pool, swa_pool: device pools (swa_pool None if the model has no SWA layers).
     host_full, host_swa: host-tier pools (None = no host tier).
     mover: copies pages between tiers. write_policy: see module doc.
+    split, host_split: the adaptive split of a shared byte budget (``kvcache.adaptive``) when the
+        device pools (host pools) draw from one ``ByteBudget``; None = pools of their own.
     """
 
     def __init__(
@@ -62,6 +67,8 @@ class PrefixCache:
         host_swa: PagePool | None = None,
         mover: PageMover | None = None,
         write_policy: WritePolicy = "on_evict",
+        split: AdaptiveSplit | None = None,
+        host_split: AdaptiveSplit | None = None,
     ) -> None:
         if write_policy not in ("on_evict", "second_hit"):
             raise ValueError(f"host write policy must be on_evict or second_hit, got {write_policy!r}")
@@ -75,6 +82,7 @@ class PrefixCache:
         self._pinned: set[RadixNode] = set()
         self._suspects: set[RadixNode] = set()  # nodes that may have become dead leaves
         self.events: BlockEventLog | None = None  # the block event log (``enable_events``)
+        self.split, self.host_split = split, host_split
 
     @property
     def has_host(self) -> bool:
@@ -108,17 +116,22 @@ class PrefixCache:
         n, _ = self.tree.best_length(pages, use_host and self.has_host)
         return n * P, self.tree.best_length(pages, False)[0] * P
 
-    def acquire(self, tokens: list[int], max_tokens: int, use_host: bool = True) -> Acquired | None:
+    def acquire(
+        self, tokens: list[int], max_tokens: int, use_host: bool = True, observe: bool = True
+    ) -> Acquired | None:
         """Match ``tokens[:max_tokens]``, load host-resident pages of the hit back to device, lock.
+        ``observe``: feed the lookup to the adaptive split (once per admission).
 
         Returns None (tree unchanged apart from splits and cache-to-cache eviction) if the device
-        pools cannot take the host pages to load; retry with ``use_host=False``.
+        pools cannot take the host pages to load; retry with ``use_host=False, observe=False``.
         """
         P, tree = self.page_size, self.tree
         use_host = use_host and self.has_host
         pages = tree.walk(tokens, max_tokens // P)
         n, _ = tree.best_length(pages, use_host)
         diverge = len(pages) * P
+        if observe and self.split is not None:
+            self._observe(tokens, max_tokens // P, pages, n, use_host)
         if n == 0:
             return Acquired(None, 0, 0, diverge=diverge)
         dev = tree.best_length(pages, False)[0]  # what the device alone would have served
@@ -161,6 +174,23 @@ class PrefixCache:
             diverge,
         )
 
+    def _observe(self, tokens: list[int], max_pages: int, pages: list, hit: int, use_host: bool) -> None:
+        """Ghost gains of one lookup (``AdaptiveSplit``) move the device and host targets."""
+        split = self.split
+        assert split is not None
+        gs = split.swa_gain(pages, hit, use_host) if self.tree.has_swa and self.tree.window else 0
+        full_ok = all(pg.full is not None or (use_host and pg.host_full is not None) for pg in pages)
+        gf = split.full_gain(tokens, pages, max_pages) if full_ok else 0
+        split.update(gs, gf)
+        if self.host_split is not None:
+            self.host_split.update(gs, gf)
+
+    def _lost_pages(self, y: RadixNode, nbytes: int, end_hit: bool = True) -> None:
+        """``y`` leaves the tree with no copy anywhere: its pages become full ghosts (``end_hit``:
+        a hit could end at its end)."""
+        if self.split is not None:
+            self.split.lost_pages(node_page_hashes(y, self.page_size), nbytes, end_hit)
+
     def _load(self, nodes: list[RadixNode], pages: list, win_start: int) -> bool:
         """Bring the host-resident full KV of ``nodes`` and the SWA KV of the window back to device."""
         P_full = [x for x in nodes if x.full is None]
@@ -168,7 +198,11 @@ class PrefixCache:
         P_swa = [x for x in nodes if x in first_win and x.swa is None]
         need_full = sum(len(x.key) for x in P_full) // self.page_size
         need_swa = sum(len(x.key) for x in P_swa) // self.page_size
-        if not self.make_room(FULL, need_full) or not self.make_room(SWA, need_swa):
+        if self.full_pool.budget is not None:
+            swa_bytes = need_swa * self.swa_pool.page_bytes if self.swa_pool is not None else 0
+            if not self.make_room_bytes(need_full * self.full_pool.page_bytes + swa_bytes):
+                return False
+        elif not self.make_room(FULL, need_full) or not self.make_room(SWA, need_swa):
             return False
         for x in P_full:
             assert x.host_full is not None
@@ -238,8 +272,52 @@ class PrefixCache:
         if pool is None:
             return False
         if pool.num_available < n:
-            self.evict(kind, n - pool.num_available)
+            if pool.budget is not None:
+                self._evict_shared(n * pool.page_bytes)
+            else:
+                self.evict(kind, n - pool.num_available)
         return pool.num_available >= n
+
+    def make_room_bytes(self, need: int) -> bool:
+        """Shared budget: evict until ``need`` bytes are available (free and not promised)."""
+        budget = self.full_pool.budget
+        assert budget is not None, "make_room_bytes needs pools on a shared budget"
+        if budget.available < need:
+            self._evict_shared(need)
+        return budget.available >= need
+
+    def _evict_shared(self, need: int) -> None:
+        """Evict until ``need`` bytes of the shared budget are available: from the side over the
+        adaptive target first (``AdaptiveSplit.swa_first``: SWA stages, else least-recently-used
+        leaves), from the other side when the first has no victim."""
+        split, swa, budget = self.split, self.swa_pool, self.full_pool.budget
+        assert budget is not None
+        has_stages = swa is not None and self.tree.window is not None and self.tree.has_swa
+
+        def swa_over() -> bool:  # without a split (full layout): least recently used leaves only
+            return has_stages and split is not None and split.swa_first(swa.num_used * swa.page_bytes)  # type: ignore[union-attr]
+
+        def done() -> bool:
+            return budget.available >= need
+
+        while not done():
+            # trims first: SWA inside nodes, before their trailing window, serves only hits that
+            # end there (rare: prefills stop at divergence points); then the split decides
+            progress = has_stages and self._evict_swa(done, (TRIM_INNER, TRIM_LEAF))
+            if done():
+                break
+            over = swa_over()
+            progress = over and self._evict_swa(lambda: done() or not swa_over(), (INNER,))
+            if not progress:
+                victims = self._device_leaves(None, need - budget.available)
+                for x in victims:
+                    self._evict_device(x)
+                progress = bool(victims)
+            if not progress and has_stages and not over:
+                progress = self._evict_swa(done, (INNER,))
+            self._reap()
+            if not progress:
+                break
 
     def evict(self, kind: str, n: int) -> int:
         """Free at least ``n`` device pages of ``kind`` if possible; returns pages of it freed."""
@@ -250,7 +328,7 @@ class PrefixCache:
         while progress and pool.num_free - before < n:
             progress = False
             if kind == SWA and self.tree.window is not None:
-                progress = self._evict_swa(pool, before + n)
+                progress = self._evict_swa(lambda: pool.num_free >= before + n)
             victims = self._device_leaves(kind, n - (pool.num_free - before))
             for x in victims:
                 self._evict_device(x)
@@ -258,9 +336,9 @@ class PrefixCache:
             self._reap()
         return pool.num_free - before
 
-    def _device_leaves(self, kind: str, n: int) -> list[RadixNode]:
-        """Unlocked device leaves holding ``n`` pages of ``kind``, least recently used first (fewer
-        if there are not enough). A parent precedes none of its children in the LRU, so a parent
+    def _device_leaves(self, kind: str | None, n: int) -> list[RadixNode]:
+        """Unlocked device leaves holding ``n`` pages of ``kind`` (None: ``n`` bytes of both
+        kinds), least recently used first (fewer if there are not enough). A parent precedes none of its children in the LRU, so a parent
         these leaves leave bare is found by the next call."""
         out: list[RadixNode] = []
         got = 0
@@ -269,15 +347,21 @@ class PrefixCache:
                 break
             if x.full is None or x.lock or x in self._pinned or x.has_device_child():
                 continue
-            pages = x.full if kind == FULL else x.swa
+            pages = x.full if kind in (FULL, None) else x.swa
             if not pages:
                 continue  # frees no page of this kind
             out.append(x)
-            got += len(pages)
+            if kind is None:
+                got += len(pages) * self.full_pool.page_bytes
+                got += len(x.swa or []) * (self.swa_pool.page_bytes if self.swa_pool is not None else 0)
+            else:
+                got += len(pages)
         return out
 
-    def _evict_swa(self, pool: PagePool, target_free: int) -> bool:
-        """SWA-only eviction, least recently used first within each stage, until ``target_free``:
+    def _evict_swa(
+        self, done: Callable[[], bool], stages: tuple[str, ...] = (TRIM_INNER, TRIM_LEAF, INNER)
+    ) -> bool:
+        """SWA-only eviction, least recently used first within each stage, until ``done()``:
         1. trim inner nodes: tombstone all but their trailing window (a hit can end at a branch
            point, which needs only that window); 2. trim leaves likewise; 3. tombstone inner nodes,
         keeping the trailing pages that live children shorter than the window need for a hit at
@@ -287,9 +371,9 @@ class PrefixCache:
         wp = tree.window_pages()
         assert wp is not None
         freed = False
-        for stage in (TRIM_INNER, TRIM_LEAF, INNER):
+        for stage in stages:
             skipped: list[RadixNode] = []
-            while pool.num_free < target_free:
+            while not done():
                 x = tree.swa_order.pop(stage)
                 if x is None:
                     break
@@ -316,12 +400,15 @@ class PrefixCache:
         at a branch point or a prompt's end, needs only that)."""
         wp = self.tree.window_pages()
         assert x.swa is not None and wp is not None
-        self._tombstone(self.tree.split(x, len(x.swa) - wp))
+        self._tombstone(self.tree.split(x, len(x.swa) - wp), ghost=False)
 
-    def _tombstone(self, x: RadixNode) -> None:
+    def _tombstone(self, x: RadixNode, ghost: bool = True) -> None:
+        """Free ``x``'s device SWA KV; ``ghost``: a window a hit could end at was lost (not a trim)."""
         assert x.swa is not None and self.swa_pool is not None
         if self.write_policy == "on_evict" and self.has_host:
             self._backup(x)  # its trailing SWA (and full KV) stay reachable from the host tier
+        if ghost and self.split is not None and (x.host_swa is None or None in x.host_swa):
+            self.split.lost_window(x, len(x.swa))
         self.swa_pool.free(x.swa)
         x.swa = None
         self.tree.requeue(x, x.parent)
@@ -335,16 +422,20 @@ class PrefixCache:
                 self._backup(x)
             elif x.swa is not None:
                 self._backup_swa(x)
+        nbytes = len(x.full) * self.full_pool.page_bytes
+        hittable = x.swa is not None or not self.tree.has_swa or self.tree.window is None
         self.full_pool.free(x.full)
         x.full = None
         del tree.dev_lru[x]
         if x.swa is not None:
             assert self.swa_pool is not None
+            nbytes += len(x.swa) * self.swa_pool.page_bytes
             self.swa_pool.free(x.swa)
             x.swa = None
         parent = x.parent
         tree.requeue(x, parent)
         if x.host_full is None:
+            self._lost_pages(x, nbytes, hittable)  # a tombstoned window: no hit could end at it
             self._delete_subtree(x)
         assert parent is not None
         self._suspects.add(parent)  # no tombstone may be left as a leaf (see _reap)
@@ -361,93 +452,6 @@ class PrefixCache:
             assert y.full is None and y.swa is None and y.lock == 0
             self._drop_host(y)
         self._detach(x)
-
-    # -- host tier --------------------------------------------------------------------------------
-    def _host_swa_slice(self, x: RadixNode) -> int:
-        """Index of the first page of ``x`` whose SWA KV gets a host copy."""
-        wp = self.tree.window_pages()
-        n = len(x.key) // self.page_size
-        return 0 if wp is None else max(0, n - wp)
-
-    def _backup(self, x: RadixNode) -> bool:
-        """Copy ``x``'s device full KV (and trailing SWA) to host; False if the host has no room."""
-        assert x.full is not None and self.host_full is not None
-        if x.host_full is None:
-            if not self._host_room(self.host_full, len(x.full), x):
-                return False
-            host = self.host_full.allocate(len(x.full))
-            assert host is not None
-            self.mover.to_host(FULL, x.full, host)
-            x.host_full = host
-            self.tree.host_lru[x] = None
-            self.stats.saved_pages += len(host)
-        if x.swa is not None:
-            self._backup_swa(x)
-        return True
-
-    def _backup_swa(self, x: RadixNode) -> None:
-        if x.swa is None or self.host_swa is None:
-            return
-        k = self._host_swa_slice(x)
-        have = x.host_swa or [None] * len(x.swa)
-        missing = [i for i in range(k, len(x.swa)) if have[i] is None]
-        if not missing or not self._host_room(self.host_swa, len(missing), x):
-            return
-        host = self.host_swa.allocate(len(missing))
-        assert host is not None
-        self.mover.to_host(SWA, [x.swa[i] for i in missing], host)
-        for i, h in zip(missing, host, strict=True):
-            have[i] = h
-        x.host_swa = have
-        self.stats.saved_pages += len(host)
-
-    def _host_room(self, pool: PagePool, n: int, keep: RadixNode) -> bool:
-        """Evict host copies (LRU) until ``n`` pages of ``pool`` are free; never ``keep``'s."""
-        if n > pool.num_pages:
-            return False
-        if pool.num_free >= n:
-            return True
-        self.mover.sync()
-        progress = True
-        while progress and pool.num_free < n:
-            victims: list[RadixNode] = []
-            got = pool.num_free
-            for y in self.tree.host_lru:  # collect first: evicting changes the LRU
-                if got >= n:
-                    break
-                if y is keep or y in self._pinned:
-                    continue
-                if pool is self.host_swa:
-                    if y.host_swa is not None:
-                        victims.append(y)
-                        got += sum(p is not None for p in y.host_swa)
-                elif y.full is not None or (not y.children and y.lock == 0):
-                    victims.append(y)  # a host copy of a device node, or an off-device leaf
-                    got += len(y.host_full or [])
-            for y in victims:
-                if pool is self.host_swa:
-                    self._free_host_swa(y)
-                elif y.full is not None:
-                    self._drop_host(y)
-                else:
-                    self._detach(y)
-                    self._drop_host(y)
-            progress = bool(victims)
-        return pool.num_free >= n
-
-    def _free_host_swa(self, y: RadixNode) -> None:
-        assert self.host_swa is not None and y.host_swa is not None
-        self.host_swa.free([p for p in y.host_swa if p is not None])
-        y.host_swa = None
-
-    def _drop_host(self, y: RadixNode) -> None:
-        if y.host_swa is not None:
-            self._free_host_swa(y)
-        if y.host_full is not None:
-            assert self.host_full is not None
-            self.host_full.free(y.host_full)
-            y.host_full = None
-            del self.tree.host_lru[y]
 
     # -- whole-cache operations -------------------------------------------------------------------
     def flush(self) -> None:

@@ -37,6 +37,8 @@ class RadixNode:
     __slots__ = (
         "children",
         "full",
+        "ghost",
+        "h_end",
         "hits",
         "host_full",
         "host_swa",
@@ -68,6 +70,8 @@ class RadixNode:
         self.id = next(RadixNode._ids)
         self.stamp = 0  # last use (tree clock); ancestors are always at least as recent
         self.swa_q: str | None = None  # SWA eviction category (``RadixTree.swa_category``)
+        self.ghost = -1  # SWA-loss clock when its window was lost (``kvcache.adaptive``); -1: never
+        self.h_end: int | None = None  # page chain hash at its end (``kvcache.adaptive``), lazy
 
     def __repr__(self) -> str:
         state = "dev" if self.full is not None else "host"
@@ -255,7 +259,7 @@ class RadixTree:
                 setattr(head, attr, v[:m])
                 setattr(node, attr, v[m:])
         head.lock, head.swa_lock, head.hits = node.lock, node.swa_lock, node.hits
-        head.stamp = node.stamp
+        head.stamp, head.ghost = node.stamp, node.ghost
         head.swa_holders = set(node.swa_holders)
         for h in node.swa_holders:
             self._handles[h].swa_nodes.append(head)

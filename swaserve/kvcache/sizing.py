@@ -3,7 +3,8 @@
 Hybrid: the SWA pool gets what the running requests and one step's chunks need,
 ``max_num_seqs * (ceil(W/P) + 2) + ceil(C/P) + 1`` pages (at most half the budget), the full pool
 the rest; with prefix caching at least ``r`` SWA pages per full page (``swa_full_tokens_ratio``,
-default 1/9). Full layout (SWA-unaware): equal page counts, ``budget // (full + SWA page bytes)``.
+default 1/9), or, asked for ``shared``, one budget both pools draw from (``kvcache.adaptive``
+moves the split). Full layout (SWA-unaware): equal page counts, ``budget // (full + SWA page bytes)``.
 Notation and derivation: docs/DESIGN.md#kvcachesizingpy"""
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> tuple[int,
     return full, swa
 
 
-def plan_pools(cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: int | None = None) -> PoolPlan:
+def plan_pools(
+    cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: int | None = None, shared: bool = False
+) -> PoolPlan:
     """Pool sizes for ``budget`` bytes (default ``ecfg.kv_cache_memory``) as in the module formula.
+    ``shared``: with prefix caching, a hybrid layout and no ``swa_full_tokens_ratio``, one byte
+    budget both pools draw from, split by the traffic (``kvcache.adaptive``).
 
     Raises:
         ValueError: the budget cannot hold one page in each pool.
@@ -32,6 +37,15 @@ def plan_pools(cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: i
     pbf, pbs = page_bytes(cfg, p, dtype_bytes)
     if not cfg.swa_layers:
         return PoolPlan(max(1, budget // pbf), 1, pbf, 0)
+    if (
+        shared
+        and ecfg.kv_layout == "hybrid"
+        and ecfg.enable_prefix_caching
+        and ecfg.swa_full_tokens_ratio is None
+    ):
+        if budget < pbf + pbs:
+            raise ValueError(f"kv cache budget {budget} B is too small for one page per pool")
+        return PoolPlan(budget // pbf, budget // pbs, pbf, pbs, shared_bytes=budget)
     if ecfg.kv_layout == "full":
         pages = budget // (pbf + pbs)
         if pages < 1:
@@ -57,9 +71,18 @@ def plan_pools(cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: i
 def host_plan(plan: PoolPlan, budget: int) -> tuple[int, int]:
     """(full, swa) host-tier pages for ``budget`` bytes, split in the device pools' byte proportion.
 
+    A shared plan (``plan.shared_bytes``) gets the most pages of each kind the host budget holds:
+    the host pools then share that budget too (``KVCacheManager`` ``host_bytes``).
+
     Raises:
         ValueError: the budget cannot hold one full page.
     """
+    if plan.shared_bytes is not None:
+        if budget < plan.full_page_bytes:
+            raise ValueError(
+                f"host cache budget {budget} B is smaller than one full page ({plan.full_page_bytes} B)"
+            )
+        return budget // plan.full_page_bytes, budget // plan.swa_page_bytes if plan.swa_page_bytes else 0
     dev_full = plan.full_pages * plan.full_page_bytes
     dev_swa = plan.swa_pages * plan.swa_page_bytes
     swa_share = dev_swa / (dev_full + dev_swa) if plan.swa_page_bytes else 0.0

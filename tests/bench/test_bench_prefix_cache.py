@@ -56,7 +56,15 @@ def test_conversation_slice_hybrid_beats_full_at_equal_bytes() -> None:
     # a tight budget (on fewer requests the full layout still holds their whole working set):
     # the full layout keeps a quarter of the distinct pages, the hybrid most of them
     assert rec["hit_rate"] > rec["full_layout_hit_rate"]
-    assert set(rec["targets"]) == {"hybrid >= 0.97 x ideal", "hybrid > full layout"}
+    assert rec["swa_full_tokens_ratio"] is None  # no flag: one shared budget, adaptive split
+    assert 0 < rec["hybrid_swa_byte_share"] <= 1
+    assert rec["targets"] == {}  # the targets are over the curve (and the whole trace)
+
+
+def test_fixed_ratio_is_an_explicit_override_and_the_sweep_finds_the_best() -> None:
+    rec = bench_trace(CONVERSATION_TRACE, limit=40, curve=False, swa_ratio=0.2)
+    assert rec["swa_full_tokens_ratio"] == 0.2 and rec["hybrid"]["swa_ratio"] == 0.2
+    assert rec["hybrid_swa_byte_share"] == pytest.approx(0.545, abs=0.01)  # 0.2 x 6 / (1 + 0.2 x 6)
 
 
 def test_mooncake_ideal_from_ids_matches_token_pages() -> None:
@@ -105,23 +113,31 @@ def test_request_larger_than_pools_is_counted_not_fatal() -> None:
         full_plan(CFG, 1000)
 
 
+def _cli(*args: str) -> Any:
+    base = ["bench", "prefix-cache", "--trace", str(CONVERSATION_TRACE), "--jobs", "1"]
+    return CliRunner().invoke(app, [*base, *args])
+
+
 def test_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "pc.json"
-    res = CliRunner().invoke(
-        app,
-        ["bench", "prefix-cache", "--trace", str(CONVERSATION_TRACE), "--limit", "30", "--json", str(out)],
-    )
+    res = _cli("--limit", "30", "--json", str(out))
     assert res.exit_code == 0, res.output
     assert "hit-rate curve" in res.output.lower() and "hybrid" in res.output
     rec = json.loads(out.read_text())
     _sane(rec)
     assert {(c["device_share"], c["host_share"]) for c in rec["curve"]} >= {(0.25, 0.0), (0.25, 1.0)}
     for c in rec["curve"]:
-        for layout in ("hybrid", "full"):
+        for layout in ("adaptive", "full"):
             assert 0 <= c[layout]["device_hit_rate"] <= c[layout]["hit_rate"] <= rec["ideal_hit_rate"] + 1e-4
+        if c["host_share"] == 0:  # the sweep of fixed ratios and the best of them in hindsight
+            assert set(c["fixed"]) == {str(round(r, 4)) for r in rec["fixed_ratios"]}
+            assert c["best_fixed_hit_rate"] == max(c["fixed"].values())
+            assert c["fixed"][str(c["best_fixed_ratio"])] == c["best_fixed_hit_rate"]
     at = next(c for c in rec["curve"] if (c["device_share"], c["host_share"]) == (0.25, 0.0))
-    assert at["hybrid"]["hit_rate"] == rec["hit_rate"]  # the same replay as the headline numbers
-    bad = CliRunner().invoke(
-        app, ["bench", "prefix-cache", "--trace", str(CONVERSATION_TRACE), "--limit", "5", "--budget", "1MB"]
-    )
+    assert at["adaptive"]["hit_rate"] == rec["hit_rate"]  # the same replay as the headline numbers
+    assert any("best fixed ratio" in k for k in rec["targets"])
+    share = _cli("--limit", "20", "--no-curve", "--budget-share", "0.05", "--json", str(out))
+    assert share.exit_code == 0, share.output
+    assert json.loads(out.read_text())["device_budget_share"] == 0.05
+    bad = _cli("--limit", "5", "--budget", "1MB")
     assert bad.exit_code == 2 and "too small" in bad.output

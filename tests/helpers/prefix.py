@@ -65,7 +65,9 @@ class Live:
 
 
 class PrefixHarness:
-    """Pools of ``full_pages`` / ``swa_pages`` pages (``host``: (full, swa) host pages or None)."""
+    """Pools of ``full_pages`` / ``swa_pages`` pages (``host``: (full, swa) host pages or None).
+    ``shared``: one byte budget of that many pages' bytes both pools draw from (SWA pages 3x the
+    bytes of full pages), split by ``kvcache.adaptive``; the host pools share theirs likewise."""
 
     def __init__(
         self,
@@ -76,15 +78,24 @@ class PrefixHarness:
         layout: str = "hybrid",
         host: tuple[int, int] | None = None,
         policy: str = "on_evict",
+        shared: bool = False,
     ) -> None:
         self.page, self.window, self.layout = page, window, layout
         cfg = tiny_config(window)
         plan = PoolPlan(full_pages, swa_pages, 8 * page, 8 * page)
+        host_bytes = None
+        if shared:
+            pbf, pbs = 8 * page, 24 * page
+            total = full_pages * pbf + swa_pages * pbs
+            plan = PoolPlan(total // pbf, total // pbs, pbf, pbs, shared_bytes=total)
+            if host:
+                host_bytes = host[0] * pbf + host[1] * pbs
+                host = (host_bytes // pbf, host_bytes // pbs)
         self.storage = KVStorage(cfg, plan, page, torch.float32, "cpu")
         self.host = HostKVStorage(self.storage, {FULL: host[0], SWA: host[1]}, page) if host else None
         self.kv = KVCacheManager(
             plan, page, window, layout, 1, 1, prefix_caching=True, host_pages=host, mover=self.host,
-            write_policy=policy,  # type: ignore[arg-type]
+            write_policy=policy, host_bytes=host_bytes,  # type: ignore[arg-type]
         )  # fmt: skip
         self.ids: dict[tuple[int, ...], int] = {}
         self.live: dict[str, Live] = {}
@@ -171,6 +182,7 @@ class PrefixHarness:
             pools += [self.kv.cache.host_full, self.kv.cache.host_swa]  # type: ignore[list-item]
         for p in pools:
             assert p.num_free == p.num_pages and p.reserved == 0, "pages left after drain + flush"
+            assert p.budget is None or (p.budget.used, p.budget.reserved) == (0, 0), "bytes left"
         assert not self.kv.cache or not self.kv.cache.tree.nodes()
 
 
@@ -187,6 +199,7 @@ def run_stream(cfg: dict, seed: int, n_ops: int) -> PrefixHarness:
         cfg["layout"],
         cfg["host"],
         cfg["policy"],
+        cfg.get("shared", False),
     )
     stems = [[rng.randrange(1, 40) for _ in range(rng.randrange(1, 3 * page + 6))] for _ in range(4)]
     done: list[list[int]] = []

@@ -23,6 +23,7 @@ CONFIGS = st.fixed_dictionaries(
         "layout": st.sampled_from(["hybrid", "hybrid", "full"]),
         "host": st.sampled_from([None, (8, 4), (40, 20), (200, 100)]),
         "policy": st.sampled_from(["on_evict", "second_hit"]),
+        "shared": st.booleans(),
     }
 )
 

@@ -1,0 +1,143 @@
+"""The host tier (L2) of the prefix cache: copies of device pages in host memory, their LRU eviction,
+and, when the host pools share one byte budget, the adaptive split between them.
+
+``HostTier`` is a mixin of ``PrefixCache`` (``kvcache.prefix_cache``): it holds the host side of the
+cache's methods and reads the cache's tree, pools and mover. Host tier design:
+docs/DESIGN.md#kvcacheprefix_cachepy"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from swaserve.config import FULL, SWA
+from swaserve.kvcache.pool import PagePool
+from swaserve.kvcache.radix import RadixNode
+
+if TYPE_CHECKING:
+    from swaserve.kvcache.adaptive import AdaptiveSplit
+    from swaserve.kvcache.host import PageMover
+    from swaserve.kvcache.prefix_cache import CacheStats
+    from swaserve.kvcache.radix import RadixTree
+
+
+class HostTier:
+    """Host-tier methods of ``PrefixCache`` (attributes declared here are set by it)."""
+
+    tree: RadixTree
+    page_size: int
+    host_full: PagePool | None
+    host_swa: PagePool | None
+    mover: PageMover
+    split: AdaptiveSplit | None
+    host_split: AdaptiveSplit | None
+    stats: CacheStats
+    _pinned: set[RadixNode]
+
+    def _lost_pages(self, y: RadixNode, nbytes: int, end_hit: bool = True) -> None:
+        raise NotImplementedError
+
+    def _detach(self, y: RadixNode) -> None:
+        raise NotImplementedError
+
+    def _host_swa_slice(self, x: RadixNode) -> int:
+        """Index of the first page of ``x`` whose SWA KV gets a host copy."""
+        wp = self.tree.window_pages()
+        n = len(x.key) // self.page_size
+        return 0 if wp is None else max(0, n - wp)
+
+    def _backup(self, x: RadixNode) -> bool:
+        """Copy ``x``'s device full KV (and trailing SWA) to host; False if the host has no room."""
+        assert x.full is not None and self.host_full is not None
+        if x.host_full is None:
+            if not self._host_room(self.host_full, len(x.full), x):
+                return False
+            host = self.host_full.allocate(len(x.full))
+            assert host is not None
+            self.mover.to_host(FULL, x.full, host)
+            x.host_full = host
+            self.tree.host_lru[x] = None
+            self.stats.saved_pages += len(host)
+        if x.swa is not None:
+            self._backup_swa(x)
+        return True
+
+    def _backup_swa(self, x: RadixNode) -> None:
+        if x.swa is None or self.host_swa is None:
+            return
+        k = self._host_swa_slice(x)
+        have = x.host_swa or [None] * len(x.swa)
+        missing = [i for i in range(k, len(x.swa)) if have[i] is None]
+        if not missing or not self._host_room(self.host_swa, len(missing), x):
+            return
+        host = self.host_swa.allocate(len(missing))
+        assert host is not None
+        self.mover.to_host(SWA, [x.swa[i] for i in missing], host)
+        for i, h in zip(missing, host, strict=True):
+            have[i] = h
+        x.host_swa = have
+        self.stats.saved_pages += len(host)
+
+    def _host_room(self, pool: PagePool, n: int, keep: RadixNode) -> bool:
+        """Evict host copies (LRU) until ``n`` pages of ``pool`` are free; never ``keep``'s."""
+        if n > pool.num_pages:
+            return False
+        if pool.num_free >= n:
+            return True
+        self.mover.sync()
+        hs, split = self.host_split, self.host_swa
+        progress = True
+        while progress and pool.num_free < n:
+            side = pool
+            if hs is not None and split is not None and self.host_full is not None:
+                over = split.num_used > 0 and hs.swa_first(split.num_used * split.page_bytes)
+                side = split if over else self.host_full
+            need = (n - pool.num_free) * pool.page_bytes
+            progress = self._host_evict(side, need, keep)
+            if not progress and side is not pool:  # shared budget: the other side
+                other = self.host_full if side is split else split
+                assert other is not None
+                progress = self._host_evict(other, need, keep)
+        return pool.num_free >= n
+
+    def _host_evict(self, side: PagePool, need: int, keep: RadixNode) -> bool:
+        """Drop host copies of ``side``'s kind, least recently used first, worth ``need`` bytes."""
+        victims: list[RadixNode] = []
+        got = 0
+        for y in self.tree.host_lru:  # collect first: evicting changes the LRU
+            if got >= need:
+                break
+            if y is keep or y in self._pinned:
+                continue
+            if side is self.host_swa:
+                if y.host_swa is not None:
+                    victims.append(y)
+                    got += sum(p is not None for p in y.host_swa) * side.page_bytes
+            elif y.full is not None or (not y.children and y.lock == 0):
+                victims.append(y)  # a host copy of a device node, or an off-device leaf
+                got += len(y.host_full or []) * side.page_bytes
+        for y in victims:
+            if side is self.host_swa:
+                self._free_host_swa(y)
+            elif y.full is not None:
+                self._drop_host(y)
+            else:
+                self._lost_pages(y, len(y.host_full or []) * side.page_bytes)
+                self._detach(y)
+                self._drop_host(y)
+        return bool(victims)
+
+    def _free_host_swa(self, y: RadixNode) -> None:
+        assert self.host_swa is not None and y.host_swa is not None
+        if self.split is not None and y.swa is None and y.parent is not None:
+            self.split.lost_window(y, len(y.host_swa))
+        self.host_swa.free([p for p in y.host_swa if p is not None])
+        y.host_swa = None
+
+    def _drop_host(self, y: RadixNode) -> None:
+        if y.host_swa is not None:
+            self._free_host_swa(y)
+        if y.host_full is not None:
+            assert self.host_full is not None
+            self.host_full.free(y.host_full)
+            y.host_full = None
+            del self.tree.host_lru[y]
