@@ -16,8 +16,8 @@ from swaserve.kvcache.radix import RadixNode
 if TYPE_CHECKING:
     from swaserve.kvcache.adaptive import AdaptiveSplit
     from swaserve.kvcache.host import PageMover
-    from swaserve.kvcache.prefix_cache import CacheStats
     from swaserve.kvcache.radix import RadixTree
+    from swaserve.kvcache.stats import CacheStats
 
 
 class HostTier:

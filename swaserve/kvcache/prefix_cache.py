@@ -20,19 +20,10 @@ from swaserve.kvcache.host import NoCopy, PageMover
 from swaserve.kvcache.host_tier import HostTier
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import INNER, TRIM_INNER, TRIM_LEAF, CacheLock, RadixNode, RadixTree
+from swaserve.kvcache.stats import CacheStats
 
 WritePolicy = Literal["on_evict", "second_hit"]
-
-
-@dataclass
-class CacheStats:
-    """Token counters since start: ``queries`` prompt tokens looked up; hits by tier."""
-
-    queries: int = 0
-    hits_device: int = 0
-    hits_host: int = 0
-    loaded_pages: int = 0  # host -> device page copies (both kinds)
-    saved_pages: int = 0  # device -> host page copies (both kinds)
+__all__ = ["Acquired", "CacheStats", "PrefixCache", "WritePolicy"]
 
 
 @dataclass

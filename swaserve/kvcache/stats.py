@@ -1,4 +1,5 @@
-"""Snapshot of one KV pool's page accounting (``PoolStats``: pages in use, peak, cached, page bytes), for
+"""Snapshot of one KV pool's page accounting (``PoolStats``: pages in use, peak, cached, page bytes) and
+the prefix cache's token counters (``CacheStats``), for
 engine stats, metrics, benches and tests. It lives in ``kvcache`` (the bottom layer) so that the
 pools and the manager need nothing from ``engine``."""
 
@@ -48,3 +49,14 @@ class PoolStats:
     def usage(self) -> float:
         """Fraction of pages in use, 0..1."""
         return self.used_pages / self.total_pages if self.total_pages else 0.0
+
+
+@dataclass
+class CacheStats:
+    """Token counters since start: ``queries`` prompt tokens looked up; hits by tier."""
+
+    queries: int = 0
+    hits_device: int = 0
+    hits_host: int = 0
+    loaded_pages: int = 0  # host -> device page copies (both kinds)
+    saved_pages: int = 0  # device -> host page copies (both kinds)
