@@ -7,6 +7,7 @@ docs/DESIGN.md#kvcacheprefix_cachepy"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from swaserve.config import FULL, SWA
@@ -33,11 +34,9 @@ class HostTier:
     stats: CacheStats
     _pinned: set[RadixNode]
 
-    def _lost_pages(self, y: RadixNode, nbytes: int, end_hit: bool = True) -> None:
-        raise NotImplementedError
-
-    def _detach(self, y: RadixNode) -> None:
-        raise NotImplementedError
+    # set by PrefixCache (its methods): annotations only, no fallback body
+    _lost_pages: Callable[..., None]
+    _detach: Callable[[RadixNode], None]
 
     def _host_swa_slice(self, x: RadixNode) -> int:
         """Index of the first page of ``x`` whose SWA KV gets a host copy."""
