@@ -20,7 +20,14 @@ from swaserve.kvcache.block_events import BlockEvent, BlockEventLog
 from swaserve.kvcache.hashing import block_hashes
 from swaserve.routing.events import apply_events
 from swaserve.routing.index import InMemoryPrefixIndex
-from swaserve.routing.redis.events import IndexFollower, RedisEventPublisher, resync_key, stream_key
+from swaserve.routing.redis.events import (
+    IndexFollower,
+    MarkerLost,
+    RedisEventPublisher,
+    marker_key,
+    resync_key,
+    stream_key,
+)
 from swaserve.routing.redis.store import RedisPrefixIndex
 from tests.helpers.prefix import PrefixHarness, cached_blocks, tree_blocks
 
@@ -267,6 +274,30 @@ def test_publish_follow_round_trip_and_resume(rc: redis.Redis) -> None:
     assert fresh.poll() == 6 and fresh.gaps == 0  # every instance's backlog starts with its snapshot
     assert fresh.index.match(a, 5.0) == {"A": 3, "B": 2}
     assert fresh.index.entries("A") and {h for h, t in fresh.index.entries("A")} == set(a[:3] + b)
+
+
+@pytest.mark.cluster  # a redis-server
+def test_publisher_appends_only_while_its_marker_holds(rc: redis.Redis) -> None:
+    """Redis lost the stream and the marker (restarted empty): a batch that is not a snapshot is
+    refused whole (its chains would hang off blocks nobody saw) until a snapshot claims it again."""
+    ns = f"t-{uuid.uuid4().hex}"
+    a = chain(3, 4)
+    p = RedisEventPublisher(rc, ns, "A")
+    assert p.publish([BlockEvent("cleared", ()), BlockEvent("stored", tuple(a[:2]))]) == 2
+    rc.delete(stream_key(ns), marker_key(ns, "A"))  # what a restart without persistence leaves
+    with pytest.raises(MarkerLost):
+        p.publish([BlockEvent("stored", tuple(a[2:]), a[1], 2)])
+    assert rc.xlen(stream_key(ns)) == 0 and p.seq == 2 and p.check()
+    rc.set(marker_key(ns, "A"), "someone else")  # another publisher took the name
+    with pytest.raises(MarkerLost):
+        p.publish([BlockEvent("removed", tuple(a[:1]))])
+    assert p.publish([BlockEvent("cleared", ()), BlockEvent("stored", tuple(a))]) == 2
+    assert p.publish([BlockEvent("removed", tuple(a[3:]))]) == 1
+    f = IndexFollower(InMemoryPrefixIndex(), rc, ns, clock=lambda: 0.0)
+    assert (
+        f.poll() == 3 and f.gaps == 0 and [e[1]["seq"] for e in rc.xrange(stream_key(ns))] == ["2", "3", "4"]
+    )
+    assert f.index.match(a, 0.0) == {"A": 3}
 
 
 @pytest.mark.cluster  # a redis-server

@@ -26,6 +26,27 @@ log = logging.getLogger(__name__)
 DEFAULT_STREAM_MAXLEN = 100_000
 
 
+# KEYS: stream, marker. ARGV: epoch, set marker (1/0), maxlen, check marker (1/0), then per entry
+# its field count and fields. Returns the entries added, -1 when the marker check failed.
+_APPEND = """
+if ARGV[4] == '1' and redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local i, n = 5, 0
+while i <= #ARGV do
+  local k = tonumber(ARGV[i])
+  local cmd = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*'}
+  for j = i + 1, i + k do cmd[#cmd + 1] = ARGV[j] end
+  redis.call(unpack(cmd))
+  i, n = i + k + 1, n + 1
+end
+if ARGV[2] == '1' then redis.call('SET', KEYS[2], ARGV[1]) end
+return n
+"""
+
+
+class MarkerLost(RuntimeError):
+    """A publisher's marker is gone (Redis restarted empty) or another's: re-publish a snapshot."""
+
+
 def stream_key(namespace: str) -> str:
     """The Redis stream of a cluster's events: ``{namespace}:events`` (a hash tag, as the keys of
     ``routing.redis.store``, so a Redis Cluster keeps them in one slot)."""
@@ -66,28 +87,42 @@ class RedisEventPublisher:
         self.resync_key, self.marker_key = resync_key(namespace), marker_key(namespace, instance)
         self.epoch = uuid.uuid4().hex  # this publisher's marker value
         self.seq = 0  # the next entry's number
+        self._claimed = False  # a snapshot of ours was published: appends check the marker
+        self._append = client.register_script(_APPEND)
 
     def publish(self, events: Sequence[BlockEvent]) -> int:
-        """Append ``events`` in order, one entry each, in one round trip (a pipeline); stored and
-        removed events without hashes are left out. A batch holding a ``cleared`` event (a
-        snapshot) also sets this publisher's marker. Returns the entries added.
+        """Append ``events`` in order, one entry each, in one atomic round trip (a Lua script);
+        stored and removed events without hashes are left out. A batch holding a ``cleared`` event
+        (a snapshot) also sets this publisher's marker. Once a snapshot was published, a batch
+        without one is appended only while the marker is still this publisher's: on a stream that
+        Redis lost (restarted empty) its chains would hang off blocks no follower saw.
+
+        Returns:
+            The entries added.
 
         Raises:
-            Redis errors (then some of the entries may have been added; ``seq`` moved past all).
+            MarkerLost: the marker is gone or another's; nothing was added, ``seq`` did not move,
+                and only a snapshot can be appended now.
+            Redis errors (then nothing or everything was added; ``seq`` moved past all).
         """
         todo = [e for e in events if e.hashes or e.op == "cleared"]
         if not todo:
             return 0
-        pipe = self.r.pipeline(transaction=False)
-        for e in todo:
-            pipe.xadd(
-                self.key, entry_fields(self.instance, e, self.seq), maxlen=self.maxlen, approximate=True
-            )
-            self.seq += 1
-        if any(e.op == "cleared" for e in todo):
-            pipe.set(self.marker_key, self.epoch)
-        pipe.execute()
-        return len(todo)
+        snapshot = any(e.op == "cleared" for e in todo)
+        args: list[str | int] = [self.epoch, "1" if snapshot else "0", self.maxlen]
+        args.append("1" if self._claimed and not snapshot else "0")
+        for i, e in enumerate(todo):
+            fields = entry_fields(self.instance, e, self.seq + i)
+            args.append(2 * len(fields))
+            for k, v in fields.items():
+                args += [k, v]
+        seq, self.seq = self.seq, self.seq + len(todo)
+        added = int(self._append(keys=[self.key, self.marker_key], args=args))
+        if added < 0:
+            self.seq = seq
+            raise MarkerLost(f"{self.marker_key} is not this publisher's: the stream was lost")
+        self._claimed = self._claimed or snapshot
+        return added
 
     def check(self) -> bool:
         """Whether this instance must re-publish its whole state: a follower asked (the request is
