@@ -269,14 +269,15 @@ class EngineConfig:
         dtype: "float32" | "bfloat16" | "float16" for activations and KV.
         device: "cpu", "cuda", ... (default: CUDA when present).
         enable_prefix_caching: reuse the KV of cached prefixes (SWA-aware radix tree).
-        host_cache_memory: bytes of the host-memory tier behind the device pools (0 = none), split
+        host_cache_memory: bytes of the host-memory tier behind the device pools (0 = none): one
+            host arena both kinds share (as the device's), or with ``swa_full_tokens_ratio`` split
             between full and SWA pages in the device pools' proportion.
         host_write_policy: "on_evict" (copy pages to host when the device evicts them) or
             "second_hit" (copy a node when it is hit the second time).
-        swa_full_tokens_ratio: with prefix caching and the hybrid layout, SWA-pool pages per
-            full-pool page (at least what running requests need); None = ``kvcache.sizing``'s
-            default. The SWA pool then also holds cached windows (prompt ends, branch points,
-            chunk checkpoints).
+        swa_full_tokens_ratio: with prefix caching and the hybrid layout, a fixed split: SWA-pool
+            pages per full-pool page (at least what running requests need). None = one KV arena
+            both kinds draw from, split by the traffic (``kvcache.arena``, ``kvcache.adaptive``).
+            The SWA pages also hold cached windows (prompt ends, branch points, chunk checkpoints).
         schedule_policy: admission order of waiting requests: "fcfs" or "compute" (fewest uncached
             tokens first with aging and a bound, ``sched.priority.ComputeAwarePriority``).
         priority_max_wait_s, priority_wait_weight: its starvation bound (s) and aging weight.

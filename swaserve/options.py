@@ -141,7 +141,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             float | None,
             typer.Option(
                 min=0.0,
-                help="With prefix caching: SWA-pool pages per full-pool page (default 1/9; see kvcache.sizing).",
+                help="With prefix caching: a fixed split, SWA-pool pages per full-pool page "
+                "(default: one KV arena split by the traffic; see kvcache.adaptive).",
             ),
         ],
         None,

@@ -27,6 +27,7 @@ from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.structured import StructuredDecoder
 from swaserve.engine.types import EngineLimits, FinishReason, SamplingParams, TokenLogprob
+from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
@@ -123,14 +124,19 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, cfg, self.dtype, self.device)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        plan = plan_pools(cfg, config, elem)
+        arena = arena_layout(cfg, config.page_size, elem) if cfg.full_layers and cfg.swa_layers else None
+        # with prefix caching and no --swa-full-tokens-ratio: one arena both pools draw from
+        plan = plan_pools(cfg, config, elem, shared=arena is not None, arena=arena)
         self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
         self.host: HostKVStorage | None = None
-        host_pages = None
+        host_pages = host_bytes = host_units = None
         if config.enable_prefix_caching and config.host_cache_memory > 0:
             host_pages = host_plan(plan, config.host_cache_memory)
+            if plan.unit_bytes is not None:
+                host_bytes = config.host_cache_memory
+                host_units = host_bytes // plan.unit_bytes
             self.host = HostKVStorage(
-                self.storage, {FULL: host_pages[0], SWA: host_pages[1]}, config.page_size
+                self.storage, {FULL: host_pages[0], SWA: host_pages[1]}, config.page_size, host_units
             )
         if config.host_write_policy not in ("on_evict", "second_hit"):
             raise ValueError(
@@ -145,14 +151,21 @@ class EngineCore:
             len(cfg.swa_layers),
             prefix_caching=config.enable_prefix_caching,
             host_pages=host_pages,
+            host_bytes=host_bytes,
             mover=self.host,
             write_policy=config.host_write_policy,  # type: ignore[arg-type]
         )
+        self.storage.bind(FULL, self.kv.full.pool)
+        self.storage.bind(SWA, self.kv.swa.pool)
+        if self.host is not None and self.kv.cache is not None and self.kv.cache.host_full is not None:
+            self.host.bind(FULL, self.kv.cache.host_full)
+            if self.kv.cache.host_swa is not None:
+                self.host.bind(SWA, self.kv.cache.host_swa)
         if config.index_block_tokens is not None:
             self.kv.enable_cache_events(config.index_block_tokens)
         if not self.kv.fits_ever(min(self.max_model_len, config.max_num_batched_tokens)):
             raise ValueError("kv cache budget too small for even one request; raise --kv-cache-memory")
-        kv_tokens = self.kv.full.pool.num_pages * config.page_size
+        kv_tokens = self._max_fit_tokens()  # full pages, and with a shared budget the SWA ones too
         if kv_tokens < self.max_model_len:  # as vLLM: one request must always be able to fit
             log.warning(
                 "max_model_len lowered from %d to %d tokens, what the KV cache holds",

@@ -4,13 +4,15 @@ For every chunk ``[start, end)`` of a request, both attention kinds get the pool
 tokens (``write_slots``) and the slots of the keys the chunk reads: full layers every position
 ``[0, end)``; SWA layers ``[max(0, start - window), end)`` with the window mask
 ``q_pos - window <= kv_pos <= q_pos`` (``window = sliding_window - 1``). The metadata is built once
-per step and shared by all layers of a kind. Requests with ``prompt_logprobs`` also get the
+per step and shared by all layers of a kind (of a unit group, with a shared KV arena: the slots
+are then the arena rows of that group, ``KVStorage.locate``). Requests with ``prompt_logprobs`` also get the
 logprob of every prompt token from the logits at the position before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -55,19 +57,35 @@ class ModelRunner:
             row += c.n
             if c.samples:
                 sample_rows.append(row - 1)
-        meta = {FULL: self._kind_meta(chunks, self.kv.full, None)}
+        meta = {FULL: self._kind_metas(chunks, FULL, self.kv.full, None)}
         if self.cfg.swa_layers:
-            meta[SWA] = self._kind_meta(chunks, self.kv.swa, self.cfg.window)
+            meta[SWA] = self._kind_metas(chunks, SWA, self.kv.swa, self.cfg.window)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions=torch.cat(pos).to(self.device),
             meta=meta,
             kv=self.storage.kv,
+            groups=self.storage.groups,
             before_layer=self.host.wait_layer if self.host is not None and self.host.pending() else None,
         )
         return batch, sample_rows
 
-    def _kind_meta(self, chunks: Sequence[ScheduledChunk], mgr: KindManager, window: int | None) -> KindMeta:
+    def _kind_metas(
+        self, chunks: Sequence[ScheduledChunk], kind: str, mgr: KindManager, window: int | None
+    ) -> list[KindMeta]:
+        """``kind``'s metadata for each unit group of the storage (one with pools of their own)."""
+        return [
+            self._kind_meta(chunks, mgr, window, functools.partial(self.storage.locate, kind, g))
+            for g in range(self.storage.num_groups(kind))
+        ]
+
+    def _kind_meta(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        mgr: KindManager,
+        window: int | None,
+        locate: Callable[[torch.Tensor], torch.Tensor],
+    ) -> KindMeta:
         dev = self.device
         writes: list[torch.Tensor] = []
         prefills: list[SeqAttn] = []
@@ -77,9 +95,9 @@ class ModelRunner:
         for c in chunks:
             rid = c.req.request_id
             end = c.start + c.n
-            writes.append(mgr.slots(rid, c.start, end))
+            writes.append(locate(mgr.slots(rid, c.start, end)))
             lo = 0 if window is None else max(0, c.start - window)
-            slots = mgr.slots(rid, lo, end)
+            slots = locate(mgr.slots(rid, lo, end))
             if c.n == 1:
                 dec_rows.append(row)
                 dec_slots.append(slots)

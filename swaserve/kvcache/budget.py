@@ -9,19 +9,54 @@ cannot be taken by the other kind.
 
 from __future__ import annotations
 
+from collections import deque
+
 
 class ByteBudget:
     """``total`` bytes; ``used`` by allocated pages, ``reserved`` promised to admitted requests.
 
-    Invariant: ``used + reserved <= total``.
+    With ``unit_bytes`` the bytes are ``total // unit_bytes`` units of an arena (``kvcache.arena``;
+    ``total`` is rounded down to whole units): pools on it take units for each page they hand out
+    (``take_units``) and give them back on free, so their pages map to distinct arena memory.
+
+    Invariant: ``used + reserved <= total``; with units, ``used`` is the bytes of the units taken.
+
+    Raises:
+        ValueError: less than one byte (or unit).
     """
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, unit_bytes: int | None = None) -> None:
+        self.unit_bytes = unit_bytes
+        self.num_units = 0
+        self._free_units: deque[int] = deque()
+        if unit_bytes is not None:
+            if unit_bytes < 1:
+                raise ValueError(f"unit_bytes must be at least 1, got {unit_bytes}")
+            self.num_units = total // unit_bytes
+            total = self.num_units * unit_bytes
+            self._free_units.extend(range(self.num_units))
         if total < 1:
-            raise ValueError(f"a byte budget needs at least one byte, got {total}")
+            raise ValueError(f"a byte budget needs at least one byte (or unit), got {total}")
         self.total = total
         self.used = 0
         self.reserved = 0
+
+    @property
+    def free_units(self) -> int:
+        return len(self._free_units)
+
+    def take_units(self, n: int) -> list[int]:
+        """``n`` free arena units (the caller accounted their bytes in ``used``).
+
+        Raises:
+            ValueError: fewer than ``n`` free units (a broken accounting invariant).
+        """
+        if n > len(self._free_units):
+            raise ValueError(f"take_units({n}) with {len(self._free_units)} free units")
+        return [self._free_units.popleft() for _ in range(n)]
+
+    def give_units(self, units: list[int]) -> None:
+        self._free_units.extend(units)
 
     @property
     def free(self) -> int:

@@ -1,7 +1,8 @@
 """Host-memory KV tier (L2): page tensors in host memory and the copies between tiers.
 
 Per kind and layer ``host_k [host_pages, page_size, num_kv_heads, head_dim]`` and ``host_v [...,
-v_head_dim]`` (pinned when CUDA is used). ``to_host`` copies device pages out; ``to_device`` copies
+v_head_dim]``, or views on a host arena laid out as the device's (``kvcache.storage``; pinned when
+CUDA is used). ``to_host`` copies device pages out; ``to_device`` copies
 them back layer by layer, on a GPU on a side stream so layer ``i + 1`` loads while layer ``i``
 computes (the layer-wise overlap of SGLang HiCache / Mooncake's store).
 
@@ -13,7 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from swaserve.kvcache.storage import PagedKV
+
 if TYPE_CHECKING:
+    from swaserve.kvcache.pool import PagePool
     from swaserve.kvcache.storage import KVStorage
 
 
@@ -43,65 +47,76 @@ class NoCopy:
 
 
 class HostKVStorage:
-    """Host tensors for ``host_pages`` pages per kind, copying to/from a device ``KVStorage``.
+    """Host tensors for ``host_pages`` pages per kind (or an arena of ``units`` units, laid out as
+    the device's), copying to/from a device ``KVStorage``.
 
     Args:
         device_storage: the device pools' tensors.
-        host_pages: {kind: pages} of the host tier.
+        host_pages: {kind: pages} of the host tier; ignored with ``units``.
         page_size: tokens per page.
+        units: host arena units (a shared host budget, ``KVCacheManager`` ``host_bytes``); the
+            host pools are then bound with ``bind`` as the device ones.
     """
 
-    def __init__(self, device_storage: KVStorage, host_pages: dict[str, int], page_size: int) -> None:
+    def __init__(
+        self,
+        device_storage: KVStorage,
+        host_pages: dict[str, int],
+        page_size: int,
+        units: int | None = None,
+    ) -> None:
         self.dev = device_storage
         self.page_size = page_size
         self.device = next(
             (t.device for ks, _ in device_storage.kv.values() for t in ks), torch.device("cpu")
         )
         pin = self.device.type == "cuda"
-        self.kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for kind, (ks, vs) in device_storage.kv.items():
-            n = host_pages.get(kind, 0)
-
-            def alloc(t: torch.Tensor, n: int = n) -> torch.Tensor:
-                return torch.zeros((n, page_size, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-
-            self.kv[kind] = ([alloc(t) for t in ks], [alloc(t) for t in vs])
+        dtype = next(t.dtype for ks, _ in device_storage.kv.values() for t in ks)
+        self.store = PagedKV(device_storage.cfg, page_size, dtype, "cpu", host_pages, units, pin)
+        self.kv = self.store.kv
         self._stream = torch.cuda.Stream(self.device) if pin else None
         self._events: dict[tuple[str, int], torch.cuda.Event] = {}
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ks, vs in self.kv.values() for t in ks + vs)
+    def bind(self, kind: str, pool: PagePool) -> None:
+        """Read a host pool's page -> unit map (a host arena)."""
+        self.store.bind(kind, pool)
 
-    def _paged(self, t: torch.Tensor) -> torch.Tensor:
-        return t.view(-1, self.page_size, *t.shape[1:])
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def _rows(
+        self, kind: str, group: int, dev_pages: list[int], host_pages: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.dev.page_rows(kind, group, dev_pages).to(self.device)
+        return d, self.store.page_rows(kind, group, host_pages)
 
     def to_host(self, kind: str, dev_pages: list[int], host_pages: list[int]) -> None:
         if not dev_pages:
             return
         self.sync()
-        d = torch.tensor(dev_pages, dtype=torch.int64, device=self.device)
-        h = torch.tensor(host_pages, dtype=torch.int64)
+        rows = {g: self._rows(kind, g, dev_pages, host_pages) for g in set(self.dev.groups[kind])}
         for src, dst in zip(self.dev.kv[kind], self.kv[kind], strict=True):
-            for s, t in zip(src, dst, strict=True):
-                t[h] = self._paged(s)[d].to("cpu")
+            for j, (s, t) in enumerate(zip(src, dst, strict=True)):
+                d, h = rows[self.dev.groups[kind][j]]
+                t[h] = s[d].to("cpu")
 
     def to_device(self, kind: str, host_pages: list[int], dev_pages: list[int]) -> None:
         if not dev_pages:
             return
-        d = torch.tensor(dev_pages, dtype=torch.int64, device=self.device)
-        h = torch.tensor(host_pages, dtype=torch.int64)
+        rows = {g: self._rows(kind, g, dev_pages, host_pages) for g in set(self.dev.groups[kind])}
         ks, vs = self.dev.kv[kind]
         hk, hv = self.kv[kind]
         if self._stream is not None:  # the pages may have been read by kernels still in flight
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         for j in range(len(ks)):
+            d, h = rows[self.dev.groups[kind][j]]
             if self._stream is None:
-                self._paged(ks[j])[d] = hk[j][h]
-                self._paged(vs[j])[d] = hv[j][h]
+                ks[j][d] = hk[j][h]
+                vs[j][d] = hv[j][h]
                 continue
             with torch.cuda.stream(self._stream):
-                self._paged(ks[j])[d] = hk[j][h].to(self.device, non_blocking=True)
-                self._paged(vs[j])[d] = hv[j][h].to(self.device, non_blocking=True)
+                ks[j][d] = hk[j][h].to(self.device, non_blocking=True)
+                vs[j][d] = hv[j][h].to(self.device, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
                 self._events[(kind, j)] = ev

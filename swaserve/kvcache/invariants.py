@@ -15,6 +15,25 @@ from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import RadixNode
 
 
+def _units(budget: ByteBudget, pools: list[PagePool], name: str) -> None:
+    """Arena units: each page held maps to its own units, free pages to none, every unit is either
+    free or held by exactly one page, and the units held are the bytes used."""
+    held: list[int] = []
+    for q in pools:
+        m = q.units_per_page
+        assert m * (budget.unit_bytes or 0) == q.page_bytes, f"{name}: page bytes not whole units"
+        for p in range(q.issued):
+            us = q.units[p * m : (p + 1) * m]
+            if q.is_free(p):
+                assert all(u == -1 for u in us), f"{name} free page {p} still maps to units {list(us)}"
+            else:
+                assert all(0 <= u < budget.num_units for u in us), f"{name} page {p}: units {list(us)}"
+                held.extend(us)
+    assert len(held) == len(set(held)), f"{name} arena: a unit is held by two pages"
+    assert len(held) + budget.free_units == budget.num_units, f"{name} arena: units leaked"
+    assert len(held) * (budget.unit_bytes or 0) == budget.used, f"{name} arena: units held != bytes used"
+
+
 def _owned(pool: PagePool, owners: dict[int, str], name: str) -> None:
     for p in range(pool.issued):
         free = pool.is_free(p)
@@ -103,6 +122,8 @@ def check(kv: KVCacheManager) -> None:
         assert budget.used == used, f"{name} budget: {budget.used} B used, pools hold {used} B"
         assert budget.reserved == reserved, f"{name} budget: {budget.reserved} B reserved, pools {reserved} B"
         assert budget.used + budget.reserved <= budget.total, f"{name} budget exceeded: {budget}"
+        if budget.unit_bytes is not None:
+            _units(budget, ps, name)
     if cache is not None:
         assert kv.cached_pages() == cache.cached_pages(), (
             "pool-derived cache page counts disagree with the tree"

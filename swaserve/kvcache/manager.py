@@ -80,7 +80,8 @@ class KVCacheManager:
         if layout not in ("hybrid", "full"):
             raise ValueError(f"kv layout must be 'hybrid' or 'full', got {layout!r}")
         self.plan, self.page_size, self.window, self.layout = plan, page_size, window, layout
-        self.budget = ByteBudget(plan.shared_bytes) if plan.shared_bytes is not None else None
+        shared, unit = plan.shared_bytes, plan.unit_bytes
+        self.budget = ByteBudget(shared, unit) if shared is not None else None
         self.full: KindManager = FullAttentionManager(
             PagePool(plan.full_pages, plan.full_page_bytes, num_full_layers, self.budget), page_size
         )
@@ -96,7 +97,7 @@ class KVCacheManager:
             host_full = host_swa = None
             self.host_budget = None
             if self.budget is not None and host_bytes:
-                self.host_budget = ByteBudget(host_bytes)
+                self.host_budget = ByteBudget(host_bytes, unit)
                 host_full = PagePool(1, plan.full_page_bytes, num_full_layers, self.host_budget)
                 host_swa = PagePool(1, plan.swa_page_bytes, num_swa_layers, self.host_budget)
             elif host_pages is not None:

@@ -18,6 +18,8 @@ class PoolPlan:
 
     ``shared_bytes``: both pools draw from one byte budget of this size (``kvcache.budget``; the
     page counts are then the most each pool could hold alone); None = pools of their own.
+    ``unit_bytes``: with ``shared_bytes``, the budget is an arena of units of this size
+    (``kvcache.arena``; the page bytes are then whole units, padding included); None = bytes only.
     """
 
     full_pages: int
@@ -25,3 +27,4 @@ class PoolPlan:
     full_page_bytes: int
     swa_page_bytes: int
     shared_bytes: int | None = None
+    unit_bytes: int | None = None

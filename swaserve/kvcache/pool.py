@@ -5,11 +5,13 @@ request at admission so that later ``allocate`` calls for it cannot fail; unrese
 (e.g. a prefill chunk larger than the reservation) succeed only if unreserved pages are free.
 A pool bound to a ``ByteBudget`` shares its room with the other pools of that budget (its free and
 available pages are the budget's bytes divided by its page size); page ids are then issued lazily,
-lowest free id first in issue order, so ids stay below the most pages the pool ever held.
+lowest free id first in issue order, so ids stay below the most pages the pool ever held. On a budget with arena units each page also
+takes ``page_bytes / unit_bytes`` units, recorded in ``units`` (the storage's page -> unit table).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
 from swaserve.kvcache.budget import ByteBudget
@@ -48,6 +50,16 @@ class PagePool:
         self._used = 0
         self.reserved = 0  # pages promised to admitted requests, not yet allocated
         self.peak_used = 0
+        # arena units of each page: units[p * m + g], -1 while p is free (never resized: its
+        # buffer is shared with the storage's unit table, torch.frombuffer)
+        self.units_per_page = 0
+        self.units = array("q")
+        unit = budget.unit_bytes if budget is not None else None
+        if unit is not None:
+            if page_bytes % unit:
+                raise ValueError(f"page_bytes {page_bytes} is not a multiple of the arena unit {unit}")
+            self.units_per_page = page_bytes // unit
+            self.units = array("q", [-1]) * (num_pages * self.units_per_page)
 
     @property
     def issued(self) -> int:
@@ -110,6 +122,11 @@ class PagePool:
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
             self._is_free[p] = False
+        if self.units_per_page:
+            assert self.budget is not None
+            m = self.units_per_page
+            for p in pages:
+                self.units[p * m : (p + 1) * m] = array("q", self.budget.take_units(m))
         self._used += n
         self.peak_used = max(self.peak_used, self._used)
         return pages
@@ -121,6 +138,11 @@ class PagePool:
                 raise ValueError(f"page {p} freed twice (or never allocated)")
             self._is_free[p] = True
             self._free.append(p)
+            if self.units_per_page:
+                assert self.budget is not None
+                m = self.units_per_page
+                self.budget.give_units(list(self.units[p * m : (p + 1) * m]))
+                self.units[p * m : (p + 1) * m] = array("q", [-1]) * m
         self._used -= len(pages)
         if self.budget is not None:
             self.budget.used -= len(pages) * self.page_bytes
@@ -129,4 +151,7 @@ class PagePool:
         return page >= self._issued or bool(self._is_free[page])
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.num_pages, self.num_used, self.peak_used, self.page_bytes, self.num_layers)
+        """With a shared budget ``total_pages`` is what the pool could hold now: its pages and
+        what the budget's free bytes would give it."""
+        total = self.num_used + self.num_free if self.budget is not None else self.num_pages
+        return PoolStats(total, self.num_used, self.peak_used, self.page_bytes, self.num_layers)

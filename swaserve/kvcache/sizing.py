@@ -9,7 +9,8 @@ Notation and derivation: docs/DESIGN.md#kvcachesizingpy"""
 
 from __future__ import annotations
 
-from swaserve.config import EngineConfig, ModelConfig
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.kvcache.arena import ArenaLayout
 from swaserve.kvcache.plan import PoolPlan, cdiv
 
 DEFAULT_SWA_FULL_TOKENS_RATIO = 1 / 9
@@ -23,11 +24,18 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> tuple[int,
 
 
 def plan_pools(
-    cfg: ModelConfig, ecfg: EngineConfig, dtype_bytes: int, budget: int | None = None, shared: bool = False
+    cfg: ModelConfig,
+    ecfg: EngineConfig,
+    dtype_bytes: int,
+    budget: int | None = None,
+    shared: bool = False,
+    arena: ArenaLayout | None = None,
 ) -> PoolPlan:
     """Pool sizes for ``budget`` bytes (default ``ecfg.kv_cache_memory``) as in the module formula.
     ``shared``: with prefix caching, a hybrid layout and no ``swa_full_tokens_ratio``, one byte
-    budget both pools draw from, split by the traffic (``kvcache.adaptive``).
+    budget both pools draw from, split by the traffic (``kvcache.adaptive``); ``arena``: that
+    budget is the arena of this layout (whole units; page bytes with their padding), as the
+    engine's storage holds it. Without ``arena`` a shared plan counts bytes only (simulation).
 
     Raises:
         ValueError: the budget cannot hold one page in each pool.
@@ -43,9 +51,13 @@ def plan_pools(
         and ecfg.enable_prefix_caching
         and ecfg.swa_full_tokens_ratio is None
     ):
+        unit = None
+        if arena is not None:
+            unit, pbf, pbs = arena.unit_bytes, arena.page_bytes(FULL), arena.page_bytes(SWA)
+            budget -= budget % unit
         if budget < pbf + pbs:
             raise ValueError(f"kv cache budget {budget} B is too small for one page per pool")
-        return PoolPlan(budget // pbf, budget // pbs, pbf, pbs, shared_bytes=budget)
+        return PoolPlan(budget // pbf, budget // pbs, pbf, pbs, shared_bytes=budget, unit_bytes=unit)
     if ecfg.kv_layout == "full":
         pages = budget // (pbf + pbs)
         if pages < 1:

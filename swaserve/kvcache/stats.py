@@ -13,7 +13,7 @@ class PoolStats:
     """Exact page accounting of one KV pool ("full" or "swa").
 
     Attributes:
-        total_pages: Pages in the pool.
+        total_pages: Pages in the pool (on a shared budget: its pages and what the free bytes hold).
         used_pages: Pages not free now: held by requests or by the prefix cache.
         peak_used_pages: Most pages not free at once since start.
         page_bytes: Bytes of one page across all layers of the pool (K and V).

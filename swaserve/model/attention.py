@@ -1,8 +1,9 @@
 """Attention over paged KV, with per-head sinks and sliding windows.
 
-Per attention kind and layer, ``k_cache [num_pages * page_size, num_kv_heads, head_dim]`` and
-``v_cache [..., v_head_dim]`` (slot = page * page_size + offset); ``KindMeta`` gives the write slots
-and each sequence's key slots and mask. Sinks (gpt-oss / MiMo-V2): one learned logit per head in the
+Per attention kind and layer, ``k_cache [rows, page_size, num_kv_heads, head_dim]`` and
+``v_cache [..., v_head_dim]`` (``swaserve.paged``: slot = row * page_size + offset, a row being a page
+or an arena unit); ``KindMeta`` gives the write slots and each sequence's key slots and mask, in the
+rows of the layer's group. Sinks (gpt-oss / MiMo-V2): one learned logit per head in the
 softmax denominator, ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``.
 
 Design notes: docs/DESIGN.md#modelattentionpy"""
@@ -13,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+
+from swaserve.paged import at, put
 
 
 @dataclass
@@ -64,7 +67,7 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
-        """Args: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]; caches as in the module doc;
+        """Args: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]; caches [rows, P, Hkv, D] as in the module doc;
         sinks [Hq] or None. Returns [T, Hq, Dv]."""
 
 
@@ -106,19 +109,19 @@ class TorchPagedAttention(AttentionBackend):
     """Pure-torch reference backend (CPU or CUDA): gathers each sequence's slots and attends."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta, sinks, scale):  # type: ignore[no-untyped-def]
-        k_cache.index_copy_(0, meta.write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.write_slots, v.to(v_cache.dtype))
+        put(k_cache, meta.write_slots, k)
+        put(v_cache, meta.write_slots, v)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for s in meta.prefills:
             qs = q[s.q_start : s.q_start + s.q_len].unsqueeze(0)
-            ks = k_cache[s.kv_slots].to(q.dtype).unsqueeze(0)
-            vs = v_cache[s.kv_slots].to(q.dtype).unsqueeze(0)
+            ks = at(k_cache, s.kv_slots).to(q.dtype).unsqueeze(0)
+            vs = at(v_cache, s.kv_slots).to(q.dtype).unsqueeze(0)
             m = None if s.mask is None else s.mask.unsqueeze(0)
             out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, m, sinks, scale)[0]
         if meta.decode_rows is not None:
             assert meta.decode_slots is not None and meta.decode_mask is not None
             qd = q[meta.decode_rows].unsqueeze(1)  # [B, 1, Hq, Dk]
-            kd = k_cache[meta.decode_slots].to(q.dtype)  # [B, L, Hkv, Dk]
-            vd = v_cache[meta.decode_slots].to(q.dtype)
+            kd = at(k_cache, meta.decode_slots).to(q.dtype)  # [B, L, Hkv, Dk]
+            vd = at(v_cache, meta.decode_slots).to(q.dtype)
             out[meta.decode_rows] = _attend(qd, kd, vd, meta.decode_mask.unsqueeze(1), sinks, scale)[:, 0]
         return out

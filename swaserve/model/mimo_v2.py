@@ -29,14 +29,17 @@ class ForwardBatch:
     Attributes:
         input_ids: [T] int64 token ids of every scheduled token, sequences back to back.
         positions: [T] int64 absolute positions.
-        meta: attention metadata per kind ("full_attention" / "sliding_attention").
+        meta: attention metadata per kind ("full_attention" / "sliding_attention"), one per unit group
+            of a shared KV arena (a single one with pools of their own; ``kvcache.storage``).
         kv: per kind, (k_caches, v_caches) lists indexed by the layer's index within its kind.
+        groups: per kind, each layer's group (its ``meta`` entry), by the index within its kind.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: dict[str, KindMeta]
+    meta: dict[str, list[KindMeta]]
     kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]
+    groups: dict[str, list[int]]
     before_layer: Callable[[str, int], None] | None = None
     """Called with (kind, index within kind) before a layer reads its KV cache: waits for that
     layer's pages loaded back from the host tier (layer-by-layer overlap on a GPU)."""
@@ -141,7 +144,12 @@ class MiMoV2ForCausalLM(nn.Module):
             if batch.before_layer is not None:
                 batch.before_layer(kind, j)
             a = layer.self_attn(
-                layer.input_layernorm(h), cos_sin[kind], kc[j], vc[j], batch.meta[kind], self.backend
+                layer.input_layernorm(h),
+                cos_sin[kind],
+                kc[j],
+                vc[j],
+                batch.meta[kind][batch.groups[kind][j]],
+                self.backend,
             )
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from swaserve.config import EngineConfig, ModelConfig
+from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools
 from swaserve.routing.load import Lease
@@ -67,11 +68,15 @@ class PrefillSim:
             max_num_batched_tokens=chunk,
             enable_prefix_caching=True,
         )
-        plan = plan_pools(model, ecfg, dtype_bytes)
+        # as the engine: one arena both pools draw from, split by the traffic (no tensors here)
+        arena = (
+            arena_layout(model, page_size, dtype_bytes) if model.full_layers and model.swa_layers else None
+        )
+        plan = plan_pools(model, ecfg, dtype_bytes, shared=arena is not None, arena=arena)
         host = host_plan(plan, host_bytes) if host_bytes > 0 else None
         self.kv = KVCacheManager(
             plan, page_size, model.window, "hybrid", len(model.full_layers), len(model.swa_layers),
-            prefix_caching=True, host_pages=host,
+            prefix_caching=True, host_pages=host, host_bytes=host_bytes if plan.shared_bytes and host_bytes else None,
         )  # fmt: skip
         self.name, self.cost, self.chunk, self.page_size = name, cost, chunk, page_size
         self.queue: PriorityQueue[Job] = PriorityQueue(priority)

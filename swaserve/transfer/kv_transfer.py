@@ -316,9 +316,9 @@ def gather(kv: KVCacheManager, storage: KVStorage, request_id: str, num_tokens: 
         if kind == SWA and not kv.has_swa:
             continue
         lo, hi = payload.token_range(kind)
-        slots = mgr.slots(request_id, lo, hi).to(storage.kv[kind][0][0].device)
-        ks, vs = storage.kv[kind]
-        payload.kv[kind] = [(k[slots].cpu(), v[slots].cpu()) for k, v in zip(ks, vs, strict=True)]
+        slots = mgr.slots(request_id, lo, hi)
+        layers = (storage.read(kind, j, slots) for j in range(len(storage.kv[kind][0])))
+        payload.kv[kind] = [(k.cpu(), v.cpu()) for k, v in layers]
     return payload
 
 
@@ -329,8 +329,10 @@ def scatter(kv: KVCacheManager, storage: KVStorage, payload: KVPayload) -> None:
         if kind not in payload.kv:
             continue
         lo, hi = payload.token_range(kind)
-        ks, vs = storage.kv[kind]
-        slots = mgr.slots(rid, lo, hi).to(ks[0].device)
-        for (k, v), (k_src, v_src) in zip(zip(ks, vs, strict=True), payload.kv[kind], strict=True):
-            k[slots] = k_src.to(k.device, non_blocking=True)
-            v[slots] = v_src.to(v.device, non_blocking=True)
+        slots = mgr.slots(rid, lo, hi)
+        if len(payload.kv[kind]) != len(storage.kv[kind][0]):
+            raise ValueError(
+                f"payload has {len(payload.kv[kind])} {kind} layers, the model {len(storage.kv[kind][0])}"
+            )
+        for j, (k_src, v_src) in enumerate(payload.kv[kind]):
+            storage.write(kind, j, slots, k_src, v_src)

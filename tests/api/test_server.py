@@ -12,7 +12,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -602,9 +602,10 @@ async def test_bad_requests_get_openai_errors_and_server_keeps_serving(served: S
 
 async def test_engine_refusal_is_a_400_and_health_follows_the_engine(model_dir: Path) -> None:
     """A KV cache smaller than the model's context lowers max_model_len; longer requests get a 400."""
-    engine = AsyncLLMEngine.from_model_dir(str(model_dir), SMALL_KV_CONFIG)
-    kv_tokens = engine.stats().pools["full"].total_pages * SMALL_KV_CONFIG.page_size
+    engine = AsyncLLMEngine.from_model_dir(str(model_dir), replace(SMALL_KV_CONFIG, kv_cache_memory=1 << 20))
+    kv_tokens = engine.engine.limits.max_fit_tokens  # what one request can hold (full and SWA pages)
     assert kv_tokens == engine.max_model_len < engine.model_config.max_position_embeddings
+    assert kv_tokens <= engine.stats().pools["full"].total_pages * SMALL_KV_CONFIG.page_size
     app = build_app(engine)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://swaserve", timeout=60) as client:

@@ -128,25 +128,43 @@ def test_pools_drain_after_mixed_finish_and_abort(tiny_dir: Path) -> None:
         assert p.used_pages == 0
 
 
-def test_bytes_reported_equal_bytes_allocated(tiny_dir: Path) -> None:
-    eng = LLMEngine(tiny_dir, EngineConfig(page_size=4, kv_cache_memory=3 << 20))
+@pytest.mark.parametrize("ratio", [None, 0.5])  # None: the shared arena; a ratio: pools of their own
+def test_bytes_reported_equal_bytes_allocated(tiny_dir: Path, ratio: float | None) -> None:
+    eng = LLMEngine(tiny_dir, EngineConfig(page_size=4, kv_cache_memory=3 << 20, swa_full_tokens_ratio=ratio))
     pools = eng.stats().pools
-    assert pools["full"].total_bytes + pools["swa"].total_bytes == eng.storage.nbytes()
+    if ratio is None:  # each pool can hold what is free of the arena: both together hold it once
+        assert eng.kv.budget is not None and eng.kv.budget.total == eng.storage.nbytes()
+        for p in pools.values():
+            assert eng.storage.nbytes() - p.page_bytes < p.total_bytes <= eng.storage.nbytes()
+    else:
+        assert eng.kv.budget is None
+        assert pools["full"].total_bytes + pools["swa"].total_bytes == eng.storage.nbytes()
     assert eng.storage.nbytes() <= 3 << 20
     eng.add_request("b", list(range(3, 40)), SamplingParams(max_tokens=3, temperature=0.0))
     eng.step()
     pools = eng.stats().pools
     assert pools["full"].used_bytes == eng.kv.full.held("b") * pools["full"].page_bytes
+    if ratio is None:
+        free = eng.storage.nbytes() - pools["full"].used_bytes - pools["swa"].used_bytes
+        assert pools["full"].free_pages == free // pools["full"].page_bytes
 
 
-def test_admission_waits_for_room_instead_of_failing(tiny_dir: Path) -> None:
-    # room for about two requests' full-attention pages: the third waits, nothing fails
+@pytest.mark.parametrize("ratio", [None, 0.5])  # the shared arena; pools of their own
+def test_admission_waits_for_room_instead_of_failing(tiny_dir: Path, ratio: float | None) -> None:
+    # room for about two requests' pages: the third waits, nothing fails
     eng = LLMEngine(
         tiny_dir,
-        EngineConfig(page_size=4, max_num_batched_tokens=64, kv_cache_memory=200_000, max_num_seqs=4),
-    )
-    total_pages = eng.kv.full.pool.num_pages
-    per_req = total_pages // 2 * 4 - 20
+        EngineConfig(
+            page_size=4, max_num_batched_tokens=64, kv_cache_memory=200_000 if ratio else 600_000,
+            max_num_seqs=4, swa_full_tokens_ratio=ratio,
+        ),
+    )  # fmt: skip
+    if eng.kv.budget is None:
+        pages = eng.kv.full.pool.num_pages // 2
+    else:  # half the arena less one request's SWA window and its prompt chunk's, in full pages
+        swa = (eng.kv.swa.guarantee_for(1000) + 5) * eng.kv.swa.pool.page_bytes
+        pages = (eng.kv.budget.total // 2 - swa) // eng.kv.full.pool.page_bytes
+    per_req = pages * 4 - 20
     for i in range(3):
         eng.add_request(
             f"w{i}", list(range(3, 23)), SamplingParams(max_tokens=per_req, temperature=0.0, ignore_eos=True)
@@ -198,7 +216,7 @@ def test_small_requests_pass_a_blocked_head_but_only_max_bypass_times(tiny_dir: 
         EngineConfig(page_size=4, max_num_batched_tokens=64, kv_cache_memory=200_000, max_num_seqs=8),
     )
     eng.scheduler.max_bypass = 2
-    room = eng.kv.full.pool.num_pages * 4
+    room = eng.limits.max_fit_tokens  # one request alone: its full pages and SWA window
     greedy = SamplingParams(max_tokens=room // 2, temperature=0.0, ignore_eos=True)
     eng.add_request("big0", [5] * 10, greedy)  # holds half the pool
     eng.add_request("big1", [6] * 10, SamplingParams(max_tokens=room - 20, temperature=0.0, ignore_eos=True))

@@ -79,6 +79,10 @@ CONFIGS = {
     ),
 }
 CONFIGS["host-second-hit"] = dataclasses.replace(CONFIGS["host-tier"], host_write_policy="second_hit")
+# the configs above share one KV arena (and one host arena) between full and SWA pages, split by
+# the traffic; an explicit --swa-full-tokens-ratio gives pools of their own
+CONFIGS["page16-ratio"] = dataclasses.replace(CONFIGS["page16"], swa_full_tokens_ratio=0.2)
+CONFIGS["host-tier-ratio"] = dataclasses.replace(CONFIGS["host-tier"], swa_full_tokens_ratio=1 / 9)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,9 @@ def baselines(tiny_dir: Path) -> dict[str, dict[str, Result]]:
 def test_cache_on_equals_cache_off(tiny_dir: Path, baselines, name: str) -> None:  # type: ignore[no-untyped-def]
     cfg = CONFIGS[name]
     eng = LLMEngine(tiny_dir, cfg)
+    assert (eng.kv.budget is not None) == (cfg.swa_full_tokens_ratio is None and cfg.kv_layout == "hybrid")
+    if cfg.host_cache_memory:
+        assert (eng.kv.host_budget is not None) == (eng.kv.budget is not None)
     got = workload(eng, seed=7)
     base = baselines[str(cfg.page_size)]
     for rid, r in got.items():

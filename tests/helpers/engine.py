@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from swaserve.config import EngineConfig, ModelConfig
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import ScheduledChunk
 from swaserve.engine.types import SamplingParams
+from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import plan_pools
 from swaserve.kvcache.storage import KVStorage
@@ -22,17 +23,27 @@ class Harness:
     """The real model, pools and runner, with every row's logits exposed."""
 
     def __init__(
-        self, model_dir: str | Path, page_size: int, layout: str = "hybrid", budget: int = 8 << 20
+        self,
+        model_dir: str | Path,
+        page_size: int,
+        layout: str = "hybrid",
+        budget: int = 8 << 20,
+        shared: bool = False,
     ) -> None:
+        """``shared``: both pools on one arena (``kvcache.arena``), as the engine with prefix caching."""
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.model = load_model(model_dir, self.cfg)
         ecfg = EngineConfig(page_size=page_size, kv_cache_memory=budget, kv_layout=layout)  # type: ignore[arg-type]
-        plan = plan_pools(self.cfg, ecfg, 4)
+        arena = arena_layout(self.cfg, page_size, 4) if shared else None
+        plan = plan_pools(self.cfg, ecfg, 4, shared=shared, arena=arena)
+        assert (plan.unit_bytes is not None) == shared
         self.kv = KVCacheManager(
             plan, page_size, self.cfg.window, layout, len(self.cfg.full_layers), len(self.cfg.swa_layers)
         )
         self.storage = KVStorage(self.cfg, plan, page_size, torch.float32, "cpu")
+        self.storage.bind(FULL, self.kv.full.pool)
+        self.storage.bind(SWA, self.kv.swa.pool)
         self.runner = ModelRunner(self.model, self.cfg, self.kv, self.storage, torch.device("cpu"))
 
     def new(self, rid: str, tokens: Sequence[int]) -> Request:

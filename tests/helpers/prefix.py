@@ -118,7 +118,7 @@ class PrefixHarness:
             if lo >= start:
                 continue
             slots = self._slots(kind, r.rid, lo, start)
-            got = self.storage.kv[kind][0][0][slots, 0, 0].tolist()
+            got = self.storage.read(kind, 0, slots)[0][:, 0, 0].tolist()
             want = [self.label(r.tokens, p) for p in range(lo, start)]
             assert got == want, f"{kind} KV of {r.rid} [{lo}, {start}) holds another prefix (pseudo-hit)"
 
@@ -148,8 +148,8 @@ class PrefixHarness:
         for kind in (FULL, SWA):
             slots = self._slots(kind, rid, start, start + n)
             labels = torch.tensor([self.label(r.tokens, p) for p in range(start, start + n)])
-            for t in self.storage.kv[kind][0] + self.storage.kv[kind][1]:
-                t[slots, 0, 0] = labels
+            x = labels.view(-1, 1, 1)
+            self.storage.write(kind, 0, slots, x, x)
         r.computed = start + n
         if r.computed < len(r.tokens):
             if partial:

@@ -15,9 +15,13 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 500, (n,), generator=g).tolist()
 
 
-@pytest.fixture(scope="module", params=[4, 16], ids=["page4<W", "page16>W"])
+@pytest.fixture(
+    scope="module", params=[(4, False), (16, False), (4, True), (16, True)],
+    ids=["page4<W", "page16>W", "page4<W-arena", "page16>W-arena"],
+)  # fmt: skip
 def harness(request, tiny_dir):  # type: ignore[no-untyped-def]
-    return Harness(tiny_dir, page_size=request.param)
+    page, shared = request.param
+    return Harness(tiny_dir, page_size=page, shared=shared)
 
 
 def test_tiny_checkpoint_exercises_sinks_and_biases(hf_tiny) -> None:  # type: ignore[no-untyped-def]
