@@ -1,10 +1,11 @@
 """``AdaptiveSplit``: how much of one shared byte budget the prefix cache gives to SWA windows and how
 much to full-attention pages, moved by the traffic with ghost entries.
 
-Rule. The cache evicts from the side over its target: while the SWA pages in use take more than
-``target`` bytes, SWA-only victims go first (trim a node to its trailing window, tombstone an inner
-node: ``PrefixCache`` stages); otherwise whole least-recently-used leaves (full pages and their
-window). Each side remembers what it lost recently, for ``horizon`` x the budget of its own
+Rule. The cache first trims nodes to their trailing window (SWA KV before it serves only hits
+ending inside a node, which prefills avoid: they stop at divergence points and chunk ends), then
+evicts from the side over its target: while the SWA pages in use take more than ``target`` bytes,
+windows of inner nodes (tombstones, ``PrefixCache`` stages); otherwise whole least-recently-used
+leaves (full pages and their window). Each side remembers what it lost recently, for ``horizon`` x the budget of its own
 evictions (the ghosts):
 
 * an SWA ghost is a window tombstoned with no copy in any tier (``RadixNode.ghost``: the SWA-loss
@@ -13,23 +14,31 @@ evictions (the ghosts):
 
 At every admission ``observe`` replays the lookup as if the ghosts were still cached: ``gain_swa``
 pages the hit would grow by with the recently lost windows alive, ``gain_full`` pages it would grow
-by past the tree's end with the recently deleted pages. The target moves by
-``step * (gain_swa - gain_full) * full_page_bytes`` and is clamped to ``[0, total]``: capacity flows
-toward the side whose recent losses cost more hits per byte of the same horizon, the marginal-utility
-rule of UCP (Qureshi & Patt, MICRO 2006) with ARC's ghost lists and target adaptation (Megiddo &
-Modha, FAST 2003), in bytes instead of pages because a SWA page and a full page differ in size.
+by past the tree's end with the recently deleted pages. Each gain is taken per unit of what keeping
+it costs, in full pages' bytes: a window costs ``u = window_pages * swa_page_bytes /
+full_page_bytes`` units (48 on MiMo-V2.5-Pro at W = 128, page 16), the full pages ``g`` plus the
+window a hit needs at their end ``g + u``. The vote ``v = gain_swa / u - gain_full / (gain_full +
+u)``, clamped to ``[-1, 1]``, moves the target by ``step * total * v`` toward SWA and by ``down *
+step * total * v`` toward full pages; the target stays in ``[0, total]``. Capacity flows toward the
+side whose recent losses cost more hits per byte: the marginal-utility rule of UCP (Qureshi & Patt,
+MICRO 2006) with ARC's ghost lists and target adaptation (Megiddo & Modha, FAST 2003), in bytes
+because a SWA page and a full page differ in size.
 
-Parameters and defaults:
+Parameters and defaults (measured with ``swaserve bench prefix-cache``, MiMo-V2.5-Pro shape):
 
-* ``initial_swa_share`` 0.4: the byte share a fixed 1/9 SWA-per-full-page ratio gives MiMo-V2.5-Pro
-  (6x page bytes), the previous default, so the start is the old behaviour;
+* ``initial_swa_share`` 0.55: the SWA byte share of a fixed 0.2 SWA pages per full page, the best
+  fixed ratio at mid budgets; also above the cliff of small budgets (conversation trace, first
+  1,500 requests, budget 0.05 of the footprint, split held fixed: SWA share 0.3 -> 0.059 hit rate,
+  0.6 -> 0.098, 1.0 -> 0.098), so the start is safe before any ghost is seen;
 * ``horizon`` 1.0: ghosts cover as many bytes of losses as the budget holds (ARC's ghost lists
   are as large as the cache), so "would have hit with twice the room on this side" is measured
   at the same scale on both sides;
-* ``step`` 1.0: one full page of target per page of lost hit; a window's worth of hit moves the
-  target by less than a window's bytes (MiMo-V2.5-Pro: 8 pages of hit move 8 full pages while the
-  window holds 48), so a single event cannot swing the split and the target settles where the two
-  ghost gains balance.
+* ``step`` 0.03: one lookup moves the target by at most 3% of the budget; about 30 one-sided
+  votes cross the whole range, so it follows a traffic shift within a few hundred requests
+  (tests/kvcache/test_adaptive_split.py) without one lookup swinging it;
+* ``down`` 0.1: moves toward full pages are 10x slower, because the two errors are not alike:
+  too few windows falls off the cliff above (hits need a window at their end), too many costs
+  little (0.6 vs 1.0 above).
 """
 
 from __future__ import annotations

@@ -309,6 +309,7 @@ class PrefixCache(HostTier):
             self._reap()
             if not progress:
                 break
+        self._reap()  # the trims' host backups may have detached host-only children
 
     def evict(self, kind: str, n: int) -> int:
         """Free at least ``n`` device pages of ``kind`` if possible; returns pages of it freed."""

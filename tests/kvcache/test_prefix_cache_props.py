@@ -9,7 +9,7 @@ draining and flushing every page of every pool and tier is free.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.prefix import run_stream
@@ -30,6 +30,11 @@ CONFIGS = st.fixed_dictionaries(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=CONFIGS, seed=st.integers(0, 2**32 - 1))
+@example(  # a trim's host backup dropped a host-only child and left its parent a dead leaf
+    cfg={"page": 8, "window": 1, "full_pages": 26, "swa_pages": 38, "layout": "hybrid", "host": (8, 4),
+         "policy": "on_evict", "shared": True},
+    seed=9356,
+)  # fmt: skip
 def test_random_streams_keep_every_invariant(cfg: dict, seed: int) -> None:
     run_stream(cfg, seed, 120)
 
