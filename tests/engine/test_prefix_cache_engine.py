@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
@@ -124,3 +125,22 @@ def test_cache_on_equals_cache_off(tiny_dir: Path, baselines, name: str) -> None
     invariants.check(eng.kv)
     for p in eng.stats().pools.values():
         assert p.used_pages == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_cuda_arena_and_host_arena_equal_cache_off(tiny_dir: Path) -> None:
+    """On a GPU: the device arena (strided views, per-group metadata) and the pinned host arena
+    (side-stream loads, layer by layer) give the cache-off outputs of the same device."""
+    on = dataclasses.replace(CONFIGS["host-tier"], device="cuda", dtype="float32")
+    off = EngineConfig(
+        page_size=4, max_num_batched_tokens=64, enable_prefix_caching=False, device="cuda", dtype="float32"
+    )
+    eng = LLMEngine(tiny_dir, on)
+    assert eng.kv.budget is not None and eng.kv.host_budget is not None
+    got, base = workload(eng, seed=7), workload(LLMEngine(tiny_dir, off), seed=7)
+    for rid, r in got.items():
+        assert r.tokens == base[rid].tokens, f"{rid} differs with the prefix cache on (cuda)"
+        for (lp, _), (blp, _) in zip(r.logprobs, base[rid].logprobs, strict=True):
+            assert abs(lp - blp) <= 1e-3
+    stats = eng.kv.cache.stats if eng.kv.cache is not None else None
+    assert stats is not None and stats.hits_host > 0 and stats.hits_device > 0

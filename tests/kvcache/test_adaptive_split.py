@@ -42,17 +42,21 @@ def _node(key: list[int]) -> RadixNode:
 
 def test_split_moves_toward_the_side_whose_ghosts_hit() -> None:
     # a window is 2 pages x 60 B = 12 full pages: 6 pages of SWA-ghost hit are 0.5 per unit kept
-    s = AdaptiveSplit(1000, 10, 60, 4, 2, initial_swa_share=0.5, step=0.1, down=0.5)
+    s = AdaptiveSplit(1000, 10, 60, 4, 2, initial_swa_share=0.5, step=0.1, max_vote=3.0)
     s.update(gain_swa=6, gain_full=0)
     assert s.target == pytest.approx(550)
-    s.update(gain_swa=0, gain_full=36)  # 36 / (36 + 12) = 0.75 per unit kept, down at half speed
-    assert s.target == pytest.approx(550 - 0.5 * 0.1 * 1000 * 0.75)
-    s.update(gain_swa=120, gain_full=0)  # one update moves at most step x budget
-    assert s.target == pytest.approx(612.5)
+    s.update(gain_swa=0, gain_full=36)  # 36 / (36 + 12) = 0.75 per unit kept
+    assert s.target == pytest.approx(550 - 0.1 * 1000 * 0.75)
+    s.update(gain_swa=24, gain_full=36)  # 24 / 12 - 0.75: the net of both sides
+    assert s.target == pytest.approx(475 + 0.1 * 1000 * 1.25)
+    s.update(gain_swa=120, gain_full=0)  # 10 per unit, capped at max_vote
+    assert s.target == pytest.approx(600 + 0.1 * 1000 * 3.0)
     for _ in range(200):
         s.update(0, 8)
     assert s.target == 0  # clamped
     assert s.swa_first(1) and not s.swa_first(0)
+    with pytest.raises(ValueError):
+        AdaptiveSplit(1000, 10, 60, 4, 2, max_vote=-1)
 
 
 def test_full_ghosts_count_only_up_to_a_page_a_hit_could_end_at_and_expire() -> None:
