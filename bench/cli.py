@@ -79,6 +79,13 @@ def bench_prefix_cache(
         int | None, typer.Option(min=1, help="Replays run in parallel (default: the usable CPUs).")
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    reuse: Annotated[
+        Path | None,
+        typer.Option(
+            help="An earlier --json of the same traces: take its full-layout and fixed-ratio replays "
+            "(they do not depend on the adaptive split) instead of rerunning them."
+        ),
+    ] = None,
 ) -> None:
     """Prefix-cache token hit rates of a trace at a memory budget (real cache, no model)."""
     from bench.prefix_cache import BenchInputError, main
@@ -98,8 +105,15 @@ def bench_prefix_cache(
             budget_share=budget_share,
             sweep=sweep,
             jobs=jobs,
+            reuse=str(reuse) if reuse is not None else None,
         )
-    except (OSError, TraceError, BenchInputError) as e:  # unreadable or malformed trace, tiny budget
+    except (
+        OSError,
+        TraceError,
+        BenchInputError,
+        ValueError,
+        KeyError,
+    ) as e:  # unreadable or malformed trace, tiny budget
         raise typer.BadParameter(str(e)) from e
 
 

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.kv_capacity import SHAPES, model_config
+from bench.prefix_reuse import load_records, reused_replays
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.plan import PoolPlan
@@ -351,9 +353,12 @@ def bench_trace(
     budget_share: float | None = None,
     sweep: bool = True,
     jobs: int = 1,
+    reuse: list[dict[str, Any]] | None = None,
 ) -> dict[str, object]:
     """Replay one trace: hybrid (adaptive, or ``swa_ratio`` fixed) and full layout at the budget, and
-    along the curve adaptive, full layout and the sweep of fixed ratios; returns its JSON record."""
+    along the curve adaptive, full layout and the sweep of fixed ratios; returns its JSON record.
+    ``reuse``: earlier records whose full-layout and fixed-ratio replays are taken, not rerun
+    (``bench.prefix_reuse``)."""
     t0 = time.perf_counter()
     cfg = model_config(SHAPE)
     work = load_workload(path, limit)
@@ -368,7 +373,14 @@ def bench_trace(
     for _, _, d, h in points:
         tasks += [("hybrid", None, d, h), ("full", None, d, h)]
         tasks += [("hybrid", r, d, h) for r in (FIXED_RATIOS if sweep and h == 0 else ())]
-    done = _run_all(list(dict.fromkeys(tasks)), jobs)
+    tasks = list(dict.fromkeys(tasks))
+    kept: dict[Task, Replay | BenchInputError] = {}
+    if reuse:
+        want = {"trace": str(path), "requests": work.requests, "footprint_bytes": foot, "chunk_tokens": chunk,
+                "cache_partial": cache_partial, "write_policy": write_policy, "prompt_tokens": work.prompt_tokens}  # fmt: skip
+        found = reused_replays(reuse, want, tasks, foot, set(Replay.__dataclass_fields__))
+        kept = {t: Replay(**f) for t, f in found.items()}
+    done = {**kept, **_run_all([t for t in tasks if t not in kept], jobs)}
     hyb, full = done[main_tasks[0]], done[main_tasks[1]]
     if isinstance(hyb, BenchInputError) or isinstance(full, BenchInputError):
         raise hyb if isinstance(hyb, BenchInputError) else full  # type: ignore[misc]
@@ -437,6 +449,7 @@ def bench_trace(
             row["adaptive_vs_ideal"] = _r(ah / ideal) if ideal else None
             rows.append(row)
         rec["curve"] = rows
+    rec["reused"] = [list(t) for t in kept]  # taken from --reuse, not replayed in this run
     rec["targets"] = targets(rec, limit is None)
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     rec["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -541,6 +554,9 @@ def print_record(rec: dict[str, object]) -> None:
     tg = rec.get("targets")
     if isinstance(tg, dict):
         print("targets: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in tg.items()))
+    reused = rec.get("reused") or []
+    if reused:
+        print(f"{len(reused)} full-layout / fixed-ratio replays taken from --reuse (not rerun)")
     print(f"wall {rec['wall_s']} s, peak RSS {rec['peak_rss_mb']} MB")
 
 
@@ -558,6 +574,7 @@ def main(
     budget_share: float | None = None,
     sweep: bool = True,
     jobs: int | None = None,
+    reuse: str | None = None,
 ) -> dict[str, object]:
     """Bench each trace (default: both bundled ones), print its tables, write JSON.
 
@@ -568,12 +585,13 @@ def main(
     ratio, the best fixed ratio in hindsight) and ``targets``.
     """
     paths = [Path(t) for t in traces] if traces else [CONVERSATION_TRACE, AGENT_TRACE]
+    earlier = load_records(Path(reuse)) if reuse else None
     jobs = jobs if jobs is not None else max(1, len(os.sched_getaffinity(0)))
     recs = []
     for p in paths:
         rec = bench_trace(
             p, limit, budget, host_budget, curve, chunk, cache_partial, write_policy, swa_ratio,
-            budget_share, sweep, jobs,
+            budget_share, sweep, jobs, earlier,
         )  # fmt: skip
         print_record(rec)
         print()

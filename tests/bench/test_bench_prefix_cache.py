@@ -141,3 +141,27 @@ def test_cli_writes_json(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["device_budget_share"] == 0.05
     bad = _cli("--limit", "5", "--budget", "1MB")
     assert bad.exit_code == 2 and "too small" in bad.output
+
+
+def test_reuse_takes_only_policy_independent_replays(tmp_path: Path) -> None:
+    """--reuse: the full layout and the fixed ratios come from the earlier JSON, the adaptive
+    split is replayed; a record of another slice is not used."""
+    first, second, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    assert _cli("--limit", "30", "--json", str(first)).exit_code == 0
+    res = _cli("--limit", "30", "--json", str(second), "--reuse", str(first))
+    assert res.exit_code == 0, res.output
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["reused"] == [] and b["reused"]
+    assert all(t[0] == "full" or t[1] is not None for t in b["reused"])  # never an adaptive replay
+    # every full-layout and fixed-ratio row of the curve (the main full replay is its 0.25 point)
+    assert len(b["reused"]) == sum(1 + len(r.get("fixed", {})) for r in a["curve"] if "error" not in r)
+    assert b["full"] == a["full"]
+    for ra, rb in zip(a["curve"], b["curve"], strict=True):
+        if "error" not in ra:
+            assert rb["fixed"] == ra["fixed"] and rb["full"]["hit_rate"] == ra["full"]["hit_rate"]
+            assert rb["adaptive"]["hit_rate"] == ra["adaptive"]["hit_rate"]  # replayed: deterministic
+    res = _cli("--limit", "20", "--json", str(other), "--reuse", str(first))  # another slice
+    assert res.exit_code == 0 and json.loads(other.read_text())["reused"] == []
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert _cli("--limit", "20", "--reuse", str(bad)).exit_code != 0
