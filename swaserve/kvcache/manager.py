@@ -169,20 +169,15 @@ class KVCacheManager:
             )
             assert acq is not None  # without host loads nothing can fail
         n = acq.length // P if acq is not None else 0
-        gs = [k.guarantee_for(max_total_tokens, n) for k in self._kinds()]
-        if self.cache is not None and self.budget is not None:
-            self.cache.make_room_bytes(self._bytes(gs))
-        elif self.cache is not None:
-            for k, g in zip(self._kinds(), gs, strict=True):
-                self.cache.make_room(FULL if k is self.full else SWA, g)
-        if self.budget is not None:
-            room = self._bytes(gs) <= self.budget.available
-        else:
-            room = all(k.pool.can_reserve(g) for k, g in zip(self._kinds(), gs, strict=True))
-        if not room:
-            if acq is not None and self.cache is not None:
-                self.cache.release(acq.lock)
-            return None
+        if not self._room_for(max_total_tokens, n):
+            if acq is None or self.cache is None:
+                return None
+            # the hit's locked pages come on top of the guarantee (its window is not part of it):
+            # a request that fits without the hit must not wait on its own hit forever
+            self.cache.release(acq.lock)
+            if n == 0 or not self._room_for(max_total_tokens, 0):
+                return None
+            acq, n = Acquired(None, 0, 0), 0  # admitted without its hit: queried, nothing reused
         if acq is None or n == 0:
             for k in self._kinds():
                 k.admit(rid, max_total_tokens)
@@ -204,6 +199,19 @@ class KVCacheManager:
                 adm.diverge = acq.diverge
         self.admitted[rid] = adm
         return adm
+
+    def _room_for(self, max_total_tokens: int, n: int) -> bool:
+        """Evict cache pages until a request of ``max_total_tokens`` with ``n`` hit pages (already
+        locked) can reserve its guarantee; whether it can."""
+        gs = [k.guarantee_for(max_total_tokens, n) for k in self._kinds()]
+        if self.cache is not None and self.budget is not None:
+            self.cache.make_room_bytes(self._bytes(gs))
+        elif self.cache is not None:
+            for k, g in zip(self._kinds(), gs, strict=True):
+                self.cache.make_room(FULL if k is self.full else SWA, g)
+        if self.budget is not None:
+            return self._bytes(gs) <= self.budget.available
+        return all(k.pool.can_reserve(g) for k, g in zip(self._kinds(), gs, strict=True))
 
     def max_chunk(self, rid: str, start: int, end: int) -> int:
         """Largest n <= end - start such that chunk [start, start + n) can be allocated now

@@ -132,10 +132,13 @@ class PagePool:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Return pages to the free list. Raises ValueError on a double free."""
+        """Return pages to the free list. Raises ValueError on a double free (nothing changed)."""
         for p in pages:
             if p < 0 or self.is_free(p):
                 raise ValueError(f"page {p} freed twice (or never allocated)")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"a page is listed twice in {pages}")
+        for p in pages:
             self._is_free[p] = True
             self._free.append(p)
             if self.units_per_page:

@@ -263,6 +263,7 @@ class PrefixCache(HostTier):
         if pool is None:
             return False
         if pool.num_available < n:
+            self.mover.sync()  # no page freed below may still be the target of a host load
             if pool.budget is not None:
                 self._evict_shared(n * pool.page_bytes)
             else:
@@ -274,6 +275,7 @@ class PrefixCache(HostTier):
         budget = self.full_pool.budget
         assert budget is not None, "make_room_bytes needs pools on a shared budget"
         if budget.available < need:
+            self.mover.sync()  # freed units may go to the other kind: no load may still land there
             self._evict_shared(need)
         return budget.available >= need
 

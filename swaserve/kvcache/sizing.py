@@ -87,21 +87,20 @@ def host_plan(plan: PoolPlan, budget: int) -> tuple[int, int]:
     the host pools then share that budget too (``KVCacheManager`` ``host_bytes``).
 
     Raises:
-        ValueError: the budget cannot hold one full page.
+        ValueError: the budget cannot hold one page of each kind.
     """
+    least = plan.full_page_bytes + plan.swa_page_bytes  # one page of each kind
+    if budget < least:
+        raise ValueError(
+            f"host cache budget {budget} B is smaller than one full page and one SWA page ({least} B)"
+        )
     if plan.shared_bytes is not None:
-        if budget < plan.full_page_bytes:
-            raise ValueError(
-                f"host cache budget {budget} B is smaller than one full page ({plan.full_page_bytes} B)"
-            )
         return budget // plan.full_page_bytes, budget // plan.swa_page_bytes if plan.swa_page_bytes else 0
     dev_full = plan.full_pages * plan.full_page_bytes
     dev_swa = plan.swa_pages * plan.swa_page_bytes
     swa_share = dev_swa / (dev_full + dev_swa) if plan.swa_page_bytes else 0.0
     swa_pages = int(budget * swa_share) // plan.swa_page_bytes if plan.swa_page_bytes else 0
+    if plan.swa_page_bytes:
+        swa_pages = max(1, swa_pages)
     full_pages = (budget - swa_pages * plan.swa_page_bytes) // plan.full_page_bytes
-    if full_pages < 1:
-        raise ValueError(
-            f"host cache budget {budget} B is smaller than one full page ({plan.full_page_bytes} B)"
-        )
     return full_pages, swa_pages

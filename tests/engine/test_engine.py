@@ -11,6 +11,7 @@ import torch
 from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import FinishReason, SamplingParams
+from swaserve.kvcache import invariants
 from swaserve.kvcache.plan import cdiv
 
 NEW = 64
@@ -233,3 +234,32 @@ def test_small_requests_pass_a_blocked_head_but_only_max_bypass_times(tiny_dir: 
     while eng.has_unfinished():
         done += [o.request_id for o in eng.step() if o.finished]
     assert set(done) == {"big0", "big1", "small0", "small1", "small2", "small3"}
+
+
+@pytest.mark.parametrize("ratio", [None, 0.2])  # the shared arena; pools of their own
+def test_a_hit_that_leaves_no_room_is_dropped_not_waited_on(tiny_dir: Path, ratio: float | None) -> None:
+    """The pages a prefix hit locks come on top of a request's guarantee: at a budget where ``b``
+    fits alone but not beside its own hit, it is admitted without the hit (it used to wait for
+    it forever), and its greedy output is the cache-off one."""
+    base = dict(page_size=4, max_num_batched_tokens=12, max_num_seqs=4, kv_cache_memory=55 * 1536)
+    eng = LLMEngine(tiny_dir, EngineConfig(**base, swa_full_tokens_ratio=ratio))  # type: ignore[arg-type]
+    prefix = list(range(10, 50))
+    eng.add_request("a", prefix, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    b = prefix + list(range(100, 131))
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eng.add_request("b", b, greedy)
+    got: list[int] = []
+    for _ in range(200):
+        got += [t for o in eng.step() for t in o.new_token_ids]
+        if not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished(), "b never admitted: it waits on its own cache hit"
+    off = LLMEngine(tiny_dir, EngineConfig(**base, enable_prefix_caching=False))  # type: ignore[arg-type]
+    off.add_request("b", b, greedy)
+    want: list[int] = []
+    while off.has_unfinished():
+        want += [t for o in off.step() for t in o.new_token_ids]
+    assert got == want and len(got) == 10
+    invariants.check(eng.kv)

@@ -16,7 +16,7 @@ from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.budget import ByteBudget
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.pool import PagePool
-from swaserve.kvcache.sizing import page_bytes, plan_pools
+from swaserve.kvcache.sizing import host_plan, page_bytes, plan_pools
 from swaserve.kvcache.storage import KVStorage
 from swaserve.shapes import model_config, shape
 
@@ -123,3 +123,18 @@ def test_arena_views_never_overlap(tiny_dir: Path) -> None:
     for kind, p in held:
         pools[kind].free([p])
     invariants.check(kv)  # the arena: every unit free again, no page maps to one
+
+
+def test_host_plan_needs_one_page_of_each_kind() -> None:
+    """A host budget between one full page and one full + one SWA page is refused with that
+    reason (it used to pass the check and fail later: no SWA host page to copy to)."""
+    pro = model_config(shape("MiMo-V2.5-Pro"))
+    pbf, pbs = page_bytes(pro, 16, 2)
+    for ratio in (None, 0.2):
+        ecfg = EngineConfig(page_size=16, kv_cache_memory=1000 * pbs, swa_full_tokens_ratio=ratio)
+        plan = plan_pools(pro, ecfg, 2, shared=True, arena=arena_layout(pro, 16, 2))
+        assert (plan.shared_bytes is not None) == (ratio is None)
+        with pytest.raises(ValueError, match="one full page and one SWA page"):
+            host_plan(plan, pbf + pbs - 1)
+        full, swa = host_plan(plan, pbf + pbs)
+        assert full >= 1 and swa >= 1 and (ratio is not None or (full, swa) == ((pbf + pbs) // pbf, 1))
