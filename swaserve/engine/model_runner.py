@@ -74,15 +74,23 @@ class ModelRunner:
         self, chunks: Sequence[ScheduledChunk], kind: str, mgr: KindManager, window: int | None
     ) -> list[KindMeta]:
         """``kind``'s metadata for each unit group of the storage (one with pools of their own)."""
+        pool_slots: dict[tuple[str, int, int], torch.Tensor] = {}  # page-table walks once per step
+
+        def slots(rid: str, lo: int, end: int) -> torch.Tensor:
+            key = (rid, lo, end)
+            if key not in pool_slots:
+                pool_slots[key] = mgr.slots(rid, lo, end)
+            return pool_slots[key]
+
         return [
-            self._kind_meta(chunks, mgr, window, functools.partial(self.storage.locate, kind, g))
+            self._kind_meta(chunks, slots, window, functools.partial(self.storage.locate, kind, g))
             for g in range(self.storage.num_groups(kind))
         ]
 
     def _kind_meta(
         self,
         chunks: Sequence[ScheduledChunk],
-        mgr: KindManager,
+        slots_of: Callable[[str, int, int], torch.Tensor],
         window: int | None,
         locate: Callable[[torch.Tensor], torch.Tensor],
     ) -> KindMeta:
@@ -95,9 +103,9 @@ class ModelRunner:
         for c in chunks:
             rid = c.req.request_id
             end = c.start + c.n
-            writes.append(locate(mgr.slots(rid, c.start, end)))
+            writes.append(locate(slots_of(rid, c.start, end)))
             lo = 0 if window is None else max(0, c.start - window)
-            slots = locate(mgr.slots(rid, lo, end))
+            slots = locate(slots_of(rid, lo, end))
             if c.n == 1:
                 dec_rows.append(row)
                 dec_slots.append(slots)
