@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.launcher import Cluster
 from swaserve.routing.redis.events import stream_key
+from swaserve.routing.redis.store import RedisPrefixIndex
 from tests.helpers.routing_cluster import WORKER_ARGS, cached, metric, send
 
 pytestmark = pytest.mark.cluster  # starts routers, workers and Redis (``Cluster``) as child processes
@@ -40,8 +43,18 @@ def test_index_follows_worker_events(cluster: Cluster) -> None:
     stems = [[rng.randrange(3, 500) for _ in range(48)] for _ in range(4)]
     asyncio.run(send([(cluster.url, [*s, 7, 8]) for s in stems]))
     assert r.xlen(stream_key("swaserve")) > 0  # the workers published what they stored
+    # the index is eventually consistent: a worker publishes what it stored after the response may
+    # be out, so wait until every stem's blocks are indexed (the router's follower writes them)
+    index = RedisPrefixIndex(r, namespace="swaserve")
+    chains = [block_hashes(s, 16)[:2] for s in stems]
+    deadline = time.monotonic() + 60
+    while not all(max(index.match(h, time.time()).values(), default=0) >= 2 for h in chains):
+        assert time.monotonic() < deadline, [index.match(h, time.time()) for h in chains]
+        asyncio.run(send([(cluster.url, [1, 2, 3])]))  # a router polls the stream when it routes
+        time.sleep(0.2)
+    where = [index.match(h, time.time()) for h in chains]
     second = [asyncio.run(send([(cluster.url, [*s, 9, 10, 11])]))[0] for s in stems]  # one at a time
-    assert all(cached(x) >= 32 for x in second), [cached(x) for x in second]
+    assert all(cached(x) >= 32 for x in second), ([cached(x) for x in second], where)
     decisions = metric(cluster.url, "swaserve:router_decisions_total")
     assert decisions.get('model_name="mimo-v2-tiny-v1",reason="affinity"', 0) >= 4
     # every index entry came from an event: each instance's entries are blocks its cache stored
