@@ -79,6 +79,10 @@ def bench_prefix_cache(
         int | None, typer.Option(min=1, help="Replays run in parallel (default: the usable CPUs).")
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    curve_share: Annotated[
+        list[float] | None,
+        typer.Option(help="Replay only the curve's points at this device share; repeatable (default: all)."),
+    ] = None,
     reuse: Annotated[
         Path | None,
         typer.Option(
@@ -106,6 +110,7 @@ def bench_prefix_cache(
             sweep=sweep,
             jobs=jobs,
             reuse=str(reuse) if reuse is not None else None,
+            curve_shares=curve_share or None,
         )
     except (
         OSError,

@@ -37,6 +37,10 @@ CHUNK = 512  # prefill chunk, tokens (EngineConfig.max_num_batched_tokens defaul
 DTYPE_BYTES = 2
 MOONCAKE_VOCAB = 256
 DEVICE_FRACTION = 0.25  # default device budget, share of the footprint
+# the cache's eviction order as replayed here; bump when it changes, so --reuse refuses the
+# full-layout and fixed-ratio rows of older runs (they depend on it, not on the adaptive split).
+# 2: a finished prompt's chunk-end windows above its last chunk end are demoted
+EVICTION_REV = 2
 CURVE = (  # (device share, host share) of the footprint
     (0.02, 0.0),
     (0.05, 0.0),
@@ -354,11 +358,13 @@ def bench_trace(
     sweep: bool = True,
     jobs: int = 1,
     reuse: list[dict[str, Any]] | None = None,
+    curve_shares: list[float] | None = None,
 ) -> dict[str, object]:
     """Replay one trace: hybrid (adaptive, or ``swa_ratio`` fixed) and full layout at the budget, and
     along the curve adaptive, full layout and the sweep of fixed ratios; returns its JSON record.
     ``reuse``: earlier records whose full-layout and fixed-ratio replays are taken, not rerun
-    (``bench.prefix_reuse``)."""
+    (``bench.prefix_reuse``). ``curve_shares``: replay only the curve's points at these device
+    shares (None: all)."""
     t0 = time.perf_counter()
     cfg = model_config(SHAPE)
     work = load_workload(path, limit)
@@ -369,7 +375,8 @@ def bench_trace(
     _JOB.update(cfg=cfg, work=work, chunk=chunk, partial=cache_partial, policy=write_policy)
     main_tasks: list[Task] = [("hybrid", swa_ratio, budget, host_b), ("full", None, budget, host_b)]
     tasks = list(main_tasks)
-    points = [(d, h, int(foot * d), int(foot * h)) for d, h in CURVE] if curve else []
+    on_curve = [(d, h) for d, h in CURVE if curve_shares is None or d in curve_shares]
+    points = [(d, h, int(foot * d), int(foot * h)) for d, h in on_curve] if curve else []
     for _, _, d, h in points:
         tasks += [("hybrid", None, d, h), ("full", None, d, h)]
         tasks += [("hybrid", r, d, h) for r in (FIXED_RATIOS if sweep and h == 0 else ())]
@@ -377,7 +384,8 @@ def bench_trace(
     kept: dict[Task, Replay | BenchInputError] = {}
     if reuse:
         want = {"trace": str(path), "requests": work.requests, "footprint_bytes": foot, "chunk_tokens": chunk,
-                "cache_partial": cache_partial, "write_policy": write_policy, "prompt_tokens": work.prompt_tokens}  # fmt: skip
+                "cache_partial": cache_partial, "write_policy": write_policy, "prompt_tokens": work.prompt_tokens,
+                "eviction_rev": EVICTION_REV}  # fmt: skip
         found = reused_replays(reuse, want, tasks, foot, set(Replay.__dataclass_fields__))
         kept = {t: Replay(**f) for t, f in found.items()}
     done = {**kept, **_run_all([t for t in tasks if t not in kept], jobs)}
@@ -395,6 +403,7 @@ def bench_trace(
         "cache_partial": cache_partial,
         "swa_full_tokens_ratio": swa_ratio,  # None: one shared budget, adaptive split
         "write_policy": write_policy,
+        "eviction_rev": EVICTION_REV,
         "requests": work.requests,
         "prompt_tokens": work.prompt_tokens,
         "unique_pages": work.unique_pages,
@@ -554,8 +563,8 @@ def print_record(rec: dict[str, object]) -> None:
     tg = rec.get("targets")
     if isinstance(tg, dict):
         print("targets: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in tg.items()))
-    reused = rec.get("reused") or []
-    if reused:
+    reused = rec.get("reused")
+    if isinstance(reused, list) and reused:
         print(f"{len(reused)} full-layout / fixed-ratio replays taken from --reuse (not rerun)")
     print(f"wall {rec['wall_s']} s, peak RSS {rec['peak_rss_mb']} MB")
 
@@ -575,6 +584,7 @@ def main(
     sweep: bool = True,
     jobs: int | None = None,
     reuse: str | None = None,
+    curve_shares: list[float] | None = None,
 ) -> dict[str, object]:
     """Bench each trace (default: both bundled ones), print its tables, write JSON.
 
@@ -591,7 +601,7 @@ def main(
     for p in paths:
         rec = bench_trace(
             p, limit, budget, host_budget, curve, chunk, cache_partial, write_policy, swa_ratio,
-            budget_share, sweep, jobs, earlier,
+            budget_share, sweep, jobs, earlier, curve_shares,
         )  # fmt: skip
         print_record(rec)
         print()

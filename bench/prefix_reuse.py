@@ -3,7 +3,7 @@ split (full layout, fixed SWA ratios) from an earlier run's JSON instead of repl
 change to the split's policy reruns only its own rows (a whole-trace sweep is ~50 replays).
 
 A replay is reused only from a record of the same trace, request count, footprint, chunk,
-``cache_partial`` and write policy, at the same device and host bytes; its hit rates come back at
+``cache_partial``, write policy and eviction order (``EVICTION_REV``), at the same device and host bytes; its hit rates come back at
 the JSON's 4 decimals. The record lists what it reused (``reused``)."""
 
 from __future__ import annotations
@@ -24,7 +24,15 @@ def load_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _same_run(rec: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
-    keys = ("trace", "requests", "footprint_bytes", "chunk_tokens", "cache_partial", "write_policy")
+    keys = (
+        "trace",
+        "requests",
+        "footprint_bytes",
+        "chunk_tokens",
+        "cache_partial",
+        "write_policy",
+        "eviction_rev",
+    )
     return all(rec.get(k) == want[k] for k in keys)
 
 

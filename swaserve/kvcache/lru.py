@@ -53,6 +53,13 @@ class CategoryLRU:
         """``x`` was used: it moves to the most recent end of its category (lazily)."""
         x.stamp = stamp
 
+    def demote(self, x: Stamped, stamp: int = -1) -> None:
+        """``x`` becomes older than every use (``stamp`` below the clock's first value): it is its
+        category's first candidate at once (a second entry; the first one dies at the top)."""
+        x.stamp = stamp
+        if x.swa_q is not None:
+            self._push(x.swa_q, x)
+
     def _push(self, cat: str, x: Stamped) -> None:
         heap = self.heaps.get(cat)
         if heap is None:

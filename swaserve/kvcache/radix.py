@@ -68,7 +68,7 @@ class RadixNode:
         self.swa_holders: set[int] = set()
         self.hits = 0
         self.id = next(RadixNode._ids)
-        self.stamp = 0  # last use (tree clock); ancestors are always at least as recent
+        self.stamp = 0  # last use of its SWA KV (tree clock; SWA eviction order)
         self.swa_q: str | None = None  # SWA eviction category (``RadixTree.swa_category``)
         self.ghost = -1  # SWA-loss clock when its window was lost (``kvcache.adaptive``); -1: never
         self.h_end: int | None = None  # page chain hash at its end (``kvcache.adaptive``), lazy
@@ -276,14 +276,46 @@ class RadixTree:
         return head
 
     def touch(self, node: RadixNode) -> None:
-        """Mark ``node`` and its ancestors most recently used (ancestors after descendants)."""
+        """Mark ``node`` and its ancestors most recently used (ancestors after descendants); for
+        SWA eviction only the nodes covering the path's last ``W`` tokens: the window a hit there
+        uses. A window higher up the path (a chunk end, a branch point) ages from its own last
+        use, so while the hit end's window lives those checkpoints go first."""
+        covered = 0
         while node is not self.root:
             for lru in (self.dev_lru, self.host_lru):
                 if node in lru:
                     lru.move_to_end(node)
-            self.swa_order.restamp(node, next(self._clock))
+            if self.window is None or covered < self.window:
+                self.swa_order.restamp(node, next(self._clock))
+            covered += len(node.key)
             assert node.parent is not None
             node = node.parent
+
+    def demote_checkpoints(self, node: RadixNode, stop: int) -> int:
+        """A finished prompt's chunk-end windows on ``node``'s path, above its two deepest node
+        ends (the prompt's end and the last chunk end, where its next turn diverges) and below
+        token depth ``stop`` (its hit), become the least recently used windows: once a deeper
+        window of the same chain is cached they serve only a prompt diverging exactly there.
+        A hit ending at one restamps it (``touch``). Returns the windows demoted."""
+        if self.window is None or not self.has_swa:
+            return 0
+        end, x = 0, node
+        while x is not self.root:
+            end += len(x.key)
+            assert x.parent is not None
+            x = x.parent
+        # the windows of the prompt's end and of the last chunk end (the node above ``node``)
+        keep_from = end - len(node.key) - self.window
+        demoted, x, top = 0, node, end
+        while x is not self.root and top > stop:
+            start = top - len(x.key)
+            if top <= keep_from and x.swa is not None:
+                self.swa_order.demote(x)
+                demoted += 1
+            top = start
+            assert x.parent is not None
+            x = x.parent
+        return demoted
 
     def node_at(self, pages: list[PathPage], n: int) -> RadixNode:
         """The node ending exactly at page ``n`` of a walked path, splitting if needed."""

@@ -162,6 +162,23 @@ def test_reuse_takes_only_policy_independent_replays(tmp_path: Path) -> None:
             assert rb["adaptive"]["hit_rate"] == ra["adaptive"]["hit_rate"]  # replayed: deterministic
     res = _cli("--limit", "20", "--json", str(other), "--reuse", str(first))  # another slice
     assert res.exit_code == 0 and json.loads(other.read_text())["reused"] == []
+    older = dict(a, eviction_rev=a["eviction_rev"] - 1)  # rows replayed with another eviction order
+    first.write_text(json.dumps(older))
+    res = _cli("--limit", "30", "--json", str(other), "--reuse", str(first))
+    assert res.exit_code == 0 and json.loads(other.read_text())["reused"] == []
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert _cli("--limit", "20", "--reuse", str(bad)).exit_code != 0
+
+
+def test_curve_share_replays_only_those_points(tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    res = _cli("--limit", "20", "--curve-share", "0.05", "--curve-share", "0.1", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["curve"]
+    assert sorted({(r["device_share"], r["host_share"]) for r in rows}) == [
+        (0.05, 0.0),
+        (0.05, 1.0),
+        (0.1, 0.0),
+        (0.1, 1.0),
+    ]

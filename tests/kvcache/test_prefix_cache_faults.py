@@ -142,3 +142,43 @@ def test_branch_point_found_by_traffic_gets_a_window() -> None:
         pass
     h.check()
     h.drain_and_flush()
+
+
+def _prefill(h: PrefixHarness, rid: str, prompt: list[int]) -> None:
+    assert h.admit(rid, prompt, 1)
+    while not h.advance(rid, 8, 7):  # chunks of 8, each inserted (windows at 8, 16, 24)
+        pass
+
+
+def test_superseded_chunk_windows_go_before_a_prompts_continuation_point() -> None:
+    """A finished prompt's chunk-end windows above its last chunk end serve only a prompt diverging
+    exactly there (its next turn diverges at the last chunk end or its end). Under SWA pressure a
+    later prompt's such windows go before an earlier prompt's last-chunk window, which plain LRU
+    would evict first; a hit ending at a demoted window restamps it."""
+    h = PrefixHarness(page=2, window=3, full_pages=128, swa_pages=64)
+    cache = h.kv.cache
+    assert cache is not None
+    a, b = list(range(1, 31)), list(range(101, 131))
+    _prefill(h, "a", a)
+    _prefill(h, "b", b)
+
+    def hit(prompt: list[int], at: int) -> int:
+        return cache.match_length([*prompt[:at], 99, 98], at + 2)[0]
+
+    assert (hit(a, 24), hit(b, 16), hit(b, 8)) == (24, 16, 8)
+    while hit(a, 24) == 24 and h.kv.swa.pool.num_used:
+        assert cache.evict(SWA, 1) >= 1
+        h.check()
+        if hit(a, 24) < 24:  # a's continuation point went only after b's superseded windows
+            assert hit(b, 16) < 16 and hit(b, 8) < 8
+    assert hit(b, 16) < 16, "b's superseded windows were never evicted: the test covers nothing"
+    h.drain_and_flush()
+
+    _prefill(h, "a", a)
+    _prefill(h, "b", b)
+    assert h.admit("c", [*b[:16], 99, 98], 1) and h.live["c"].hit == 16  # restamps b's window at 16
+    h.finish("c")
+    while hit(b, 16) == 16 and h.kv.swa.pool.num_used:
+        assert cache.evict(SWA, 1) >= 1
+    assert hit(a, 8) < 8 and hit(b, 8) < 8, "a used window went before unused demoted ones"
+    h.drain_and_flush()
