@@ -296,7 +296,8 @@ class RadixTree:
         ends (the prompt's end and the last chunk end, where its next turn diverges) and below
         token depth ``stop`` (its hit), become the least recently used windows: once a deeper
         window of the same chain is cached they serve only a prompt diverging exactly there.
-        A hit ending at one restamps it (``touch``). Returns the windows demoted."""
+        Branch points keep their stamp (traffic diverged there: the next session will too). A
+        hit ending at one restamps it (``touch``). Returns the windows demoted."""
         if self.window is None or not self.has_swa:
             return 0
         end, x = 0, node
@@ -309,7 +310,7 @@ class RadixTree:
         demoted, x, top = 0, node, end
         while x is not self.root and top > stop:
             start = top - len(x.key)
-            if top <= keep_from and x.swa is not None:
+            if top <= keep_from and x.swa is not None and len(x.children) == 1:  # not a branch point
                 self.swa_order.demote(x)
                 demoted += 1
             top = start

@@ -182,3 +182,20 @@ def test_superseded_chunk_windows_go_before_a_prompts_continuation_point() -> No
         assert cache.evict(SWA, 1) >= 1
     assert hit(a, 8) < 8 and hit(b, 8) < 8, "a used window went before unused demoted ones"
     h.drain_and_flush()
+
+
+def test_a_branch_point_window_is_not_demoted() -> None:
+    """A window where the tree branches (a shared system prompt's end, found by traffic) is where
+    the next session diverges too: finishing a prompt through it must not demote it."""
+    h = PrefixHarness(page=2, window=3, full_pages=128, swa_pages=64)
+    cache = h.kv.cache
+    assert cache is not None
+    system = list(range(1, 13))
+    _prefill(h, "a", [*system, *range(200, 218)])
+    cache._evict_swa(lambda: False)  # every SWA-only victim: a's inner windows are gone
+    _prefill(h, "b", [*system, *range(300, 318)])  # no hit; diverges at 12: its chunk ends there
+    assert h.hits == 0
+    branch = [x for x in cache.tree.nodes() if len(x.children) == 2]
+    assert len(branch) == 1 and branch[0].swa is not None
+    assert branch[0].stamp > 0, "the branch point's window was demoted"
+    h.drain_and_flush()
