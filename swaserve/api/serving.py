@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
@@ -113,6 +114,7 @@ class _Streams:
         self.gens: dict[int, AsyncIterator[RequestOutput]] = {}
         self.timers: dict[int, RequestTimer] = {c.index: metrics.timer() for c in job.choices}
         self.firsts: dict[int, RequestOutput] = {}
+        self.readers: list[asyncio.Task[None]] = []  # n > 1: one task reads each choice's stream
 
     async def _first(self, c: Choice) -> None:
         gen = self.engine.generate(c.prompt_ids, c.params, c.engine_id)
@@ -153,6 +155,7 @@ class _Streams:
                 queue.put_nowait((c, e))
 
         tasks = [asyncio.create_task(pump(c)) for c in live]
+        self.readers += tasks
         try:
             remaining = len(live)
             while remaining:
@@ -187,10 +190,16 @@ class _Streams:
             t.discard()
 
     async def close(self) -> None:
-        """Abort what is unfinished (no-op for finished requests and timers)."""
+        """Abort what is unfinished (no-op for finished requests and timers). The readers stop
+        first: closing an engine stream while another task awaits it fails (and would leave that
+        choice generating). Runs to the end even when the caller is cancelled (a client gone)."""
         for t in self.timers.values():
             t.abort()
-        await asyncio.gather(*(_aclose(g) for g in self.gens.values()), return_exceptions=True)
+        with anyio.CancelScope(shield=True):
+            for t in self.readers:
+                t.cancel()
+            await asyncio.gather(*self.readers, return_exceptions=True)
+            await asyncio.gather(*(_aclose(g) for g in self.gens.values()), return_exceptions=True)
 
 
 class OpenAIServer:
@@ -388,6 +397,9 @@ class OpenAIServer:
                 c.add(out)
                 for chunk in renderer.chunks(job, c, out, first):
                     yield sse_data(chunk)
+                # a send to a gone client may not suspend, nor may a queue with outputs waiting:
+                # let the loop run, so the disconnect is seen within one output
+                await asyncio.sleep(0)
             if include_usage:
                 yield sse_data(renderer.usage_chunk(job))
             yield "[DONE]"

@@ -750,6 +750,34 @@ async def test_streaming_disconnect_aborts_and_frees_pages(served: Served, live_
     assert body["usage"]["completion_tokens"] >= 1
 
 
+async def test_streaming_disconnect_of_n_choices_aborts_them_all(served: Served, live_url: str) -> None:
+    """n > 1: every choice is read by its own task; a client leaving mid-stream must stop them all
+    (closing an engine stream another task is reading fails, so the readers go first)."""
+    engine = served.engine
+    aborts = served.metric("swaserve:request_success_total", finished_reason="abort")
+    generated = engine.stats().generation_tokens_total
+    async with (
+        httpx.AsyncClient(base_url=live_url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=long_request(served, stream=True, n=3)) as r,
+    ):
+        assert r.status_code == 200
+        seen = 0
+        async for line in r.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 6:
+                break
+        assert engine.stats().num_running == 3
+    await wait_until(
+        lambda: engine.stats().pools["full"].request_pages == 0 and engine.stats().num_running == 0
+    )
+    await wait_until(
+        lambda: served.metric("swaserve:request_success_total", finished_reason="abort") == aborts + 3
+    )
+    assert engine.stats().generation_tokens_total < generated + 3 * (MAX_LEN - 32)  # none ran to the end
+    body = await complete(served, prompt="after the disconnect", max_tokens=3)
+    assert body["usage"]["completion_tokens"] >= 1
+
+
 async def test_non_streaming_disconnect_aborts_and_frees_pages(served: Served, live_url: str) -> None:
     engine = served.engine
     aborts = served.metric("swaserve:request_success_total", finished_reason="abort")
