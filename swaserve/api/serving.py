@@ -193,11 +193,11 @@ class _Streams:
         """Abort what is unfinished (no-op for finished requests and timers). The readers stop
         first: closing an engine stream while another task awaits it fails (and would leave that
         choice generating). Runs to the end even when the caller is cancelled (a client gone)."""
-        for t in self.timers.values():
-            t.abort()
+        for timer in self.timers.values():
+            timer.abort()
         with anyio.CancelScope(shield=True):
-            for t in self.readers:
-                t.cancel()
+            for task in self.readers:
+                task.cancel()
             await asyncio.gather(*self.readers, return_exceptions=True)
             await asyncio.gather(*(_aclose(g) for g in self.gens.values()), return_exceptions=True)
 
