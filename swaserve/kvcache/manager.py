@@ -342,7 +342,7 @@ class KVCacheManager:
             shared = 0
         node, tree_full, tree_swa = self.cache.tree.insert(tokens, full, swa, after)
         if not keep:
-            self.cache.tree.demote_checkpoints(node, adm.hit_tokens)
+            self.cache.tree.demote_checkpoints(node, len(tokens), adm.hit_tokens)
             return
         new_lock = self.cache.tree.lock(node)
         self.cache.release(lock)

@@ -291,29 +291,24 @@ class RadixTree:
             assert node.parent is not None
             node = node.parent
 
-    def demote_checkpoints(self, node: RadixNode, stop: int) -> int:
-        """A finished prompt's chunk-end windows on ``node``'s path, above its two deepest node
-        ends (the prompt's end and the last chunk end, where its next turn diverges) and below
-        token depth ``stop`` (its hit), become the least recently used windows: once a deeper
-        window of the same chain is cached they serve only a prompt diverging exactly there.
-        Branch points keep their stamp (traffic diverged there: the next session will too). A
-        hit ending at one restamps it (``touch``). Returns the windows demoted."""
+    def demote_checkpoints(self, node: RadixNode, end: int, stop: int) -> int:
+        """A finished prompt's chunk-end windows on the path of ``node`` (ending at token depth
+        ``end``), above its two deepest node ends (the prompt's end and the last chunk end, where
+        its next turn diverges) and below token depth ``stop`` (its hit), become the least
+        recently used windows: once a deeper window of the same chain is cached they serve only
+        a prompt diverging exactly there. Branch points keep their stamp (traffic diverged there:
+        the next session will too). A hit ending at one restamps it (``touch``). Returns the
+        windows demoted."""
         if self.window is None or not self.has_swa:
             return 0
-        end, x = 0, node
-        while x is not self.root:
-            end += len(x.key)
-            assert x.parent is not None
-            x = x.parent
         # the windows of the prompt's end and of the last chunk end (the node above ``node``)
         keep_from = end - len(node.key) - self.window
         demoted, x, top = 0, node, end
         while x is not self.root and top > stop:
-            start = top - len(x.key)
             if top <= keep_from and x.swa is not None and len(x.children) == 1:  # not a branch point
                 self.swa_order.demote(x)
                 demoted += 1
-            top = start
+            top -= len(x.key)
             assert x.parent is not None
             x = x.parent
         return demoted
