@@ -3,16 +3,20 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?=
+# make image: docker/Dockerfile, VARIANT=cpu or cuda (torch's wheel index), tagged IMAGE:VERSION-VARIANT
+IMAGE ?= swaserve
+VARIANT ?= cpu
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test test-core bench lint clean
+.PHONY: venv run test test-core bench lint clean image chart-golden
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,deploy]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -21,6 +25,7 @@ run: $(STAMP)
 	$(BIN)/python -m swaserve.run_demo $(RUN_ARGS)
 
 test: $(STAMP)
+	scripts/system_deps.sh
 	$(BIN)/python -m pytest tests
 
 # the core without child processes (no workers, routers, Redis or engine-core process): < 2 min
@@ -46,6 +51,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check swaserve services bench tests
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache --no-logo
+
+image:
+	docker build -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) --build-arg TORCH_SPEC=$(TORCH_SPEC) \
+		-t $(IMAGE):$(VERSION)-$(VARIANT) .
+
+# after an intended chart change: rewrite deploy/helm/examples/output-*.yaml (review the diff)
+chart-golden: $(STAMP)
+	$(BIN)/python -m tests.helpers.chart --update
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -254,3 +254,21 @@ def bench_guided(
 
     path = str(json_path) if json_path is not None else None
     main(path, str(model) if model else None, requests, max_tokens, rounds, threads)
+
+
+@app.command("drain")
+def bench_drain(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint dir (default: the bundled default model).")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Closed-loop streaming clients.")] = 4,
+    steady_s: Annotated[float, typer.Option(min=1.0, help="Seconds of load before the scale-down.")] = 30.0,
+    after_s: Annotated[float, typer.Option(min=0.0, help="Seconds of load after both pods are gone.")] = 10.0,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per request.")] = 48,
+) -> None:
+    """Scale a decode and a prefill worker down under load (the Helm chart's pods, run by the
+    kubelet emulator): requests lost, retried and resumed; TTFT p90 during the change vs steady."""
+    from bench.drain import main
+
+    main(str(json_path) if json_path else None, model, concurrency, steady_s, after_s, max_tokens)

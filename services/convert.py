@@ -12,6 +12,9 @@ from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import worker_pb2 as pb
 
 ENGINE_NOT_RUNNING = "engine not running"  # how a worker's GetLoad UNAVAILABLE details begin
+# how a draining worker's UNAVAILABLE refusal of Generate or KVTransfer.Push begins (the router keeps
+# its requests in flight there and sends it nothing new)
+WORKER_DRAINING = "worker is draining"
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:

@@ -12,6 +12,7 @@ from typing import Protocol
 import grpc
 
 from services.convert import transfer_messages
+from services.tls import Dialer
 from swaserve.transfer.kv_transfer import KVPayload, TransferError
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
@@ -28,7 +29,7 @@ class KVSender(Protocol):
 class GrpcKVSender:
     """Args: page_size: tokens per page. layers: layers per kind (``{"full": .., "swa": ..}``).
     timeout_s: deadline of one push (a hung decode worker fails the push, and the router retries
-    elsewhere)."""
+    elsewhere). dialer: plaintext or TLS to the decode workers (``services.tls``)."""
 
     def __init__(
         self,
@@ -36,15 +37,17 @@ class GrpcKVSender:
         layers: dict[str, int],
         max_message_bytes: int = 64 << 20,
         timeout_s: float = 60.0,
+        dialer: Dialer | None = None,
     ) -> None:
         self.page_size, self.layers, self.timeout_s = page_size, layers, timeout_s
+        self.dialer = dialer or Dialer()
         self.max_message_bytes = max_message_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def send(self, target: str, payload: KVPayload) -> int:
         ch = self._channels.get(target)
         if ch is None:
-            ch = self._channels[target] = grpc.aio.insecure_channel(
+            ch = self._channels[target] = self.dialer.aio_channel(
                 target, options=[("grpc.max_send_message_length", self.max_message_bytes)]
             )
         ack = await kvgrpc.KVTransferStub(ch).Push(

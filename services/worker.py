@@ -1,9 +1,11 @@
 """The worker service shell: one engine in the prefill or decode role behind gRPC.
 
 ``Worker`` (``Generate``, ``Abort``, ``GetLoad``), on decode workers ``KVTransfer.Push`` into verified
-host staging, ``grpc.health.v1`` (SERVING after load and warm-up), reflection; a prefill worker runs
-to the first token and pushes the KV to ``kv_target``, and with ``redis_url`` publishes its cache's
-block events. The engine is a ``LocalEngineClient``; the module holds no policy.
+host staging, ``grpc.health.v1`` (SERVING after load and warm-up; also in plaintext on ``health_port``
+for a TLS worker), reflection; a prefill worker runs to the first token and pushes the KV to
+``kv_target``, and with ``redis_url`` publishes its cache's block events. The engine is a
+``LocalEngineClient``; the module holds no policy. On ``drain`` (SIGTERM) it refuses new work,
+lets its streams finish within ``shutdown_timeout_s`` and stops (``drain``).
 
 Design notes: docs/DESIGN.md#servicesworkerpy"""
 
@@ -15,23 +17,25 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from services.convert import ENGINE_NOT_RUNNING, chunk_message, page_from_proto, params_from_proto, usage
+from services.convert import ENGINE_NOT_RUNNING, WORKER_DRAINING, chunk_message, params_from_proto, usage
 from services.index_events import EventPump
+from services.kv_receiver import KVTransferService, staging_for
+from services.tls import Dialer
 from services.transport import GrpcKVSender, KVSender
+from services.worker_metrics import WorkerLoadCollector, WorkerMetrics, serve_metrics
 from swaserve.config import FULL, SWA
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.types import FinishReason, SamplingParams
 from swaserve.model.identity import model_identity
 from swaserve.routing.buckets import ALL_LENGTHS
 from swaserve.routing.redis.events import RedisEventPublisher, stream_key
-from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
+from swaserve.transfer.kv_transfer import KVPayload, TransferError
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 from swaserve.v1 import worker_pb2 as pb
@@ -53,53 +57,11 @@ class WorkerOptions:
     redis_url: str | None = None  # prefill: publish cache events there (needs index_block_tokens)
     index_namespace: str = "swaserve"  # the routers' Redis namespace
     instance_id: str | None = None  # this worker in the index (default: host:port, as the router names it)
-
-
-class WorkerMetrics:
-    """Prometheus metrics of a worker (own registry; served on ``--metrics-port``)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.kv_sent = Counter(
-            "swaserve:kv_transfer_sent_bytes",
-            "KV payload bytes pushed to decode workers",
-            registry=self.registry,
-        )
-        self.kv_received = Counter(
-            "swaserve:kv_transfer_received_bytes",
-            "KV payload bytes received into staging",
-            registry=self.registry,
-        )
-        self.kv_request = Histogram(
-            "swaserve:kv_transfer_request_bytes",
-            "KV payload bytes per transferred request",
-            buckets=tuple(2**i for i in range(10, 36, 2)),
-            registry=self.registry,
-        )
-        self.kv_failed = Counter(
-            "swaserve:kv_transfer_failed", "KV transfers refused or failed", registry=self.registry
-        )
-        self.index_events = Counter(
-            "swaserve:index_events",
-            "prefix-cache block events for the router's index, by outcome (published, dropped)",
-            ["outcome"],
-            registry=self.registry,
-        )
-
-
-def staging_for(engine: LocalEngineClient, max_bytes: int) -> KVStaging:
-    cfg, ecfg = engine.model_config, engine.engine_config
-    return KVStaging(
-        {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
-        {
-            FULL: LayerShape(cfg.full.num_kv_heads, cfg.full.head_dim, cfg.full.v_head_dim),
-            SWA: LayerShape(cfg.swa.num_kv_heads, cfg.swa.head_dim, cfg.swa.v_head_dim),
-        },
-        cfg.window if ecfg.kv_layout == "hybrid" else 1 << 40,
-        ecfg.page_size,
-        engine.kv_dtype,
-        max_bytes,
-    )
+    shutdown_timeout_s: float = 30.0  # drain: longest wait for the streams in flight (seconds)
+    health_port: int | None = None  # an extra plaintext port with grpc.health.v1 only (kubelet probes)
+    credentials: grpc.ServerCredentials | None = None  # TLS on the main port (services.tls); None: plaintext
+    dialer: Dialer = field(default_factory=Dialer)  # how a prefill worker dials decode workers (KV push)
+    served_model_name: str | None = None  # the model_name label of its metrics (default: the checkpoint's)
 
 
 class WorkerService(wgrpc.WorkerServicer):
@@ -109,18 +71,30 @@ class WorkerService(wgrpc.WorkerServicer):
         self.staged_at: dict[str, float] = {}  # staged transfers (open or complete) -> when begun
         self.aborted: dict[str, float] = {}  # recently aborted ids: a late transfer for them is refused
         self.open = 0
+        self.draining = False  # shutting down: new Generate calls refused, streams in flight finish
         cfg = engine.model_config
         self.identity = model_identity(cfg, engine.tokenizer, engine.model_name)
         self.boot_id = uuid.uuid4().hex  # this process: a restart draws a new one
         self.sender: KVSender = GrpcKVSender(
-            engine.engine_config.page_size, {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)}
+            engine.engine_config.page_size,
+            {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
+            dialer=opts.dialer,
         )
+
+    def staged(self) -> int:
+        """Decode role: KV transfers staged here (received or arriving) not yet claimed by a Generate."""
+        return len(self.staging.open_ids()) if self.staging is not None else 0
 
     # -- Generate -----------------------------------------------------------------------------
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request_id
+        handed_over = request.HasField("first_token") and self.staging is not None and self.staging.ready(rid)
+        if self.draining and not handed_over:  # a decode request whose KV is here still runs
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{WORKER_DRAINING} (shutting down): send it to another worker"
+            )
         try:
             params = params_from_proto(request.sampling)
         except ValueError as e:
@@ -254,6 +228,7 @@ class WorkerService(wgrpc.WorkerServicer):
             boot_id=self.boot_id,
             steps=st.steps_total,
             computed_tokens=st.computed_tokens_total,
+            draining=self.draining,
         )
 
     async def expire_staging(self) -> None:
@@ -274,69 +249,6 @@ class WorkerService(wgrpc.WorkerServicer):
             for rid, t in list(self.aborted.items()):
                 if now - t > self.opts.staging_ttl_s:
                     del self.aborted[rid]
-
-
-class KVTransferService(kvgrpc.KVTransferServicer):
-    """Decode side of the KV transfer: pages into ``KVStaging``. ``staged_at`` records when each
-    transfer began (for expiry); a transfer for an id in ``aborted`` is refused or dropped; a
-    transfer that fails or is cancelled midway is dropped at once."""
-
-    def __init__(
-        self,
-        staging: KVStaging,
-        metrics: WorkerMetrics,
-        staged_at: dict[str, float],
-        aborted: dict[str, float] | None = None,
-    ) -> None:
-        self.staging, self.metrics, self.staged_at = staging, metrics, staged_at
-        self.aborted = aborted if aborted is not None else {}
-
-    async def Push(
-        self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
-    ) -> kvpb.TransferAck:
-        rid: str | None = None
-        num_pages = received = pages = 0
-        done = False
-        try:
-            async for m in request_iterator:
-                kind = m.WhichOneof("kind")
-                if kind == "header":
-                    if rid is not None:
-                        raise TransferError("second header in one transfer")
-                    if m.header.request_id in self.aborted:
-                        raise TransferError(f"request {m.header.request_id!r} was aborted")
-                    if m.header.request_id in self.staging.open_ids():  # a retry supersedes it
-                        self.staging.discard(m.header.request_id)
-                    self.staging.begin(m.header.request_id, m.header.num_tokens, m.header.sampler_state)
-                    rid, num_pages = m.header.request_id, m.header.num_pages
-                    self.staged_at[rid] = time.monotonic()
-                elif kind == "page":
-                    if rid is None or m.page.request_id != rid:
-                        raise TransferError("page before its transfer's header")
-                    self.staging.add(page_from_proto(m.page))
-                    received += len(m.page.k) + len(m.page.v)
-                    pages += 1
-            if rid is None:
-                raise TransferError("empty transfer")
-            if pages != num_pages:
-                raise TransferError(f"header announced {num_pages} pages, got {pages}")
-            if rid in self.aborted:
-                raise TransferError(f"request {rid!r} was aborted during its transfer")
-            self.staging.finish(rid)
-            done = True
-        except StagingFull as e:  # no room now: the router tries another decode worker
-            self.metrics.kv_failed.inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except TransferError as e:
-            self.metrics.kv_failed.inc()
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-        finally:
-            if not done and rid is not None:  # failed, refused or cancelled: nothing stays staged
-                self.staging.discard(rid)
-                self.staged_at.pop(rid, None)
-        assert rid is not None
-        self.metrics.kv_received.inc(received)
-        return kvpb.TransferAck(request_id=rid, bytes_received=received, pages=pages)
 
 
 async def _warm_up(engine: LocalEngineClient) -> None:
@@ -376,36 +288,94 @@ def start_event_pump(
     )
 
 
+async def drain(worker: WorkerService, kv: KVTransferService | None, timeout_s: float) -> bool:
+    """Refuse new work (``worker.draining``) and wait until no Generate stream is open, no KV
+    transfer is arriving and none staged waits for its Generate, at most ``timeout_s`` seconds.
+    Returns whether everything finished (False: the timeout cut it short)."""
+    worker.draining = True
+    t0 = time.monotonic()
+
+    def pushes() -> int:
+        return kv.active if kv is not None else 0
+
+    log.info(
+        "draining: %d Generate streams open, %d KV transfers arriving, %d staged; waiting up to %.0f s",
+        worker.open, pushes(), worker.staged(), timeout_s,
+    )  # fmt: skip
+    while worker.open or pushes() or worker.staged():
+        if time.monotonic() - t0 >= timeout_s:
+            log.warning(
+                "drain timed out after %.0f s: cutting %d Generate streams, %d KV transfers arriving, "
+                "%d staged (routers resume them elsewhere)",
+                timeout_s, worker.open, pushes(), worker.staged(),
+            )  # fmt: skip
+            return False
+        await asyncio.sleep(0.05)
+    log.info("drained in %.1f s", time.monotonic() - t0)
+    return True
+
+
 async def serve_worker(
-    engine: LocalEngineClient, opts: WorkerOptions, ready: asyncio.Event | None = None
+    engine: LocalEngineClient,
+    opts: WorkerOptions,
+    ready: asyncio.Event | None = None,
+    drain_now: asyncio.Event | None = None,
 ) -> None:
-    """Run the worker until cancelled. Binds ``opts.host:opts.port`` (0 = a free port, logged as
-    ``listening on HOST:PORT``)."""
+    """Run the worker until cancelled, or until ``drain_now`` is set and ``drain`` has run (health
+    NOT_SERVING first, on every service name). Binds ``opts.host:opts.port`` (0 = a free port,
+    logged as ``listening on HOST:PORT``), TLS with ``opts.credentials``, and ``opts.health_port``."""
     if opts.role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {opts.role!r}")
     metrics = WorkerMetrics()
     if opts.metrics_port is not None:
-        start_http_server(opts.metrics_port, addr=opts.host, registry=metrics.registry)
+        serve_metrics(opts.metrics_port, opts.host, metrics.registry)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     )
     worker = WorkerService(engine, opts, metrics)
     wgrpc.add_WorkerServicer_to_server(worker, server)
     names = [pb.DESCRIPTOR.services_by_name["Worker"].full_name]
+    kv: KVTransferService | None = None
     if opts.role == "decode":
         assert worker.staging is not None
-        kvgrpc.add_KVTransferServicer_to_server(
-            KVTransferService(worker.staging, metrics, worker.staged_at, worker.aborted), server
+        kv = KVTransferService(
+            worker.staging, metrics, worker.staged_at, worker.aborted, lambda: worker.draining
         )
+        kvgrpc.add_KVTransferServicer_to_server(kv, server)
         names.append(kvpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
     health_svc = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
-    for name in ("", *names):
-        await health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def set_health(status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for name in ("", *names):
+            await health_svc.set(name, status)
+
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    bind = f"{opts.host}:{opts.port}"
+    if opts.credentials is not None:
+        port = server.add_secure_port(bind, opts.credentials)
+    else:
+        port = server.add_insecure_port(bind)
+    metrics.registry.register(
+        WorkerLoadCollector(
+            engine.stats,
+            lambda: worker.staging.staged_bytes if worker.staging is not None else 0,
+            opts.served_model_name or engine.model_name,
+            opts.role,
+            opts.instance_id or f"{opts.host}:{port}",
+        )
+    )
+    probes: grpc.aio.Server | None = None
+    if opts.health_port is not None:  # the same health servicer, in plaintext, nothing else
+        probes = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_svc, probes)
+        hport = probes.add_insecure_port(f"{opts.host}:{opts.health_port}")
+        await probes.start()
+        print(f"{opts.role} worker health (plaintext) on {opts.host}:{hport}", flush=True)
     await server.start()
-    print(f"{opts.role} worker listening on {opts.host}:{port}", flush=True)
+    tls = " (TLS)" if opts.credentials is not None else ""
+    print(f"{opts.role} worker listening on {opts.host}:{port}{tls}", flush=True)
     await engine.start()
     expire = asyncio.create_task(worker.expire_staging())
     pump: EventPump | None = None
@@ -415,17 +385,25 @@ async def serve_worker(
         pump = start_event_pump(engine, opts, port, metrics)
         if pump is not None:
             pump_task = asyncio.create_task(pump.run())
-        for name in ("", *names):
-            await health_svc.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(health_pb2.HealthCheckResponse.SERVING)
         print(f"{opts.role} worker ready on {opts.host}:{port}", flush=True)
         if ready is not None:
             ready.set()
-        await server.wait_for_termination()
+        if drain_now is None:
+            await server.wait_for_termination()
+        else:
+            await drain_now.wait()
+            await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness fails first
+            await drain(worker, kv, opts.shutdown_timeout_s)
     finally:
-        for name in ("", *names):  # a dead engine core, or a stop: no new requests
-            await health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # a dead engine core, or a stop
+        worker.draining = True
         expire.cancel()
-        await server.stop(grace=2.0)
+        # drained, timed out or a second signal: stop now; else (engine died) streams get 2 s
+        await server.stop(grace=0 if drain_now is not None and drain_now.is_set() else 2.0)
+        if probes is not None:
+            await probes.stop(grace=None)
+        log.info("gRPC server stopped (%d streams were still open)", worker.open)
         await worker.sender.close()
         if pump_task is not None:
             pump_task.cancel()

@@ -5,6 +5,10 @@ and help), except that prefix caching defaults to on for prefill and off for dec
 prefill worker given ``--redis-url`` (explicitly: ``REDIS_URL`` in the environment is for routers,
 and a stream nobody reads in approximate mode would only cost work) publishes its prefix cache's block
 events for the routers' precise-mode index (``--index-block-tokens``, default 64).
+
+SIGTERM (or SIGINT) drains the worker (``services.worker.drain``: health NOT_SERVING, new work
+refused, streams in flight finish within ``--shutdown-timeout``) and exits 0; a second signal, or
+one before the worker is ready, stops it at once. TLS: ``--grpc-tls-*`` (``services.tls``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ import typer
 
 from swaserve.config import EngineConfig
 from swaserve.kvcache.hashing import DEFAULT_BLOCK_TOKENS
-from swaserve.options import engine_options, size_option
+from swaserve.options import (
+    GrpcTlsCaOption,
+    GrpcTlsCertOption,
+    GrpcTlsKeyOption,
+    GrpcTlsServerNameOption,
+    engine_options,
+    size_option,
+)
 
 
 def _with_index_events(
@@ -85,8 +96,13 @@ def worker_app(role: str) -> typer.Typer:
         instance_id: Annotated[
             str | None,
             typer.Option(
-                help="prefill: this worker's name in the index (default: HOST:PORT, as routers dial it)."
+                help="The address routers dial this worker at (its name in the prefix index and its "
+                "metrics' worker label; default: HOST:PORT). Behind a 0.0.0.0 bind: the pod IP and port."
             ),
+        ] = None,
+        served_model_name: Annotated[
+            str | None,
+            typer.Option(help="The model_name label of its metrics (as the routers' --served-model-name)."),
         ] = None,
         index_block_tokens: Annotated[
             int | None,
@@ -95,12 +111,42 @@ def worker_app(role: str) -> typer.Typer:
                 help="prefill: tokens per index block, a multiple of --page-size (default 64 with --redis-url).",
             ),
         ] = None,
+        shutdown_timeout: Annotated[
+            float,
+            typer.Option(
+                min=0.0,
+                help="On SIGTERM: seconds the requests in flight may take to finish (no new ones are "
+                "taken, health says NOT_SERVING); then the rest is cut (routers resume it elsewhere).",
+            ),
+        ] = 30.0,
+        health_port: Annotated[
+            int | None,
+            typer.Option(
+                min=0,
+                help="Also serve grpc.health.v1, in plaintext, on this port (kubelet probes of a TLS worker).",
+            ),
+        ] = None,
+        grpc_tls_cert: GrpcTlsCertOption = None,
+        grpc_tls_key: GrpcTlsKeyOption = None,
+        grpc_tls_ca: GrpcTlsCaOption = None,
+        grpc_tls_server_name: GrpcTlsServerNameOption = None,
     ) -> None:
+        from services.tls import Dialer, server_credentials
         from services.worker import WorkerOptions, serve_worker
         from swaserve.engine.factory import build_engine_client
         from swaserve.model.checkpoint import default_model_dir
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+        log = logging.getLogger("swaserve.worker")
+        if (grpc_tls_cert is None) != (grpc_tls_key is None):
+            raise typer.BadParameter("give both or neither", param_hint="--grpc-tls-cert/--grpc-tls-key")
+        try:  # read now: a bad file stops the worker before the model loads
+            dialer = Dialer.from_flags(grpc_tls_ca, grpc_tls_server_name)
+            creds = None
+            if grpc_tls_cert is not None and grpc_tls_key is not None:
+                creds = server_credentials(grpc_tls_cert, grpc_tls_key)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
         model_dir = model or Path(default_model_dir())
         engine_config = _with_index_events(role, engine_config, redis_url, index_block_tokens)
         dead: list[str] = []
@@ -121,15 +167,29 @@ def worker_app(role: str) -> typer.Typer:
             raise typer.BadParameter(str(e), param_hint="--prompt-len-range") from e
         opts = WorkerOptions(role, host, port, metrics_port, staging_memory, staging_ttl, prompt_range)
         opts.redis_url, opts.index_namespace, opts.instance_id = redis_url, index_namespace, instance_id
+        opts.served_model_name = served_model_name
+        opts.shutdown_timeout_s, opts.health_port = shutdown_timeout, health_port
+        opts.credentials, opts.dialer = creds, dialer
 
         async def run() -> None:
-            task = asyncio.create_task(serve_worker(engine, opts))
+            ready, drain = asyncio.Event(), asyncio.Event()
+            task = asyncio.create_task(serve_worker(engine, opts, ready, drain))
             tasks.append(task)
+
+            def on_signal(sig: signal.Signals) -> None:
+                if drain.is_set() or not ready.is_set():  # a second signal, or nothing to drain yet
+                    log.warning("%s: stopping now", sig.name)
+                    task.cancel()
+                else:
+                    log.info("%s: draining (up to %.0f s; again to stop now)", sig.name, shutdown_timeout)
+                    drain.set()
+
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, task.cancel)
+                loop.add_signal_handler(sig, on_signal, sig)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            log.info("stopped")
 
         asyncio.run(run())
         if dead:

@@ -17,10 +17,14 @@ from swaserve.config import EngineConfig  # light: no torch
 from swaserve.engine.types import MAX_LOGPROBS  # light: no torch
 from swaserve.options import (
     API_KEY_ENV,
+    AdminTokenOption,
     ApiKeyOption,
     ChatTemplateOption,
     MaxLogprobsOption,
     ServedModelNameOption,
+    SslCertfileOption,
+    SslKeyfileOption,
+    check_ssl_files,
     engine_options,
     size_option,
 )
@@ -71,6 +75,8 @@ def serve(
     api_key: ApiKeyOption = None,
     chat_template: ChatTemplateOption = None,
     max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
+    ssl_certfile: SslCertfileOption = None,
+    ssl_keyfile: SslKeyfileOption = None,
     num_threads: Annotated[
         int | None,
         typer.Option(
@@ -81,6 +87,7 @@ def serve(
     engine_config: EngineConfig = None,  # type: ignore[assignment]  # the ENGINE_OPTIONS flags
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
+    check_ssl_files(ssl_certfile, ssl_keyfile)
     model_dir = _model_dir(model)
     template = _chat_template(chat_template, model_dir)
     from swaserve.api.server import serve as run_server
@@ -88,6 +95,8 @@ def serve(
     code = run_server(
         str(model_dir), host, port, engine_config, served_model_name, max_request_bytes,
         api_key=api_key, chat_template=template, max_logprobs=max_logprobs, num_threads=num_threads,
+        ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
+        ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
     )  # fmt: skip
     if code:
         raise typer.Exit(code)
@@ -106,6 +115,7 @@ def up(
     port: Annotated[int, typer.Option(min=0, help="Router HTTP port (0 = a free one).")] = 8000,
     served_model_name: ServedModelNameOption = None,
     api_key: ApiKeyOption = None,
+    admin_token: AdminTokenOption = None,
     chat_template: ChatTemplateOption = None,
     max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
     worker_arg: Annotated[
@@ -175,6 +185,7 @@ def up(
         index_mode=index_mode,
         host=host,
         api_key=api_key,
+        admin_token=admin_token,
     )
     try:
         url = cluster.start(startup_timeout)

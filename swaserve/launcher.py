@@ -2,9 +2,11 @@
 
 Each service (``python -m services.prefill|decode|router``) runs on 127.0.0.1 and a free port (the
 routers' HTTP on ``host``; the first on ``port`` when given, checked before any worker starts; an
-API key reaches the routers through their environment, never their command lines), output prefixed by its name
-(``[prefill-0] ...``). Workers are ready when ``grpc.health.v1`` says SERVING, the router when
-``GET /health`` answers 200. Every child has its own process group and gets SIGTERM when the
+API key and an admin token reach the routers through their environment, never their command lines),
+output prefixed by its name (``[prefill-0] ...``). Workers are ready when ``grpc.health.v1`` says
+SERVING (a TLS worker, ``--grpc-tls-cert`` among its arguments: on its plaintext ``--health-port``,
+one picked here unless given), the router when ``GET /health`` answers 200 (HTTPS with
+``--ssl-certfile`` among the router's arguments). Every child has its own process group and gets SIGTERM when the
 launcher dies (``PR_SET_PDEATHSIG``); ``Cluster.stop`` terminates all (SIGKILL after a grace period)."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swaserve.cpus import usable_cpus
-from swaserve.options import API_KEY_ENV
+from swaserve.options import ADMIN_TOKEN_ENV, API_KEY_ENV
 from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready
 
 
@@ -68,6 +70,7 @@ class Cluster:
         index_mode: "approximate" or "precise" (prefill workers publish cache events to Redis).
         host: the routers' HTTP bind address (``--router-arg=--host=...`` wins).
         api_key: the routers' ``--api-key``, handed over in their environment (``API_KEY_ENV``).
+        admin_token: the routers' ``--admin-token``, the same way (``ADMIN_TOKEN_ENV``).
     """
 
     model: Path
@@ -86,6 +89,7 @@ class Cluster:
     show_access_log: bool = False
     host: str = "127.0.0.1"
     api_key: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     worker_addresses: dict[str, list[str]] = field(default_factory=dict)  # role -> host:port
     metrics_urls: dict[str, str] = field(default_factory=dict)  # worker name -> Prometheus URL
@@ -103,7 +107,14 @@ class Cluster:
             # against each other (measured 10-20x slower prefill on 2 cores)
             cmd += ["--num-threads", str(max(1, usable_cpus() // (self.prefill + self.decode)))]
         self.metrics_urls[f"{role}-{i}"] = f"http://127.0.0.1:{mport}/metrics"
-        return addr, ServiceProcess(f"{role}-{i}", cmd, grpc_ready(addr))
+        probe = addr
+        if _option_value(cmd, "--grpc-tls-cert") is not None:  # TLS: probe its plaintext health port
+            hport = _option_value(cmd, "--health-port")
+            if hport is None:
+                hport = str(free_port())
+                cmd += ["--health-port", hport]
+            probe = f"127.0.0.1:{hport}"
+        return addr, ServiceProcess(f"{role}-{i}", cmd, grpc_ready(probe))
 
     def start(self, timeout_s: float = 600.0) -> str:
         """Start every service and wait until all are ready; returns the router's URL.
@@ -157,7 +168,8 @@ class Cluster:
         routers = []
         for i in range(self.routers):
             port = self.port if (i == 0 and self.port) else free_port()
-            url = f"http://{connect_host(host)}:{port}"
+            scheme = "https" if _option_value(self.router_args, "--ssl-certfile") else "http"
+            url = f"{scheme}://{connect_host(host)}:{port}"
             self.urls.append(url)
             cmd = [sys.executable, "-m", "services.router", "--model", str(self.model), "--host", host,
                    "--port", str(port)]  # fmt: skip
@@ -166,7 +178,8 @@ class Cluster:
                     cmd += [f"--{role}", a]
             cmd += [*shared, "--index-mode", self.index_mode, *self.router_args]
             name = "router" if self.routers == 1 else f"router-{i}"
-            env = {API_KEY_ENV: self.api_key} if self.api_key is not None else None
+            secrets = ((API_KEY_ENV, self.api_key), (ADMIN_TOKEN_ENV, self.admin_token))
+            env = {name: value for name, value in secrets if value is not None}
             router = ServiceProcess(name, cmd, http_ready(url), self.show_access_log, env)
             self.services[name] = router
             routers.append(router)

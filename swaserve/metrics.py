@@ -23,76 +23,30 @@ from swaserve.engine.types import FinishReason, RequestOutput
 from swaserve.kvcache.stats import PoolStats
 
 PREFIX = "swaserve:"
+WORKER_LABEL = "worker"
+"""The router's label for the worker a per-worker series is about (``host:port``). Not ``instance``:
+Prometheus sets ``instance`` to the scraped target (the router) and would rename ours
+``exported_instance``."""
 
 # Bucket boundaries in seconds (the same sets vLLM exports, so SLO targets sit on boundaries).
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS: tuple[float, ...] = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
 
 
 ROUTER_STATUSES = ("ok", "invalid", "unavailable", "failed", "cancelled")
@@ -111,10 +65,11 @@ class WorkerStats:
     """One worker as the router last saw it (its latest ``GetLoad``).
 
     Attributes:
-        role: ``prefill`` or ``decode``. instance: the worker's ``host:port``.
+        role: ``prefill`` or ``decode``. instance: the worker's ``host:port`` (the ``worker`` label).
         up: reachable at the last poll or call.
         pools: page counts per pool (``full``, ``swa``); ``page_bytes`` is 0 (not reported).
-        draining: removed at runtime; its requests in flight finish, no new ones go there.
+        draining: removed at runtime, or shutting down (SIGTERM); its requests in flight finish, no
+            new ones go there.
     """
 
     role: str
@@ -139,6 +94,22 @@ class RouterStats:
     dispatches: dict[tuple[str, str], int] = field(default_factory=dict)  # (role, instance) -> count
     index_entries: int = 0  # prefix index (block, instance) entries
     shared_state_up: bool | None = None  # Redis reachable (None: no Redis)
+    discovery: DiscoveryStats | None = None  # Kubernetes discovery (None: off)
+
+
+@dataclass(frozen=True)
+class DiscoveryStats:
+    """The router's Kubernetes discovery (``services.router.discovery``): watch ``events`` by type
+    (``DISCOVERY_EVENTS``), ``relists`` (pod LISTs) by reason (``DISCOVERY_RELISTS``), ``workers``
+    (pods in use) by role."""
+
+    events: dict[str, int] = field(default_factory=dict)
+    relists: dict[str, int] = field(default_factory=dict)
+    workers: dict[str, int] = field(default_factory=dict)
+
+
+DISCOVERY_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
+DISCOVERY_RELISTS = ("start", "resync", "gone", "error")
 
 
 class EngineStatsCollector(Collector):
@@ -148,7 +119,7 @@ class EngineStatsCollector(Collector):
         stats: Returns the engine's current snapshot (``AsyncLLMEngine.stats``).
         model_name: Value of the ``model_name`` label.
         router: The router's snapshot (``ClusterEngine.router_stats``): KV pool gauges come from
-            its workers (extra labels ``role``, ``instance``) and the router families are added.
+            its workers (extra labels ``role``, ``worker``) and the router families are added.
     """
 
     def __init__(
@@ -183,7 +154,7 @@ class EngineStatsCollector(Collector):
         pool_labels = ["model_name", "pool"]
         rows: list[tuple[list[str], PoolStats]] = [([self._model, n], p) for n, p in sorted(s.pools.items())]
         if r is not None:  # the router: the workers' pools
-            pool_labels = ["model_name", "pool", "role", "instance"]
+            pool_labels = ["model_name", "pool", "role", WORKER_LABEL]
             rows = [
                 ([self._model, n, w.role, w.instance], p)
                 for w in r.workers
@@ -246,14 +217,43 @@ class EngineStatsCollector(Collector):
         hits.add_metric([self._model, "host"], pc.hits_host if pc is not None else 0)
         cached = GaugeMetricFamily(
             PREFIX + "prefix_cache_pages",
-            "Pages the prefix cache holds, by pool (full, swa, host_full, host_swa).",
+            "Pages the prefix cache holds, by pool (full, swa, host_full, host_swa; router: each "
+            "worker's full, swa).",
             labels=pool_labels,
         )
-        for pool, n in sorted(s.cache_pages.items()):
-            cached.add_metric([self._model, pool], n)
+        if r is None:
+            for pool, n in sorted(s.cache_pages.items()):
+                cached.add_metric([self._model, pool], n)
+        for labels, p in rows if r is not None else ():
+            cached.add_metric(labels, p.cached_pages)
         yield from (queries, hits, cached)
         if r is not None:
             yield from self._router_families(r)
+        if r is not None and r.discovery is not None:
+            yield from self._discovery_families(r.discovery)
+
+    def _discovery_families(self, d: DiscoveryStats) -> Iterator[Metric]:
+        yield self._counter(
+            "router_discovery_events",
+            "Pod watch events of Kubernetes discovery, by type (ADDED, MODIFIED, DELETED, BOOKMARK).",
+            ["type"],
+            (((t,), d.events.get(t, 0)) for t in DISCOVERY_EVENTS),
+        )
+        yield self._counter(
+            "router_discovery_relists",
+            "Full pod LISTs of Kubernetes discovery, by reason (start, resync: periodic, gone: 410 "
+            "Gone, error: a failed LIST or watch, or a dropped stream).",
+            ["reason"],
+            (((x,), d.relists.get(x, 0)) for x in DISCOVERY_RELISTS),
+        )
+        workers = GaugeMetricFamily(
+            PREFIX + "router_discovery_workers",
+            "Pods Kubernetes discovery finds in use as workers (Running, Ready, not terminating), by role.",
+            labels=["model_name", "role"],
+        )
+        for role, n in sorted(d.workers.items()):
+            workers.add_metric([self._model, role], n)
+        yield workers
 
     def _counter(
         self, name: str, doc: str, labels: list[str], values: Iterable[tuple[tuple[str, ...], int]]
@@ -288,8 +288,8 @@ class EngineStatsCollector(Collector):
         yield self._counter(
             "router_dispatches",
             "Attempts sent to each worker by this router.",
-            ["role", "instance"],
-            sorted(r.dispatches.items()),
+            ["role", WORKER_LABEL],
+            sorted(({(w.role, w.instance): 0 for w in r.workers} | r.dispatches).items()),  # 0 from the start
         )
         index = GaugeMetricFamily(
             PREFIX + "router_index_entries", "Prefix index entries (block, instance).", labels=["model_name"]
@@ -304,14 +304,14 @@ class EngineStatsCollector(Collector):
             )
             up.add_metric([self._model], int(r.shared_state_up))
             yield up
-        labels = ["model_name", "role", "instance"]
+        labels = ["model_name", "role", WORKER_LABEL]
         families = {
             "up": GaugeMetricFamily(
                 PREFIX + "worker_up", "1 if the worker was reachable at the last poll.", labels=labels
             ),
             "draining": GaugeMetricFamily(
                 PREFIX + "worker_draining",
-                "1 while a removed worker finishes its requests (no new ones go there).",
+                "1 while a worker removed or shutting down finishes its requests (no new ones go there).",
                 labels=labels,
             ),
             "running": GaugeMetricFamily(
@@ -352,6 +352,7 @@ class ServerMetrics:
         stats: Returns the engine's current ``EngineStats`` (read at scrape time).
         model_name: Value of the ``model_name`` label on every series.
         router: The router's ``RouterStats`` (read at scrape time), in ``swaserve up``'s router.
+        max_model_len: Longest prompt + output: the top bucket of the per-request token histograms.
     """
 
     def __init__(
@@ -359,6 +360,7 @@ class ServerMetrics:
         stats: Callable[[], EngineStats],
         model_name: str,
         router: Callable[[], RouterStats] | None = None,
+        max_model_len: int = 1 << 17,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
@@ -382,12 +384,32 @@ class ServerMetrics:
             "Time from arrival to the first scheduled step.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Time from the first scheduled step to the first token (not at the router: no scheduling times).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last.", REQUEST_LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Time from the first scheduled step to the last token (not at the router).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        tokens = token_buckets(max_model_len)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.", tokens)
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", tokens
+        )
         self._success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):  # 0 from the start
+            self._success.labels(model_name, reason.value)
         self.registry.register(EngineStatsCollector(stats, model_name, router))
 
     def count_finished(self, reason: FinishReason | str) -> None:
@@ -395,9 +417,9 @@ class ServerMetrics:
         value = reason.value if isinstance(reason, FinishReason) else reason
         self._success.labels(self.model_name, value).inc()
 
-    def timer(self) -> RequestTimer:
-        """A timer for one new request, starting now."""
-        return RequestTimer(self)
+    def timer(self, prompt_tokens: int | None = None) -> RequestTimer:
+        """A timer for one new request of ``prompt_tokens`` tokens (None: as its outputs say), starting now."""
+        return RequestTimer(self, prompt_tokens=prompt_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
@@ -409,20 +431,30 @@ class RequestTimer:
 
     Engine timestamps (``arrival_time``, ``first_scheduled_time``, ``first_token_time``) are on the
     ``time.monotonic`` clock; outputs arriving here are timed with the same clock. Where the engine
-    leaves ``arrival_time`` at 0, the time this timer was made stands in for it.
+    leaves ``arrival_time`` at 0, the time this timer was made stands in for it. Prefill and
+    inference times need ``first_scheduled_time``, which the router's outputs do not carry.
 
     Args:
         metrics: Where to record.
         clock: Monotonic clock in seconds (injectable for tests).
+        prompt_tokens: The prompt's length (None: the last ``prompt_tokens`` an output reported).
     """
 
-    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        prompt_tokens: int | None = None,
+    ) -> None:
         self._m = metrics
         self._clock = clock
         self._created = clock()
         self._arrival: float | None = None
+        self._scheduled: float | None = None
+        self._first_token: float | None = None
         self._last_token: float | None = None
-        self._queued_seen = False
+        self._prompt_tokens = prompt_tokens
+        self._generated = 0
         self.done = False
 
     def observe(self, out: RequestOutput) -> None:
@@ -432,15 +464,20 @@ class RequestTimer:
         now = self._clock()
         if self._arrival is None:
             self._arrival = out.arrival_time or self._created
-        if not self._queued_seen and out.first_scheduled_time is not None:
-            self._queued_seen = True
-            self._m.queue.observe(max(0.0, out.first_scheduled_time - self._arrival))
+        if self._scheduled is None and out.first_scheduled_time is not None:
+            self._scheduled = out.first_scheduled_time
+            self._m.queue.observe(max(0.0, self._scheduled - self._arrival))
+        if self._prompt_tokens is None and out.prompt_tokens:
+            self._prompt_tokens = out.prompt_tokens
         n = len(out.new_token_ids)
+        self._generated += n
         if n:
             if self._last_token is None:
                 first = out.first_token_time if out.first_token_time is not None else now
                 self._m.ttft.observe(max(0.0, first - self._arrival))
-                self._last_token = first
+                if self._scheduled is not None:
+                    self._m.prefill_time.observe(max(0.0, first - self._scheduled))
+                self._first_token = self._last_token = first
                 n -= 1  # the first token has no predecessor
             if n:
                 gap = max(0.0, now - self._last_token) / n
@@ -463,4 +500,11 @@ class RequestTimer:
         self.done = True
         arrival = self._arrival if self._arrival is not None else self._created
         self._m.e2e.observe(max(0.0, now - arrival))
+        if self._first_token is not None and self._last_token is not None:
+            self._m.decode_time.observe(max(0.0, self._last_token - self._first_token))
+            if self._scheduled is not None:
+                self._m.inference_time.observe(max(0.0, self._last_token - self._scheduled))
+        if self._prompt_tokens:
+            self._m.prompt_tokens.observe(self._prompt_tokens)
+        self._m.generation_tokens.observe(self._generated)
         self._m.count_finished(reason)

@@ -2,7 +2,9 @@
 ``ENGINE_OPTIONS`` (one definition: name, typer annotation, default), the ``engine_options``
 decorator that turns them into one ``EngineConfig`` parameter, and byte sizes (``parse_size``).
 The HTTP front's flags shared by ``serve``, ``up`` and the router (``--api-key``,
-``--served-model-name``, ``--chat-template``, ``--max-logprobs``) as typer annotations.
+``--served-model-name``, ``--chat-template``, ``--max-logprobs``, ``--ssl-certfile``/``--ssl-keyfile``;
+the router's ``--admin-token``) and the gRPC TLS flags of the router and the workers
+(``--grpc-tls-*``) as typer annotations.
 Light to import: typer, ``swaserve.config`` and ``swaserve.engine.types`` only.
 """
 
@@ -14,6 +16,7 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import typer
@@ -307,3 +310,75 @@ MaxLogprobsOption = Annotated[
         "prompt_logprobs); more is a 400. At most the engine's bound.",
     ),
 ]
+
+ADMIN_TOKEN_ENV = "SWASERVE_ADMIN_TOKEN"
+"""The environment variable ``--admin-token`` is read from when the flag is absent."""
+
+
+def _admin_token(value: str | None) -> str | None:
+    if value is not None and (not value or value != value.strip()):
+        raise typer.BadParameter("the admin token must not be empty or start or end with whitespace")
+    return value
+
+
+AdminTokenOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar=ADMIN_TOKEN_ENV,
+        show_envvar=True,
+        metavar="TOKEN",
+        callback=_admin_token,
+        help="/workers (list, add, remove workers) needs 'Authorization: Bearer TOKEN': 401 without a "
+        "token, 403 with another (the API key too); /v1 still needs the API key. Prefer the "
+        "environment variable: a command line shows in ps.",
+    ),
+]
+SslCertfileOption = Annotated[
+    Path | None,
+    typer.Option(
+        exists=True,
+        dir_okay=False,
+        help="Serve HTTPS with this certificate chain (PEM; needs --ssl-keyfile).",
+    ),
+]
+SslKeyfileOption = Annotated[
+    Path | None,
+    typer.Option(exists=True, dir_okay=False, help="Private key (PEM) of --ssl-certfile."),
+]
+GrpcTlsCertOption = Annotated[
+    Path | None,
+    typer.Option(
+        exists=True,
+        dir_okay=False,
+        help="Serve gRPC with TLS: this certificate chain (PEM; with --grpc-tls-key).",
+    ),
+]
+GrpcTlsKeyOption = Annotated[
+    Path | None,
+    typer.Option(exists=True, dir_okay=False, help="Private key (PEM) of --grpc-tls-cert."),
+]
+GrpcTlsCaOption = Annotated[
+    Path | None,
+    typer.Option(
+        exists=True,
+        dir_okay=False,
+        help="Dial workers with TLS, trusting this CA (PEM) for their certificates (default: plaintext).",
+    ),
+]
+GrpcTlsServerNameOption = Annotated[
+    str | None,
+    typer.Option(
+        help="With --grpc-tls-ca: the name checked in worker certificates instead of the address dialed "
+        "(pod IPs change; e.g. the one DNS name the certificate was issued for)."
+    ),
+]
+
+
+def check_ssl_files(certfile: Path | None, keyfile: Path | None) -> None:
+    """``--ssl-certfile`` and ``--ssl-keyfile`` come together.
+
+    Raises:
+        typer.BadParameter: one without the other.
+    """
+    if (certfile is None) != (keyfile is None):
+        raise typer.BadParameter("give both or neither", param_hint="--ssl-certfile/--ssl-keyfile")

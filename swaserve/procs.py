@@ -53,7 +53,11 @@ class ServiceProcess:
         show_access_log: pass HTTP access lines through (normally hidden).
         env: variables set for the child on top of this process's environment (secrets such as
             an API key go here, not on ``cmd``: command lines show in ``ps`` and logs).
+
+    ``TAIL_LINES``: output lines kept in ``tail`` (error reports; None: all of them).
     """
+
+    TAIL_LINES: int | None = 40
 
     def __init__(
         self,
@@ -66,7 +70,7 @@ class ServiceProcess:
         self.name, self.cmd, self.ready = name, cmd, ready
         self.show_access_log = show_access_log
         self.env = dict(env or {})
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self.proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
 
@@ -164,9 +168,13 @@ def grpc_ready(address: str) -> Callable[[], bool]:
 
 
 def http_ready(url: str) -> Callable[[], bool]:
+    """Readiness of a router: ``GET /health`` answers 200. Over ``https://`` the certificate is
+    not verified (as a kubelet's HTTPS probe): the probe asks our own child whether it is up."""
+
     def check() -> bool:
         try:
-            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+            verify = not url.startswith("https://")
+            return httpx.get(f"{url}/health", timeout=2.0, verify=verify).status_code == 200
         except httpx.HTTPError:
             return False
 

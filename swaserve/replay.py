@@ -292,7 +292,7 @@ def parse_kv_pages(metrics_text: str) -> dict[str, dict[str, float]]:
 
     Reads the gauges ``swaserve:kv_cache_peak_used_pages{pool=...}`` and
     ``swaserve:kv_cache_total_pages{pool=...}``; pools missing either are reported with what exists.
-    A cluster's router labels them per worker (``role``, ``instance``): those are keyed
+    A cluster's router labels them per worker (``role``, ``worker``): those are keyed
     ``ROLE@INSTANCE/POOL``, e.g. ``decode@127.0.0.1:5001/full``.
     """
     from prometheus_client.parser import text_string_to_metric_families
@@ -307,7 +307,7 @@ def parse_kv_pages(metrics_text: str) -> dict[str, dict[str, float]]:
             key = wanted.get(sample.name)
             if key is not None and "pool" in sample.labels:
                 lb = sample.labels
-                name = f"{lb['role']}@{lb['instance']}/{lb['pool']}" if "instance" in lb else lb["pool"]
+                name = f"{lb['role']}@{lb['worker']}/{lb['pool']}" if "worker" in lb else lb["pool"]
                 pools.setdefault(name, {})[key] = float(sample.value)
     for v in pools.values():
         if v.get("total_pages"):

@@ -128,6 +128,8 @@ def test_workers_take_every_engine_flag_of_serve() -> None:
         "api_key",
         "chat_template",
         "max_logprobs",
+        "ssl_certfile",
+        "ssl_keyfile",
     )  # the HTTP front's, not the engine's
     engine = [n for n in serve_flags if n not in http]
     assert {"page_size", "kv_cache_memory", "max_model_len", "seed", "host_cache_memory"} <= set(engine)

@@ -33,7 +33,17 @@ IO_SHELLS = (
     "swaserve.engine.core_proc",
     "swaserve.engine.ipc",
 )
-BLOCKING_IO = ("redis", "grpc", "socket", "httpx", "zmq", "uvicorn", "fastapi")
+BLOCKING_IO = (
+    "redis",
+    "grpc",
+    "socket",
+    "httpx",
+    "zmq",
+    "uvicorn",
+    "fastapi",
+    "aiohttp",
+    "kubernetes_asyncio",
+)
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,18 @@ def test_parse_kv_pages() -> None:
     assert parse_kv_pages("") == {}
 
 
+def test_parse_kv_pages_of_a_router() -> None:
+    text = """\
+# TYPE swaserve:kv_cache_total_pages gauge
+swaserve:kv_cache_total_pages{model_name="m",pool="full",role="decode",worker="127.0.0.1:5001"} 80.0
+# TYPE swaserve:kv_cache_peak_used_pages gauge
+swaserve:kv_cache_peak_used_pages{model_name="m",pool="full",role="decode",worker="127.0.0.1:5001"} 20.0
+"""
+    assert parse_kv_pages(text) == {
+        "decode@127.0.0.1:5001/full": {"total_pages": 80.0, "peak_used_pages": 20.0, "peak_fraction": 0.25}
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Failure handling against a raw TCP server that misbehaves on purpose (fault injection).
 

@@ -1,33 +1,51 @@
 """``python -m services.router --help``: the OpenAI HTTP API over prefill and decode workers, plus
 ``GET/POST/DELETE /workers`` (``swaserve.api.workers``) to list, add and remove workers at runtime.
 Flags: workers and polling, routing (``--policy``, ``--redis-url``, ``--index-mode``, ...), the HTTP
-front's (``--api-key``, also ``/workers``'s; ``--chat-template``, ``--max-logprobs``): docs/OPERATIONS.md."""
+front's (``--api-key``; ``--admin-token`` for ``/workers``, else the API key guards it too;
+``--chat-template``, ``--max-logprobs``; HTTPS: ``--ssl-certfile``/``--ssl-keyfile``), gRPC TLS to
+the workers (``--grpc-tls-ca``, ``--grpc-tls-server-name``): docs/OPERATIONS.md."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from swaserve.engine.types import MAX_LOGPROBS
 from swaserve.options import (
+    AdminTokenOption,
     ApiKeyOption,
     ChatTemplateOption,
+    GrpcTlsCaOption,
+    GrpcTlsServerNameOption,
     MaxLogprobsOption,
     ServedModelNameOption,
+    SslCertfileOption,
+    SslKeyfileOption,
+    check_ssl_files,
     size_option,
 )
+from swaserve.routing.discovery import DEFAULT_PORT, DEFAULT_SELECTOR
+
+if TYPE_CHECKING:
+    from services.router.discovery import DiscoveryOptions
 
 app = typer.Typer(add_completion=False, help="swaserve router: OpenAI API, dispatch to gRPC workers.")
 
 
 @app.command()
 def main(
-    prefill: Annotated[list[str], typer.Option(help="Prefill worker host:port (repeatable).")],
-    decode: Annotated[list[str], typer.Option(help="Decode worker host:port (repeatable).")],
+    prefill: Annotated[
+        list[str] | None,
+        typer.Option(help="Prefill worker host:port (repeatable; required without --discovery kubernetes)."),
+    ] = None,
+    decode: Annotated[
+        list[str] | None,
+        typer.Option(help="Decode worker host:port (repeatable; required without --discovery kubernetes)."),
+    ] = None,
     model: Annotated[Path | None, typer.Option(help="Checkpoint dir (tokenizer, config).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, help="HTTP port.")] = 8000,
@@ -35,6 +53,11 @@ def main(
     api_key: ApiKeyOption = None,
     chat_template: ChatTemplateOption = None,
     max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
+    admin_token: AdminTokenOption = None,
+    ssl_certfile: SslCertfileOption = None,
+    ssl_keyfile: SslKeyfileOption = None,
+    grpc_tls_ca: GrpcTlsCaOption = None,
+    grpc_tls_server_name: GrpcTlsServerNameOption = None,
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Per-request deadline, seconds.")] = 600.0,
     max_request_bytes: Annotated[
         int, typer.Option(parser=size_option, metavar="BYTES", help="Larger request bodies get a 413.")
@@ -102,6 +125,31 @@ def main(
             "reported --schedule-policy), fcfs, compute (swaserve.routing.policy.wait_s)."
         ),
     ] = "auto",
+    discovery: Annotated[
+        str,
+        typer.Option(
+            help="Where workers come from: static (--prefill/--decode, POST /workers) or kubernetes "
+            "(also the Ready pods with label swaserve.io/role=prefill|decode matching --selector)."
+        ),
+    ] = "static",
+    selector: Annotated[
+        str, typer.Option(help="kubernetes: label selector of the pods to watch (labelSelector).")
+    ] = DEFAULT_SELECTOR,
+    discovery_namespace: Annotated[
+        str | None,
+        typer.Option(help="kubernetes: namespace of the pods (default: the router pod's own, else default)."),
+    ] = None,
+    worker_port: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="kubernetes: gRPC port of a pod without the swaserve.io/grpc-port annotation.",
+        ),
+    ] = DEFAULT_PORT,
+    resync_interval: Annotated[
+        float, typer.Option(min=1.0, help="kubernetes: seconds between full pod LISTs (besides the watch).")
+    ] = 30.0,
 ) -> None:
     import uvicorn
 
@@ -113,6 +161,21 @@ def main(
     from swaserve.model.checkpoint import default_model_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    found_by = _discovery(
+        discovery, prefill, decode, selector, discovery_namespace, worker_port, resync_interval
+    )
+    check_ssl_files(ssl_certfile, ssl_keyfile)
+    from services.tls import Dialer
+
+    try:
+        dialer = Dialer.from_flags(grpc_tls_ca, grpc_tls_server_name)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if admin_token is None and api_key is not None:
+        logging.getLogger("swaserve.router").warning(
+            "no --admin-token: /workers (add, remove workers) is guarded by the API key only, so "
+            "every API client can change the workers; set --admin-token (env SWASERVE_ADMIN_TOKEN)"
+        )
     try:
         routing = RoutingOptions(
             policy, cost_model, block_tokens, redis_url, namespace, index_mode, index_max_entries, index_ttl,
@@ -136,8 +199,8 @@ def main(
         raise typer.BadParameter(str(e), param_hint="--chat-template") from e
     engine = ClusterEngine(
         model_dir,
-        prefill,
-        decode,
+        prefill or [],
+        decode or [],
         served_model_name,
         request_timeout,
         max_retries,
@@ -145,6 +208,8 @@ def main(
         routing,
         poll_timeout,
         hung_polls,
+        dialer=dialer,
+        discovery=found_by,
     )
     fastapi_app = build_app(
         engine,  # type: ignore[arg-type]
@@ -152,10 +217,51 @@ def main(
         api_key=api_key,
         chat_template=template,
         max_logprobs=max_logprobs,
+        admin_token=admin_token,
     )
     install_worker_routes(fastapi_app, engine.admin)
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(fastapi_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(
+            fastapi_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+            ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
+            ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
+        )  # fmt: skip
+
+
+def _discovery(
+    mode: str,
+    prefill: list[str] | None,
+    decode: list[str] | None,
+    selector: str,
+    namespace: str | None,
+    worker_port: int,
+    resync_s: float,
+) -> DiscoveryOptions | None:
+    """The discovery flags checked: None in static mode (which needs --prefill and --decode).
+
+    Raises:
+        typer.BadParameter: a bad mode, a missing worker flag (static),
+            no Kubernetes client configuration (kubernetes).
+    """
+    import asyncio
+
+    from services.router.discovery import DiscoveryError, DiscoveryOptions, client_config
+
+    if mode == "static":
+        for name, given in (("--prefill", prefill), ("--decode", decode)):
+            if not given:  # exit status 2, as when the options were required
+                raise typer.BadParameter(
+                    "missing: at least one worker of each role, unless --discovery kubernetes",
+                    param_hint=f"'{name}'",
+                )
+        return None
+    if mode != "kubernetes":
+        raise typer.BadParameter(f"must be 'static' or 'kubernetes', got {mode!r}", param_hint="--discovery")
+    try:  # fail now, not at the first LIST: in a pod, or a kubeconfig file
+        asyncio.run(client_config())
+    except DiscoveryError as e:
+        raise typer.BadParameter(str(e), param_hint="--discovery") from e
+    return DiscoveryOptions(namespace, selector, worker_port, resync_s)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 call. A change is a worker-registry entry, applied here at once and synced through Redis to every
 replica (local only without it); adding checks URL, role, reachability, model and process identity
 (that ``GetLoad`` is the first poll); removing drains (a warning for the last worker of a role).
+Workers found by Kubernetes discovery (``discover``) count as command-line workers.
 
 Design notes: docs/DESIGN.md#servicesrouteradminpy"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -17,6 +18,7 @@ from services.router.routing import RouterRouting
 from services.router.workers import WorkerHandle, WorkerPool, in_routing, parse_address
 from swaserve.api.protocol import ProtocolError
 from swaserve.routing.buckets import ALL_LENGTHS
+from swaserve.routing.discovery import DiscoveredWorker
 from swaserve.routing.registry import ACTIVE, REMOVED, ROLES, RegistryReplica, WorkerEntry
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
@@ -60,6 +62,13 @@ class WorkerAdmin:
             self._settled = True
             await self.pool.settle(self.pool.poll_timeout_s)
         return self.shared
+
+    async def discover(self, found: Mapping[str, DiscoveredWorker]) -> None:
+        """The workers Kubernetes discovery finds in use now (``services.router.discovery``): they
+        replace the ones it found before, as command-line workers would, then the pool follows."""
+        pairs = {addr: (w.role, w.since) for addr, w in found.items()}
+        await in_routing(self.routing, self.replica.discover, pairs)
+        await self.sync()
 
     async def _effective(self) -> dict[str, str]:
         return await in_routing(self.routing, self.replica.effective)
@@ -203,7 +212,7 @@ class WorkerAdmin:
 
     async def _check(self, address: str, w: WorkerHandle | None) -> pb.Load:
         """The worker's ``GetLoad`` (its own channel if the router has one)."""
-        ch = None if w is not None else grpc.aio.insecure_channel(address)
+        ch = None if w is not None else self.pool.dialer.aio_channel(address)
         stub = w.stub if w is not None else wgrpc.WorkerStub(ch)
         try:
             return await stub.GetLoad(pb.GetLoadRequest(), timeout=self.check_timeout_s)

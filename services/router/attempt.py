@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.convert import finish_reason, output_from_chunk, params_to_proto
+from services.convert import WORKER_DRAINING, finish_reason, output_from_chunk, params_to_proto
 from services.router.workers import Attempt, WorkerHandle, WorkerPool
 from swaserve.engine.client import Unavailable
 from swaserve.engine.detokenizer import IncrementalDetokenizer
@@ -242,7 +242,9 @@ class AttemptRunner:
                         raise ValueError(msg)  # the worker refused the request itself
                     code = _CODES.get(m.error.code, grpc.StatusCode.UNKNOWN)
                     if msg.startswith("KV transfer"):
-                        if code == grpc.StatusCode.UNAVAILABLE:
+                        if WORKER_DRAINING in msg:  # it refused the KV: no new requests there
+                            self.pool.shutdown_seen(decode, True)
+                        elif code == grpc.StatusCode.UNAVAILABLE:
                             decode.healthy = False
                         raise DispatchError(msg, decode, code)
                     raise DispatchError(f"{worker.role} worker {worker.address}: {msg}", worker, code)
@@ -258,7 +260,10 @@ class AttemptRunner:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                worker.healthy = False
+                if (e.details() or "").startswith(WORKER_DRAINING):  # up, but takes nothing new
+                    self.pool.shutdown_seen(worker, True)
+                else:
+                    worker.healthy = False
             raise DispatchError(
                 f"{worker.role} worker {worker.address}: {e.code().name} {e.details()}", worker, e.code()
             ) from e

@@ -29,14 +29,16 @@ from services.router.attempt import (
     Overloaded,
     Progress,
 )
+from services.router.discovery import DiscoveryOptions, KubeDiscovery
 from services.router.routing import RouterRouting, RoutingOptions
 from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
+from services.tls import Dialer
 from swaserve.config import ModelConfig
 from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
-from swaserve.metrics import RouterStats
+from swaserve.metrics import DiscoveryStats, RouterStats
 from swaserve.model.identity import model_identity
 from swaserve.routing.dispatch import NoInstanceError
 from swaserve.routing.load import Lease
@@ -67,9 +69,12 @@ class ClusterEngine(EngineClient):
     routing: worker selection and shared state (default: cache-aware, in this process).
     poll_timeout_s: a poll's deadline (seconds); hung_polls: deadlines missed in a row that mark
     a worker down (``workers`` module docstring).
+    dialer: how channels to workers are opened (``services.tls``; default: plaintext).
+    discovery: find workers among Kubernetes pods too (``services.router.discovery``); with it
+    ``prefill`` and ``decode`` may be empty (requests get 503 until a worker of each role is up).
 
     Raises:
-        ValueError: no prefill or no decode worker, or bad poll settings.
+        ValueError: no prefill or no decode worker (without ``discovery``), or bad poll settings.
     """
 
     def __init__(
@@ -84,10 +89,12 @@ class ClusterEngine(EngineClient):
         routing: RoutingOptions | None = None,
         poll_timeout_s: float = POLL_TIMEOUT_S,
         hung_polls: int = HUNG_POLLS,
+        dialer: Dialer | None = None,
+        discovery: DiscoveryOptions | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
-        if not prefill or not decode:
+        if discovery is None and (not prefill or not decode):
             raise ValueError("the router needs at least one prefill and one decode worker")
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
@@ -97,9 +104,10 @@ class ClusterEngine(EngineClient):
         self.request_timeout_s, self.max_retries, self.poll_s = request_timeout_s, max_retries, poll_s
         self.routing = RouterRouting(routing or RoutingOptions())
         self.model = model_identity(self.model_config, self.tokenizer, self.model_dir.name)
-        self.pool = WorkerPool(self.routing, poll_s, poll_timeout_s, hung_polls, self.model)
+        self.pool = WorkerPool(self.routing, poll_s, poll_timeout_s, hung_polls, self.model, dialer)
         flags = {a: "decode" for a in decode} | {a: "prefill" for a in prefill}
         self.admin = WorkerAdmin(self.pool, self.routing, flags)
+        self.discovery = KubeDiscovery(discovery, self.admin.discover) if discovery is not None else None
         self.runner = AttemptRunner(self.pool, self._release, request_timeout_s)
         self.in_flight = 0
         self.index_entries = 0  # last poll's prefix index size (/metrics)
@@ -141,11 +149,17 @@ class ClusterEngine(EngineClient):
     async def start(self) -> None:
         if self._started:
             return
+        if self.discovery is not None:  # its first LIST, briefly awaited: the pods already Ready
+            await self.discovery.start()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.discovery.synced.wait(), self.discovery.opts.list_timeout_s)
         await self.admin.sync()  # the command line's workers with the registry's changes
         self._started = True
         self._poller = asyncio.create_task(self._poll(), name="router-poll")
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -192,7 +206,14 @@ class ClusterEngine(EngineClient):
             dispatches=dict(self.routing.dispatches),
             index_entries=self.index_entries,
             shared_state_up=self.routing.shared_up,
+            discovery=self._discovery_stats(),
         )
+
+    def _discovery_stats(self) -> DiscoveryStats | None:
+        d = self.discovery
+        if d is None:
+            return None
+        return DiscoveryStats(dict(d.events), dict(d.relists), dict(d.workers))
 
     async def loads(self) -> dict[str, pb.Load]:
         """Every worker's current ``GetLoad`` (address -> load); unreachable ones are left out."""
@@ -264,7 +285,8 @@ class ClusterEngine(EngineClient):
                 attempt += 1
                 wire_id = f"{request_id}#{attempt}"  # the request id on the workers, per attempt
                 p, d, leases = await self._choose(wire_id, prompt, hashes, wparams, avoid)
-                if p.draining or d.draining:  # removed while the choice was made: choose again
+                if p.draining or d.draining or p.shutting_down or d.shutting_down:
+                    # removed, or began shutting down, while the choice was made: choose again
                     self._release(*leases)
                     attempt -= 1
                     continue

@@ -4,7 +4,9 @@ hung-worker detection that cancels the calls in flight, and the drain of a remov
 A refused poll marks a worker down at once, ``hung_polls`` missed ``poll_timeout_s`` deadlines in a
 row too; each answer is vetted (another model, or a process already in use under another address:
 refused, kept out of routing with its reason). Attempts registered on a worker marked down are
-cancelled. Liveness, cancellation, drain, refusal: docs/DESIGN.md#servicesrouterworkerspy"""
+cancelled. A worker that says it is draining (shutting down: ``Load.draining``, or a Generate
+refused as draining) gets no new requests; its attempts in flight go on. Channels: ``Dialer``
+(plaintext or TLS). Liveness, cancellation, drain, refusal: docs/DESIGN.md#servicesrouterworkerspy"""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import grpc
 
 from services.convert import ENGINE_NOT_RUNNING
 from services.router.routing import RouterRouting
+from services.tls import Dialer
 from swaserve.kvcache.stats import PoolStats
 from swaserve.metrics import WorkerStats
 from swaserve.model.identity import ModelIdentity
@@ -105,6 +108,7 @@ class WorkerHandle:
     healthy: bool = True
     missed: int = 0  # GetLoad polls in a row that failed
     draining: bool = False  # removed: no new requests, the ones in flight finish
+    shutting_down: bool = False  # the worker drains (SIGTERM): no new requests, the ones in flight finish
     load: pb.Load | None = field(default=None, repr=False)
     attempts: set[Attempt] = field(default_factory=set, repr=False)  # this router's, in flight
     poller: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -114,16 +118,25 @@ class WorkerHandle:
 
     @property
     def state(self) -> str:
-        """``draining``, ``up`` or ``down`` (as of the last poll or call; a refused worker is
-        ``down``)."""
-        return "draining" if self.draining else ("up" if self.healthy else "down")
+        """``draining`` (removed here, or shutting down), ``up`` or ``down`` (as of the last poll
+        or call; a refused worker is ``down``)."""
+        if self.draining:
+            return "draining"
+        if not self.healthy:
+            return "down"
+        return "draining" if self.shutting_down else "up"
 
     @property
     def reason(self) -> str | None:
-        """Why it is down (None when it is up)."""
+        """Why it is down or shutting down (None when it is up, or removed here)."""
         if self.refusal is not None:
             return f"{self.refusal.code}: {self.refusal.message}"
         if self.healthy:
+            if self.shutting_down and not self.draining:
+                return (
+                    "shutting down: the worker drains (no new requests; its requests in flight "
+                    "finish, within its --shutdown-timeout)"
+                )
             return None
         if self.down_reason:
             return self.down_reason
@@ -133,7 +146,7 @@ class WorkerHandle:
         """The last ``GetLoad`` as ``/metrics`` shows it."""
         ld = self.load
         if ld is None:
-            return WorkerStats(self.role, self.address, self.healthy, draining=self.draining)
+            return WorkerStats(self.role, self.address, self.healthy, draining=self.state == "draining")
         pools = {
             name: PoolStats(
                 total_pages=p.total_pages,
@@ -147,8 +160,12 @@ class WorkerHandle:
         }
         return WorkerStats(
             self.role, self.address, self.healthy, ld.running, ld.waiting, ld.outstanding_tokens,
-            ld.staged_bytes, pools, self.draining,
+            ld.staged_bytes, pools, self.state == "draining",
         )  # fmt: skip
+
+
+def _boot(w: WorkerHandle) -> str:
+    return w.load.boot_id[:12] if w.load is not None and w.load.boot_id else "?"
 
 
 def _duplicate(boot_id: str, used: str) -> Refusal:
@@ -167,6 +184,7 @@ class WorkerPool:
         poll_s: seconds between a worker's polls. poll_timeout_s: a poll's deadline (seconds).
         hung_polls: deadlines missed in a row that mark a worker down.
         model: the router's model; workers reporting another are refused (None: not checked).
+        dialer: how channels to workers are opened (default: plaintext).
 
     Raises:
         ValueError: bad poll settings.
@@ -179,10 +197,12 @@ class WorkerPool:
         poll_timeout_s: float = POLL_TIMEOUT_S,
         hung_polls: int = HUNG_POLLS,
         model: ModelIdentity | None = None,
+        dialer: Dialer | None = None,
     ) -> None:
         if poll_timeout_s <= 0 or hung_polls < 1:
             raise ValueError("poll_timeout_s must be > 0 and hung_polls >= 1")
         self.routing, self.model = routing, model
+        self.dialer = dialer or Dialer()
         self.poll_s, self.poll_timeout_s, self.hung_polls = poll_s, poll_timeout_s, hung_polls
         self.handles: dict[str, WorkerHandle] = {}  # address -> handle, draining ones included
         self._tasks: set[asyncio.Task[Any]] = set()  # background work (drain ends)
@@ -191,7 +211,7 @@ class WorkerPool:
     def add(self, address: str, role: str, healthy: bool = True) -> WorkerHandle:
         """Start using a worker (its poll loop starts now; needs a running loop). ``healthy``:
         whether it counts as up before its first poll."""
-        ch = grpc.aio.insecure_channel(address)
+        ch = self.dialer.aio_channel(address)
         w = WorkerHandle(address, role, wgrpc.WorkerStub(ch), ch, healthy=healthy)
         self.handles[address] = w
         w.poller = asyncio.create_task(self._poll_worker(w), name=f"poll-{address}")
@@ -273,8 +293,12 @@ class WorkerPool:
 
     # -- selection ----------------------------------------------------------------------------
     def up(self, role: str) -> bool:
-        """Some worker of ``role`` is in use and looked reachable at its last poll or call."""
-        return any(w.role == role and w.healthy and not w.draining for w in self.handles.values())
+        """Some worker of ``role`` is in use, not shutting down, and looked reachable at its last
+        poll or call."""
+        return any(
+            w.role == role and w.healthy and not w.draining and not w.shutting_down
+            for w in self.handles.values()
+        )
 
     def missing(self, role: str) -> str | None:
         """Why no worker of ``role`` can take requests now, for the client (None: one can)."""
@@ -283,8 +307,8 @@ class WorkerPool:
         mine = sorted((w for w in self.handles.values() if w.role == role and not w.draining), key=_addr)
         if not mine:
             return (
-                f"no {role} worker is in use on this router (the last one was removed): "
-                f"requests fail until one is added (POST /workers)"
+                f"no {role} worker is in use on this router (none given, discovered or added, or the "
+                f"last one left): requests fail until one is (a Ready pod, or POST /workers)"
             )
         states = "; ".join(f"{w.address}: {w.reason}" for w in mine)
         return f"no {role} worker can take requests ({states})"
@@ -292,12 +316,17 @@ class WorkerPool:
     def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
         """Workers of ``role`` a request may go to: the reachable ones not in ``avoid`` (the
         workers that failed this request), else the unreachable-looking ones not in it (a poll may
-        be behind). Never one in ``avoid``, even when it is the only one; never a draining or
-        refused worker. Empty: the request cannot go anywhere (docs/DESIGN.md#servicesrouterclusterpy)."""
+        be behind). Never one in ``avoid``, even when it is the only one; never a draining (removed
+        or shutting down) or refused worker. Empty: the request cannot go anywhere
+        (docs/DESIGN.md#servicesrouterclusterpy)."""
         mine = [
             w
             for w in self.handles.values()
-            if w.role == role and not w.draining and w.refusal is None and w not in avoid
+            if w.role == role
+            and not w.draining
+            and not w.shutting_down
+            and w.refusal is None
+            and w not in avoid
         ]
         pool = [w for w in mine if w.healthy] or mine
         return {w.address: w for w in pool}
@@ -368,12 +397,25 @@ class WorkerPool:
             log.info("%s worker %s is %s", w.role, w.address, "back" if back else "up")
             w.refusal, w.healthy, w.down_reason = None, True, None
         w.load, w.missed = load, 0
+        self.shutdown_seen(w, load.draining)
         await self._observe(w)
         if refusal is None:  # names of the same process after this one, up until now, go at once
             for o in self._twins(w.address, load):
                 if o.healthy and o.address > w.address:
                     self._refuse(o, _duplicate(load.boot_id, w.address))
                     await self._observe(o)
+
+    def shutdown_seen(self, w: WorkerHandle, draining: bool) -> None:
+        """``w`` says whether it is shutting down (its ``GetLoad``, or a Generate it refused as
+        draining): no new requests while it is; its attempts in flight are left to finish."""
+        if draining and not w.shutting_down:
+            log.info(
+                "%s worker %s is draining (shutting down): no new requests, %d in flight finish",
+                w.role, w.address, len(w.attempts),
+            )  # fmt: skip
+        elif w.shutting_down and not draining:
+            log.info("%s worker %s takes requests again (boot id %s)", w.role, w.address, _boot(w))
+        w.shutting_down = draining
 
     def _refuse(self, w: WorkerHandle, refusal: Refusal) -> None:
         if refusal != w.refusal:

@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swaserve.api.auth import ApiKeyAuth
+from swaserve.api.auth import ADMIN_PATHS, AdminTokenAuth, ApiKeyAuth
 from swaserve.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from swaserve.api.offloop import OffLoopJSONRoute
 from swaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
@@ -167,6 +167,7 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_logprobs: int = MAX_LOGPROBS,
+    admin_token: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
@@ -181,16 +182,22 @@ def build_app(
             ``api.chat_template.resolve_chat_template``).
         max_logprobs: Largest ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may
             ask for (``--max-logprobs``), at most the engine's ``MAX_LOGPROBS``.
+        admin_token: The admin paths (``api.auth.ADMIN_PATHS``: the router's ``/workers``) need
+            ``Authorization: Bearer admin_token`` instead of the API key; None: they are
+            guarded like the rest (by ``api_key`` if given).
 
     Raises:
-        ValueError: ``max_logprobs`` out of ``[0, MAX_LOGPROBS]``; an empty or padded ``api_key``.
+        ValueError: ``max_logprobs`` out of ``[0, MAX_LOGPROBS]``; an empty or padded ``api_key``
+            or ``admin_token``.
 
     Returns:
         The app; ``app.state.server`` is the ``OpenAIServer``, ``app.state.metrics`` the
         ``ServerMetrics`` (its own Prometheus registry).
     """
     # the router's ClusterEngine adds its workers' loads and its own counters
-    metrics = ServerMetrics(engine.stats, engine.model_name, getattr(engine, "router_stats", None))
+    metrics = ServerMetrics(
+        engine.stats, engine.model_name, getattr(engine, "router_stats", None), engine.max_model_len
+    )
     if not 0 <= max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {max_logprobs}")
     server = OpenAIServer(engine, metrics, max_logprobs, chat_template)
@@ -213,8 +220,14 @@ def build_app(
     _install_error_handlers(app)
     _document_errors(app)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    for what, secret in (("API key", api_key), ("admin token", admin_token)):  # now, not at the first request
+        if secret is not None and (not secret or secret != secret.strip()):
+            raise ValueError(f"the {what} must not be empty or start or end with whitespace")
+    admin = ADMIN_PATHS if admin_token is not None else ()
     if api_key is not None:  # added last, so it runs first: before any of the body is read
-        app.add_middleware(ApiKeyAuth, api_key=api_key)
+        app.add_middleware(ApiKeyAuth, api_key=api_key, guarded_elsewhere=admin)
+    if admin_token is not None:
+        app.add_middleware(AdminTokenAuth, token=admin_token, paths=admin)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -271,6 +284,8 @@ def serve(
     chat_template: str | None = None,
     max_logprobs: int = MAX_LOGPROBS,
     num_threads: int | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
 ) -> int:
     """Load the model, then serve it with uvicorn until interrupted.
 
@@ -283,6 +298,7 @@ def serve(
         max_request_bytes: A larger request body is a 413.
         api_key, chat_template, max_logprobs: as ``build_app``'s (the template already checked).
         num_threads: torch threads of the process that runs the model (None: torch's default, capped at the usable CPUs).
+        ssl_certfile, ssl_keyfile: serve HTTPS with this certificate chain and key (PEM files; uvicorn's).
 
     Returns:
         The exit status: 0, or 1 if the engine core process died (open streams got an error
@@ -315,7 +331,10 @@ def serve(
         chat_template=chat_template,
         max_logprobs=max_logprobs,
     )
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+        ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+    )  # fmt: skip
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()

@@ -112,7 +112,9 @@ class _Streams:
     def __init__(self, engine: EngineClient, job: Job, metrics: ServerMetrics) -> None:
         self.engine, self.job = engine, job
         self.gens: dict[int, AsyncIterator[RequestOutput]] = {}
-        self.timers: dict[int, RequestTimer] = {c.index: metrics.timer() for c in job.choices}
+        self.timers: dict[int, RequestTimer] = {
+            c.index: metrics.timer(len(c.prompt_ids)) for c in job.choices
+        }
         self.firsts: dict[int, RequestOutput] = {}
         self.readers: list[asyncio.Task[None]] = []  # n > 1: one task reads each choice's stream
 

@@ -5,7 +5,7 @@
 while there is work, send one ``Outputs`` per step (outputs, refusals, cache events, stats), and
 one before a step when messages changed something (so the front's load is never a step old). A
 malformed or oversized message is logged and refused; a failed step ends the requests in flight
-and the loop goes on. The process dies with its parent and ignores SIGINT (the front stops it).
+and the loop goes on. The process dies with its parent and ignores SIGINT and SIGTERM (the front stops it).
 """
 
 from __future__ import annotations
@@ -179,7 +179,10 @@ def _die_with_parent(parent_pid: int) -> None:
 def run(spec: CoreSpec) -> int:
     """Serve the front until it asks to shut down; returns the exit status."""
     _die_with_parent(spec.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front stops us
+    # Ctrl-C (and a SIGTERM sent to the process group) reach us too: the front stops us, after a
+    # worker's drain (--shutdown-timeout); its death kills us (_die_with_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if spec.num_threads is not None:
         import torch
 

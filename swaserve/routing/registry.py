@@ -2,8 +2,9 @@
 stateless router replicas of one cluster.
 
 One ``WorkerEntry`` per address (active with a role, or removed: a tombstone), merged
-last-writer-wins; each router keeps a ``RegistryReplica`` over its command-line workers and syncs
-it with the shared backend every poll (Redis: ``routing.redis.registry``).
+last-writer-wins; each router keeps a ``RegistryReplica`` over its command-line workers (and the
+pods it discovers: ``routing.discovery``) and syncs it with the shared backend every poll (Redis:
+``routing.redis.registry``).
 
 Design notes: docs/DESIGN.md#routingregistrypy"""
 
@@ -78,7 +79,7 @@ class InMemoryWorkerRegistry(WorkerRegistry):
 
 
 class RegistryReplica:
-    """A router's copy of the registry over its command-line workers.
+    """A router's copy of the registry over its command-line workers and its discovered ones.
 
     Args:
         flags: address -> role of the workers this router was started with.
@@ -87,6 +88,18 @@ class RegistryReplica:
     def __init__(self, flags: Mapping[str, str]) -> None:
         self.flags = dict(flags)
         self.entries: dict[str, WorkerEntry] = {}
+        self.found: dict[str, tuple[str, float]] = {}  # discovered: address -> (role, since)
+
+    def discover(self, found: Mapping[str, tuple[str, float]]) -> None:
+        """Replace the discovered workers (Kubernetes pods in use): address -> (role, since: when
+        the pod was created, wall-clock seconds). They count as command-line workers, but a
+        registry change made before ``since`` does not apply to them: it was about an earlier
+        holder of the address (pod IPs are reused)."""
+        self.found = dict(found)
+
+    def _applies(self, e: WorkerEntry) -> bool:
+        found = self.found.get(e.address)
+        return found is None or e.at > found[1]
 
     def set(self, entry: WorkerEntry) -> None:
         """Apply one change (made on this router, or read from the shared registry)."""
@@ -103,9 +116,12 @@ class RegistryReplica:
         self.merge(registry.sync(list(self.entries.values())))
 
     def effective(self) -> dict[str, str]:
-        """address -> role of the workers to route to: the flags, with the entries applied."""
-        out = dict(self.flags)
+        """address -> role of the workers to route to: the flags and the discovered workers (those
+        win), with the entries that apply applied."""
+        out = dict(self.flags) | {addr: role for addr, (role, _) in self.found.items()}
         for addr, e in self.entries.items():
+            if not self._applies(e):
+                continue
             if e.state == ACTIVE:
                 out[addr] = e.role
             else:
@@ -113,5 +129,9 @@ class RegistryReplica:
         return out
 
     def source(self, address: str) -> str:
-        """``registry`` if a change for ``address`` is known, else ``flag``."""
-        return "registry" if address in self.entries else "flag"
+        """``registry`` if a change for ``address`` applies, else ``kubernetes`` if discovered,
+        else ``flag``."""
+        e = self.entries.get(address)
+        if e is not None and self._applies(e):
+            return "registry"
+        return "kubernetes" if address in self.found else "flag"

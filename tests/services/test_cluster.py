@@ -347,7 +347,7 @@ def _worker_view(
     m: dict[tuple[str, frozenset[tuple[str, str]]], float], role: str, addr: str
 ) -> dict[Any, Any]:
     """What the router's /metrics says about one worker."""
-    w = {"role": role, "instance": addr}
+    w = {"role": role, "worker": addr}
     view: dict[Any, Any] = {
         g: value(m, f"swaserve:{g}", **w) if (f"swaserve:{g}", frozenset({"model_name": "mimo-v2-tiny-v1", **w}.items())) in m else None
         for g in ("worker_up", "worker_num_requests_running", "worker_num_requests_waiting",

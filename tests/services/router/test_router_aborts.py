@@ -102,7 +102,7 @@ def test_a_client_that_leaves_stops_the_prefill_between_chunks(cluster: Cluster)
 def test_the_only_prefill_worker_marked_down_gets_no_retry_and_stops(cluster: Cluster) -> None:
     url, addr = cluster.url, cluster.worker_addresses["prefill"][0]
     retries = {r: retried(url, r) for r in RETRY_REASONS}
-    dispatched = metric(url, "swaserve:router_dispatches_total", role="prefill", instance=addr)
+    dispatched = metric(url, "swaserve:router_dispatches_total", role="prefill", worker=addr)
     unavailable = metric(url, "swaserve:router_requests_total", status="unavailable")
     base = computed(cluster)
     worker = cluster.services["prefill-0"]
@@ -119,9 +119,7 @@ def test_the_only_prefill_worker_marked_down_gets_no_retry_and_stops(cluster: Cl
         err = r.json()["error"]
         assert err["code"] == "no_worker_available" and "marked down" in err["message"], err
         assert "no other prefill worker to retry it on" in err["message"], err
-        assert (
-            metric(url, "swaserve:router_dispatches_total", role="prefill", instance=addr) - dispatched == 1
-        )
+        assert metric(url, "swaserve:router_dispatches_total", role="prefill", worker=addr) - dispatched == 1
         assert metric(url, "swaserve:router_requests_total", status="unavailable") - unavailable == 1
         assert workers(url)[addr]["state"] == "down"
     finally:

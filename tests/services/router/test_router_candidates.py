@@ -42,3 +42,29 @@ def test_draining_and_refused_workers_are_never_candidates() -> None:
     c.refusal, c.healthy = Refusal("duplicate", "the same process as 10.0.0.1:1"), False
     assert set(pool.candidates("prefill", set())) == {a.address}
     assert pool.candidates("prefill", {a}) == {}
+
+
+def test_a_worker_that_says_it_drains_gets_nothing_new_and_keeps_its_attempts() -> None:
+    """``GetLoad.draining`` (SIGTERM on the worker): not a candidate, not up, listed as draining
+    with a reason; its attempts are not cancelled; a new process there (new boot id) is used again."""
+    import asyncio
+
+    from swaserve.v1 import worker_pb2 as pb
+
+    async def run() -> None:
+        pool, (a, b) = pool_of("10.0.0.1:1", "10.0.0.2:1")
+        att = pool.begin("r#1", a)
+        await pool.record(a, pb.Load(role="prefill", boot_id="one", draining=True))
+        assert set(pool.candidates("prefill", set())) == {b.address}
+        assert a.state == "draining" and a.reason is not None and "shutting down" in a.reason
+        assert a.healthy and att.lost is None and att in a.attempts  # in flight: left to finish
+        assert a.stats().draining and not b.stats().draining
+        b.healthy = False  # the other looks down: a draining worker is still no candidate
+        assert set(pool.candidates("prefill", set())) == {b.address}
+        assert not pool.up("prefill") and "shutting down" in (pool.missing("prefill") or "")
+        await pool.record(a, pb.Load(role="prefill", boot_id="two"))  # restarted
+        assert a.state == "up" and a.reason is None and a.address in pool.candidates("prefill", set())
+        pool.end(att)
+        pool.routing.executor.shutdown()
+
+    asyncio.run(run())

@@ -124,7 +124,7 @@ def streamed_ids(events: list[Any]) -> list[int]:
 
 
 def dispatched(url: str, role: str, addr: str) -> float:
-    return metric(url, "swaserve:router_dispatches_total", role=role, instance=addr)
+    return metric(url, "swaserve:router_dispatches_total", role=role, worker=addr)
 
 
 def all_up(c: Cluster) -> None:
@@ -299,7 +299,7 @@ def test_worker_added_on_one_router_and_removed_on_the_other(cluster: Cluster) -
         before = dispatched(a, "prefill", addr)
         asyncio.run(burst(a, 200))
         assert dispatched(a, "prefill", addr) == before  # router A stopped using it
-        up = [dict(labels)["instance"] for name, labels in scrape(a) if name == "swaserve:worker_up"]
+        up = [dict(labels)["worker"] for name, labels in scrape(a) if name == "swaserve:worker_up"]
         assert sorted(up) == sorted(cluster.worker_addresses["prefill"] + cluster.worker_addresses["decode"])
         r = httpx.delete(f"{a}/workers", params={"url": addr}, timeout=10)
         assert r.status_code == 404  # already removed

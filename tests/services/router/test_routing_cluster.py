@@ -56,7 +56,7 @@ def prefill_dispatches(c: Cluster) -> dict[str, float]:
             continue
         for labels, v in got.items():
             if 'role="prefill"' in labels:
-                inst = re.search(r'instance="([^"]+)"', labels)
+                inst = re.search(r'worker="([^"]+)"', labels)
                 assert inst is not None
                 total[inst.group(1)] = total.get(inst.group(1), 0) + v
     return total

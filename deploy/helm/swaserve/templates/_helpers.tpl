@@ -1,0 +1,199 @@
+{{/* Names, labels and the pieces every swaserve container shares. */}}
+
+{{- define "swaserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "swaserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "swaserve.labels" -}}
+{{ include "swaserve.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The label selector routers discover workers with (--selector). */}}
+{{- define "swaserve.discoverySelector" -}}
+app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.Name }}
+{{- end -}}
+
+{{- define "swaserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "swaserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "swaserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "swaserve.apiKeySecret" -}}
+{{- default (printf "%s-api-key" (include "swaserve.fullname" .)) .Values.auth.apiKey.existingSecret -}}
+{{- end -}}
+
+{{- define "swaserve.adminTokenSecret" -}}
+{{- default (printf "%s-admin-token" (include "swaserve.fullname" .)) .Values.auth.adminToken.existingSecret -}}
+{{- end -}}
+
+{{- define "swaserve.redisHost" -}}
+{{- printf "%s-redis" (include "swaserve.fullname" .) -}}
+{{- end -}}
+
+{{/* Environment of a container that talks to Redis: REDIS_URL. */}}
+{{- define "swaserve.redisEnv" -}}
+{{- if eq .Values.redis.mode "bundled" }}
+- name: REDIS_URL
+  value: {{ printf "redis://%s:%d/0" (include "swaserve.redisHost" .) (int .Values.redis.bundled.port) | quote }}
+{{- else if eq .Values.redis.mode "external" }}
+{{- if .Values.redis.external.existingSecret }}
+- name: REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.existingSecret }}
+      key: {{ .Values.redis.external.secretKey }}
+{{- else }}
+- name: REDIS_URL
+  value: {{ required "redis.external.url or redis.external.existingSecret is required with redis.mode external" .Values.redis.external.url | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The model flag and volume pieces. */}}
+{{- define "swaserve.modelArgs" -}}
+- --model
+- {{ .Values.model.path | quote }}
+{{- end -}}
+
+{{- define "swaserve.modelVolumeMounts" -}}
+{{- if ne .Values.model.source "image" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: {{ ne .Values.model.source "init" }}
+{{- end }}
+{{- end -}}
+
+{{- define "swaserve.modelVolumes" -}}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required with model.source pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ required "model.hostPath.path is required with model.source hostPath" .Values.model.hostPath.path }}
+    type: Directory
+{{- else if eq .Values.model.source "init" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ .Values.model.init.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{- define "swaserve.modelInitContainers" -}}
+{{- if eq .Values.model.source "init" }}
+- name: fetch-model
+  image: {{ required "model.init.image is required with model.source init" .Values.model.init.image }}
+  command: {{ required "model.init.command is required with model.source init" .Values.model.init.command | toJson }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+  securityContext: {{ toJson .Values.securityContext }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level fields every swaserve pod shares. Args: dict root, spec (role values), component. */}}
+{{- define "swaserve.podCommon" -}}
+{{- $root := .root -}}
+serviceAccountName: {{ include "swaserve.serviceAccountName" $root }}
+# only routers discovering workers talk to the Kubernetes API
+automountServiceAccountToken: {{ and (eq .component "router") (eq $root.Values.router.discovery.mode "kubernetes") }}
+{{- with $root.Values.image.pullSecrets }}
+imagePullSecrets: {{ toJson . }}
+{{- end }}
+securityContext: {{ toJson $root.Values.podSecurityContext }}
+{{- with $root.Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .spec.nodeSelector }}
+nodeSelector: {{ toJson . }}
+{{- end }}
+{{- with .spec.tolerations }}
+tolerations: {{ toJson . }}
+{{- end }}
+{{- with .spec.affinity }}
+affinity: {{ toJson . }}
+{{- end }}
+{{- if $root.Values.topologySpread.enabled }}
+topologySpreadConstraints:
+  - maxSkew: {{ $root.Values.topologySpread.maxSkew }}
+    topologyKey: {{ $root.Values.topologySpread.topologyKey }}
+    whenUnsatisfiable: {{ $root.Values.topologySpread.whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        {{- include "swaserve.selectorLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: {{ .component }}
+        {{- with .bucket }}
+        swaserve.io/bucket: {{ . }}
+        {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* TLS flags and mounts for gRPC clients and servers. */}}
+{{- define "swaserve.grpcTlsVolume" -}}
+{{- if .Values.tls.grpc.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ required "tls.grpc.secretName is required with tls.grpc.enabled" .Values.tls.grpc.secretName }}
+{{- end }}
+{{- end -}}
+
+{{- define "swaserve.grpcTlsMount" -}}
+{{- if .Values.tls.grpc.enabled }}
+- name: grpc-tls
+  mountPath: /etc/swaserve/grpc-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "swaserve.grpcClientTlsArgs" -}}
+{{- if .Values.tls.grpc.enabled }}
+- --grpc-tls-ca
+- /etc/swaserve/grpc-tls/ca.crt
+- --grpc-tls-server-name
+- {{ .Values.tls.grpc.serverName }}
+{{- end }}
+{{- end -}}
+
+{{- define "swaserve.grpcServerTlsArgs" -}}
+{{- if .Values.tls.grpc.enabled }}
+- --grpc-tls-cert
+- /etc/swaserve/grpc-tls/tls.crt
+- --grpc-tls-key
+- /etc/swaserve/grpc-tls/tls.key
+- --health-port
+- {{ .Values.tls.grpc.healthPort | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The port kubelet probes workers' gRPC health on. */}}
+{{- define "swaserve.workerProbePort" -}}
+{{- if .Values.tls.grpc.enabled -}}
+{{- .Values.tls.grpc.healthPort -}}
+{{- else -}}
+{{- .Values.workerPorts.grpc -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,263 @@
+{{/*
+One worker Deployment (prefill bucket, decode; later services add theirs the same way).
+Args (dict):
+  root       the chart's root context
+  component  prefill | decode: the pod's role label and `python -m services.<component>`
+  name       the Deployment's name
+  bucket     prefill: the bucket's name ("" otherwise)
+  replicas   replica count (left out when an autoscaler owns it)
+  spec       the role's values, bucket overrides merged in
+  args       role-specific flags (a list)
+*/}}
+{{- define "swaserve.workerDeployment" -}}
+{{- $root := .root -}}
+{{- $spec := .spec -}}
+{{- $port := int $root.Values.workerPorts.grpc -}}
+{{- $resources := deepCopy (default dict $spec.resources) -}}
+{{- if gt (int $spec.gpus) 0 -}}
+{{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" (int $spec.gpus)) (default dict $resources.requests)) -}}
+{{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" (int $spec.gpus)) (default dict $resources.limits)) -}}
+{{- end -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ .name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "swaserve.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+    {{- with .bucket }}
+    swaserve.io/bucket: {{ . }}
+    {{- end }}
+spec:
+  {{- if not $spec.autoscaling.enabled }}
+  replicas: {{ .replicas }}
+  {{- end }}
+  revisionHistoryLimit: 3
+  progressDeadlineSeconds: 3600
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0
+  selector:
+    matchLabels:
+      {{- include "swaserve.selectorLabels" $root | nindent 6 }}
+      app.kubernetes.io/component: {{ .component }}
+      {{- with .bucket }}
+      swaserve.io/bucket: {{ . }}
+      {{- end }}
+  template:
+    metadata:
+      labels:
+        {{- include "swaserve.selectorLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: {{ .component }}
+        swaserve.io/role: {{ .component }}
+        {{- with .bucket }}
+        swaserve.io/bucket: {{ . }}
+        {{- end }}
+        {{- with $spec.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      annotations:
+        swaserve.io/grpc-port: {{ $port | quote }}
+        {{- with $spec.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- include "swaserve.podCommon" (dict "root" $root "spec" $spec "component" .component "bucket" .bucket) | nindent 6 }}
+      {{- with $root.Values.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      # preStop sleep + --shutdown-timeout + 15 s margin
+      terminationGracePeriodSeconds: {{ add (int $spec.preStopSleep) (int $spec.shutdownTimeout) 15 }}
+      {{- $init := include "swaserve.modelInitContainers" $root }}
+      {{- if $init }}
+      initContainers:
+        {{- $init | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "swaserve.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["python", "-m", "services.{{ .component }}"]
+          args:
+            - --host
+            - 0.0.0.0
+            - --port
+            - {{ $port | quote }}
+            - --metrics-port
+            - {{ $root.Values.workerPorts.metrics | quote }}
+            {{- include "swaserve.modelArgs" $root | nindent 12 }}
+            - --shutdown-timeout
+            - {{ $spec.shutdownTimeout | quote }}
+            # the address routers dial (the metrics' worker label, the prefix index's name)
+            - --instance-id
+            - {{ printf "$(POD_IP):%d" $port | quote }}
+            {{- with $root.Values.model.servedModelName }}
+            - --served-model-name
+            - {{ . | quote }}
+            {{- end }}
+            {{- with include "swaserve.grpcServerTlsArgs" $root }}{{ . | nindent 12 }}{{- end }}
+            {{- with include "swaserve.grpcClientTlsArgs" $root }}{{ . | nindent 12 }}{{- end }}
+            {{- with .args }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+            {{- with $spec.engineArgs }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          env:
+            - name: POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            {{- if and (eq .component "prefill") (eq $root.Values.router.indexMode "precise") }}
+            {{- with include "swaserve.redisEnv" $root }}{{ . | nindent 12 }}{{- end }}
+            {{- end }}
+            {{- with $spec.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $port }}
+            - name: metrics
+              containerPort: {{ $root.Values.workerPorts.metrics }}
+            {{- if $root.Values.tls.grpc.enabled }}
+            - name: health
+              containerPort: {{ $root.Values.tls.grpc.healthPort }}
+            {{- end }}
+          startupProbe:
+            grpc:
+              port: {{ include "swaserve.workerProbePort" $root }}
+            periodSeconds: {{ $spec.startupProbe.periodSeconds }}
+            failureThreshold: {{ $spec.startupProbe.failureThreshold }}
+          readinessProbe:
+            grpc:
+              port: {{ include "swaserve.workerProbePort" $root }}
+            periodSeconds: {{ $spec.readinessProbe.periodSeconds }}
+            failureThreshold: {{ $spec.readinessProbe.failureThreshold }}
+          livenessProbe:
+            # the process serves (a dead engine exits the worker); gRPC health turns NOT_SERVING
+            # while draining, which must not restart it
+            tcpSocket:
+              port: grpc
+            periodSeconds: {{ $spec.livenessProbe.periodSeconds }}
+            failureThreshold: {{ $spec.livenessProbe.failureThreshold }}
+          lifecycle:
+            preStop:
+              exec:
+                command: ["sleep", {{ $spec.preStopSleep | quote }}]
+          resources: {{ toJson $resources }}
+          securityContext: {{ toJson $root.Values.securityContext }}
+          volumeMounts:
+            - name: shm
+              mountPath: /dev/shm
+            - name: tmp
+              mountPath: /tmp
+            {{- with include "swaserve.modelVolumeMounts" $root }}{{ . | nindent 12 }}{{- end }}
+            {{- with include "swaserve.grpcTlsMount" $root }}{{ . | nindent 12 }}{{- end }}
+      volumes:
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $spec.shmSize }}
+        - name: tmp
+          emptyDir: {}
+        {{- with include "swaserve.modelVolumes" $root }}{{ . | nindent 8 }}{{- end }}
+        {{- with include "swaserve.grpcTlsVolume" $root }}{{ . | nindent 8 }}{{- end }}
+{{- end -}}
+
+{{/*
+The autoscaler of one worker Deployment: a KEDA ScaledObject or an HPA (never both).
+Args (dict): root, name (the Deployment), component, bucket, spec.
+*/}}
+{{- define "swaserve.workerAutoscaler" -}}
+{{- $root := .root -}}
+{{- $a := .spec.autoscaling -}}
+{{- if $a.enabled -}}
+{{- $sel := printf "namespace=%q,component=%q" $root.Release.Namespace .component -}}
+{{- if .bucket }}{{ $sel = printf "%s,bucket=%q" $sel .bucket }}{{ end -}}
+{{- if eq $a.type "keda" -}}
+{{- if not ($root.Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject") -}}
+{{- fail (printf "%s.autoscaling.type keda needs KEDA's CRDs (keda.sh/v1alpha1 ScaledObject) in the cluster; install KEDA, or use type hpa" .component) -}}
+{{- end }}
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ .name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "swaserve.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ .name }}
+  minReplicaCount: {{ $a.minReplicas }}
+  maxReplicaCount: {{ $a.maxReplicas }}
+  pollingInterval: 15
+  cooldownPeriod: 300
+  fallback:
+    failureThreshold: 3
+    replicas: {{ $a.minReplicas }}
+  advanced:
+    horizontalPodAutoscalerConfig:
+      behavior:
+        scaleDown:
+          stabilizationWindowSeconds: 300
+  triggers:
+    # the pods' own series (services/worker_metrics.py), selected by the PodMonitor's labels
+    # waiting requests per replica (AverageValue: the sum is divided by the replica count)
+    - type: prometheus
+      metricType: AverageValue
+      metadata:
+        serverAddress: {{ $a.prometheusAddress }}
+        query: sum(swaserve:worker_num_requests_waiting{ {{- $sel -}} })
+        threshold: {{ $a.queueThreshold | quote }}
+    # KV held by requests (prefix-cache pages are evictable: not counted) in the fuller pool,
+    # averaged over the replicas
+    - type: prometheus
+      metricType: Value
+      metadata:
+        serverAddress: {{ $a.prometheusAddress }}
+        query: avg(max by (pod) ((swaserve:kv_cache_used_pages{ {{- $sel -}} } - swaserve:prefix_cache_pages{ {{- $sel -}} }) / swaserve:kv_cache_total_pages{ {{- $sel -}} }))
+        threshold: {{ $a.kvUsageThreshold | quote }}
+{{- else }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ .name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "swaserve.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ .name }}
+  minReplicas: {{ $a.minReplicas }}
+  maxReplicas: {{ $a.maxReplicas }}
+  behavior:
+    scaleDown:
+      stabilizationWindowSeconds: 300
+  metrics:
+    # the pods' own series served by prometheus-adapter under colon-free names (docs/OPERATIONS.md)
+    - type: Pods
+      pods:
+        metric:
+          name: swaserve_worker_num_requests_waiting
+        target:
+          type: AverageValue
+          averageValue: {{ $a.queueThreshold | quote }}
+    - type: Pods
+      pods:
+        metric:
+          name: swaserve_kv_cache_request_usage
+        target:
+          type: AverageValue
+          averageValue: {{ $a.kvUsageThreshold | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}

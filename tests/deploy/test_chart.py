@@ -1,0 +1,388 @@
+"""The Helm chart, rendered by Helm's own engine: golden files, strict lint, the values schema, the
+Kubernetes OpenAPI schemas of two minor versions (CRDs: KEDA, prometheus-operator models), and
+checks across objects that no schema makes (selectors, ports, flags the services really have)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import typer
+
+from tests.helpers.chart import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    example_values,
+    golden_path,
+    golden_text,
+    notes,
+    render,
+)
+
+helm_python = pytest.importorskip("helm_python")
+EXAMPLES = example_values()
+KUBE_VERSIONS = ("1.30.0", "1.37.0")  # the oldest and newest minors the chart is checked against
+WORKLOADS = ("Deployment", "StatefulSet")
+
+
+def _objects(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _by_name(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _pod_templates(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for d in docs:
+        if d["kind"] in WORKLOADS:
+            yield d, d["spec"]["template"]
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions) against labels."""
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        k, op, vals = e["key"], e["operator"], e.get("values") or []
+        if op == "In" and labels.get(k) not in vals:
+            return False
+        if op == "NotIn" and labels.get(k) in vals:
+            return False
+        if op == "Exists" and k not in labels:
+            return False
+        if op == "DoesNotExist" and k in labels:
+            return False
+    return True
+
+
+def _selector_string_matches(selector: str, labels: dict[str, str]) -> bool:
+    """An equality-based label selector string (``k=v,k2=v2``) against labels."""
+    return all(labels.get(k) == v for k, _, v in (p.partition("=") for p in selector.split(",")))
+
+
+# -- golden files, lint, schema ------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples_render_as_their_golden_files(name: str) -> None:
+    path = golden_path(name)
+    assert path.exists(), f"no golden file {path.name}: run python -m tests.helpers.chart --update"
+    assert golden_text(EXAMPLES[name]) == path.read_text(), (
+        f"the chart renders {path.name} differently: if the change is intended, run "
+        "python -m tests.helpers.chart --update and review the diff"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("kube", ["v1.30.0", "v1.37.0"])
+def test_strict_lint_passes(name: str, kube: str) -> None:
+    report = helm_python.lint(CHART, EXAMPLES[name], strict=True, namespace=NAMESPACE, kube_version=kube)
+    assert report["errors"] == []
+    bad = [m for m in report["messages"] if m["severity"] > 1 and "icon" not in m["error"]]
+    assert bad == []
+
+
+TYPOS = [
+    ({"router": {"replicaz": 2}}, "additional properties 'replicaz' not allowed"),
+    ({"router": {"replicas": "two"}}, "got string, want integer"),
+    ({"prefill": {"defaults": {"autoscaling": {"enable": True}}}}, "additional properties 'enable'"),
+    ({"decode": {"autoscaling": {"type": "vpa"}}}, "/decode/autoscaling/type"),
+    ({"prefill": {"buckets": [{"name": "short", "promptLenRange": "0-4k", "replica": 1}]}}, "'replica'"),
+    ({"prefill": {"buckets": [{"name": "Short", "promptLenRange": "0-4k"}]}}, "/prefill/buckets/0/name"),
+    ({"prefill": {"buckets": [{"name": "a", "promptLenRange": "4k"}]}}, "promptLenRange"),
+    ({"prefill": {"buckets": []}}, "/prefill/buckets"),
+    ({"redis": {"mode": "sentinel"}}, "/redis/mode"),
+    ({"redis": {"external": {"url": "http://x"}}}, "/redis/external/url"),
+    ({"model": {"source": "s3"}}, "/model/source"),
+    ({"model": {"path": "models/x"}}, "/model/path"),
+    ({"router": {"policy": "cache-aware"}}, "/router/policy"),
+    ({"decode": {"stagingMemory": "lots"}}, "/decode/stagingMemory"),
+    ({"tls": {"grpc": {"enable": True}}}, "'enable'"),
+    ({"monitoring": {"podMonitor": {"interval": 15}}}, "/monitoring/podMonitor/interval"),
+    ({"auth": {"adminToken": {"enabled": "yes"}}}, "/auth/adminToken/enabled"),
+    ({"decode": {"gpus": -1}}, "/decode/gpus"),
+    ({"decode": {"autoscaling": {"kvUsageThreshold": 80}}}, "/decode/autoscaling/kvUsageThreshold"),
+    ({"routr": {}}, "additional properties 'routr' not allowed"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), TYPOS, ids=[m for _, m in TYPOS])
+def test_the_schema_refuses_typos_and_wrong_types(values: dict[str, Any], message: str) -> None:
+    chart = helm_python.Chart.load(CHART)
+    with pytest.raises(helm_python.HelmValuesError, match=re.escape(message)):
+        chart.validate_schema(values)
+    with pytest.raises(helm_python.HelmValuesError):  # and so does a render (install, template)
+        render(values)
+
+
+FAILS = [
+    ({"redis": {"mode": "none"}}, "redis.mode none keeps routing state in each router"),
+    ({"router": {"discovery": {"mode": "static"}}}, "needs router.staticWorkers.prefill"),
+    ({"redis": {"mode": "external"}}, "redis.external.url or redis.external.existingSecret is required"),
+    ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
+    ({"tls": {"grpc": {"enabled": True}}}, "tls.grpc.secretName is required"),
+    (
+        {
+            "prefill": {
+                "buckets": [{"name": "a", "promptLenRange": "0-"}, {"name": "a", "promptLenRange": "0-"}]
+            }
+        },
+        'the name "a" is used twice',
+    ),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), FAILS, ids=[m[:40] for _, m in FAILS])
+def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmError, match=re.escape(message)):
+        render(values)
+
+
+def test_keda_without_its_crds_fails_instead_of_not_autoscaling() -> None:
+    values = {"decode": {"autoscaling": {"enabled": True, "type": "keda"}}}
+    with pytest.raises(helm_python.HelmError, match="needs KEDA's CRDs"):
+        render(values, api_versions=())
+    assert _objects(render(values), "ScaledObject")
+
+
+def test_monitoring_objects_render_only_when_their_crds_exist() -> None:
+    without = render({}, api_versions=())
+    assert not _objects(without, "PodMonitor") and not _objects(without, "PrometheusRule")
+    assert "Prometheus Operator CRDs are not installed" in notes({}, api_versions=())
+    docs = render({})
+    assert {d["metadata"]["name"] for d in _objects(docs, "PodMonitor")} == {
+        f"{RELEASE}-swaserve-router",
+        f"{RELEASE}-swaserve-workers",
+    }
+    assert len(_objects(docs, "PrometheusRule")) == 1
+
+
+# -- Kubernetes and CRD schemas ------------------------------------------------------------------
+def _validate_crd(doc: dict[str, Any]) -> None:
+    from cloudcoil.models.keda.v1alpha1 import ScaledObject
+    from cloudcoil.models.prometheus_operator.v1 import PodMonitor, PrometheusRule
+
+    model = {"ScaledObject": ScaledObject, "PodMonitor": PodMonitor, "PrometheusRule": PrometheusRule}
+    model[doc["kind"]].model_validate(doc)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_object_validates_against_its_schema(name: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in render(EXAMPLES[name]):
+        if doc["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/")):
+            _validate_crd(doc)
+            continue
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_a_schema_error_is_caught() -> None:
+    """The validator is not vacuous: a wrong field in a rendered object fails."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    dep = copy.deepcopy(_objects(render({}), "Deployment")[0])
+    dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpc"]["port"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, KUBE_VERSIONS[0], strict=True)
+
+
+# -- across objects ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_selectors_and_targets_point_at_rendered_pods(name: str) -> None:
+    docs = render(EXAMPLES[name])
+    pods = list(_pod_templates(docs))
+    for w, t in pods:  # a workload's selector selects its own template, and no other workload's
+        assert _matches(w["spec"]["selector"], t["metadata"]["labels"]), w["metadata"]["name"]
+        others = [
+            o for o, ot in pods if o is not w and _matches(w["spec"]["selector"], ot["metadata"]["labels"])
+        ]
+        assert others == [], f"{w['metadata']['name']} also selects {[o['metadata']['name'] for o in others]}"
+    for d in docs:
+        kind, spec = d["kind"], d.get("spec") or {}
+        if kind == "Service":
+            sel = {"matchLabels": spec["selector"]}
+            chosen = [t for _, t in pods if _matches(sel, t["metadata"]["labels"])]
+            assert chosen, f"Service {d['metadata']['name']} selects no pod"
+            for port in spec["ports"]:
+                for t in chosen:
+                    names = {p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])}
+                    assert port["targetPort"] in names, (d["metadata"]["name"], port)
+        elif kind in ("PodDisruptionBudget", "NetworkPolicy", "PodMonitor"):
+            sel = spec["selector"] if kind != "NetworkPolicy" else spec["podSelector"]
+            assert any(_matches(sel, t["metadata"]["labels"]) for _, t in pods), (
+                f"{kind} {d['metadata']['name']}"
+            )
+        elif kind in ("HorizontalPodAutoscaler", "ScaledObject"):
+            ref = spec["scaleTargetRef"]
+            target = _by_name(docs, ref["kind"], ref["name"])
+            assert "replicas" not in target["spec"], f"{ref['name']} has replicas and an autoscaler"
+    targets = [
+        (d["kind"], d["spec"]["scaleTargetRef"]["name"])
+        for d in docs
+        if "scaleTargetRef" in (d.get("spec") or {})
+    ]
+    assert len(targets) == len({name for _, name in targets}), f"two autoscalers on one target: {targets}"
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_probe_and_policy_ports_exist_on_their_containers(name: str) -> None:
+    docs = render(EXAMPLES[name])
+    for _, t in _pod_templates(docs):
+        for c in t["spec"]["containers"]:
+            ports = {p["containerPort"] for p in c.get("ports", [])} | {p["name"] for p in c.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in c:
+                    handler = next(v for k, v in c[probe].items() if k in ("grpc", "httpGet", "tcpSocket"))
+                    assert handler["port"] in ports, (c["name"], probe, handler)
+    for pol in _objects(docs, "NetworkPolicy"):
+        chosen = [
+            t
+            for _, t in _pod_templates(docs)
+            if _matches(pol["spec"]["podSelector"], t["metadata"]["labels"])
+        ]
+        for rule in pol["spec"]["ingress"]:
+            for port in rule["ports"]:
+                for t in chosen:
+                    names = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+                    assert port["port"] in names, (pol["metadata"]["name"], port)
+
+
+def _service_options(module: str) -> set[str]:
+    """The long option names of ``python -m services.<module>`` (its typer app)."""
+    import importlib
+
+    app = importlib.import_module(f"services.{module}.__main__").app
+    cmd = typer.main.get_command(app)
+    return {o for p in cmd.params for o in getattr(p, "opts", ()) if o.startswith("--")}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_containers_run_the_services_with_flags_they_have(name: str) -> None:
+    docs = render(EXAMPLES[name])
+    for _, t in _pod_templates(docs):
+        for c in t["spec"]["containers"]:
+            if c["name"] == "redis":
+                continue
+            assert c["command"][:2] == ["python", "-m"] and c["command"][2].startswith("services."), c[
+                "command"
+            ]
+            module = c["command"][2].removeprefix("services.")
+            known = _service_options(module)
+            flags = [a for a in c["args"] if a.startswith("--")]
+            assert set(flags) <= known, f"{module}: unknown flags {set(flags) - known}"
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_router_discovers_exactly_this_releases_workers(name: str) -> None:
+    docs = render(EXAMPLES[name])
+    router = _by_name(docs, "Deployment", f"{RELEASE}-swaserve-router")["spec"]["template"]["spec"]
+    args = router["containers"][0]["args"]
+    if "--discovery" not in args:
+        assert EXAMPLES[name]["router"]["discovery"]["mode"] == "static"
+        assert not _objects(docs, "Role")
+        return
+    selector = args[args.index("--selector") + 1]
+    roles = {}
+    for _, t in _pod_templates(docs):
+        labels = t["metadata"]["labels"]
+        if _selector_string_matches(selector, labels) and "swaserve.io/role" in labels:
+            roles.setdefault(labels["swaserve.io/role"], []).append(labels.get("swaserve.io/bucket"))
+            assert (
+                t["metadata"]["annotations"]["swaserve.io/grpc-port"] == args[args.index("--worker-port") + 1]
+            )
+    assert set(roles) == {"prefill", "decode"}
+    assert len(roles["prefill"]) == len(EXAMPLES[name].get("prefill", {}).get("buckets", [None]))
+    role = _objects(docs, "Role")[0]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert router["automountServiceAccountToken"] is True
+    for _, t in _pod_templates(docs):  # no other pod gets an API token
+        if t["metadata"]["labels"]["app.kubernetes.io/component"] != "router":
+            assert t["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_workers_drain_within_their_grace_period(name: str) -> None:
+    for _, t in _pod_templates(render(EXAMPLES[name])):
+        c = t["spec"]["containers"][0]
+        if "swaserve.io/role" not in t["metadata"]["labels"]:
+            continue
+        pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        timeout = float(c["args"][c["args"].index("--shutdown-timeout") + 1])
+        assert t["spec"]["terminationGracePeriodSeconds"] >= pre_stop + timeout + 10
+
+
+def test_gpus_are_requested_and_limited() -> None:
+    docs = render(EXAMPLES["gpu"])
+    workers = [t for _, t in _pod_templates(docs) if "swaserve.io/role" in t["metadata"]["labels"]]
+    assert len(workers) == 2
+    for t in workers:
+        res = t["spec"]["containers"][0]["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 1
+        assert res["requests"]["memory"] == "64Gi"  # the values' own requests kept
+        assert t["spec"]["runtimeClassName"] == "nvidia"
+    for _, t in _pod_templates(render({})):
+        assert "nvidia.com/gpu" not in str(t["spec"]["containers"][0].get("resources"))
+
+
+def test_buckets_are_one_deployment_each_with_their_range() -> None:
+    docs = render(EXAMPLES["buckets"])
+    ranges = {}
+    for d in _objects(docs, "Deployment"):
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        if c["name"] == "prefill":
+            ranges[d["metadata"]["name"]] = c["args"][c["args"].index("--prompt-len-range") + 1]
+            assert "--redis-url" in c["args"]  # the precise index: cache events published
+    assert ranges == {
+        f"{RELEASE}-swaserve-prefill-short": "0-4k",
+        f"{RELEASE}-swaserve-prefill-medium": "4k-32k",
+        f"{RELEASE}-swaserve-prefill-long": "32k-",
+    }
+    long = _by_name(docs, "Deployment", f"{RELEASE}-swaserve-prefill-long")
+    assert "replicas" not in long["spec"]
+    assert long["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] == "16Gi"
+    scaled = [d["spec"]["scaleTargetRef"]["name"] for d in _objects(docs, "ScaledObject")]
+    assert scaled == [f"{RELEASE}-swaserve-prefill-long"]
+    query = _objects(docs, "ScaledObject")[0]["spec"]["triggers"][0]["metadata"]["query"]
+    assert 'bucket="long"' in query and f'namespace="{NAMESPACE}"' in query
+
+
+def test_keys_come_from_secrets_never_from_values_or_args() -> None:
+    docs = render(EXAMPLES["secure"])
+    router = _by_name(docs, "Deployment", f"{RELEASE}-swaserve-router")["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in router["containers"][0]["env"]}
+    for var in ("SWASERVE_API_KEY", "SWASERVE_ADMIN_TOKEN"):
+        assert env[var]["valueFrom"]["secretKeyRef"]["name"] == "swaserve-keys"
+        assert "value" not in env[var]
+    assert not _objects(docs, "Secret")  # existing Secrets named: none created
+    created = render({"auth": {"apiKey": {"enabled": True}}})
+    secrets = {s["metadata"]["name"]: s for s in _objects(created, "Secret")}
+    assert set(secrets) == {f"{RELEASE}-swaserve-api-key", f"{RELEASE}-swaserve-admin-token"}
+    assert all(s["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for s in secrets.values())
+    for _, t in _pod_templates(docs):
+        args = " ".join(t["spec"]["containers"][0].get("args", []))
+        assert "api-key" not in args and "admin-token" not in args
+
+
+def test_tls_mounts_certificates_and_probes_use_the_plaintext_health_port() -> None:
+    docs = render(EXAMPLES["secure"])
+    for _, t in _pod_templates(docs):
+        c = t["spec"]["containers"][0]
+        if "swaserve.io/role" in t["metadata"]["labels"]:
+            assert c["startupProbe"]["grpc"]["port"] == c["readinessProbe"]["grpc"]["port"] == 50052
+            for flag in ("--grpc-tls-cert", "--grpc-tls-key", "--grpc-tls-ca", "--health-port"):
+                assert flag in c["args"]
+        elif c["name"] == "router":
+            assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+            assert "--ssl-certfile" in c["args"] and "--grpc-tls-ca" in c["args"]
+
+
+def test_notes_say_how_to_reach_the_endpoint() -> None:
+    text = notes({})
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE}-swaserve 8000:80" in text
+    assert '/workers -H "Authorization: Bearer $ADMIN_TOKEN"' in text
+    secure = notes(EXAMPLES["secure"])
+    assert "https://" in secure and "loadBalancer.ingress" in secure and "$API_KEY" in secure

@@ -1,0 +1,187 @@
+"""The rendered chart, run: the kubelet emulator (``bench.kubelet``) starts every container's
+command, args and env as local processes (one loopback address per pod), runs the rendered probes,
+and publishes the pods to a fake Kubernetes API read by the router's real discovery client. Checks
+discovery, scale up (traffic only once Ready), scale down with drain (no stream broken, nothing
+resumed or lost), a dropped watch and a 410."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers.chart import NAMESPACE, RELEASE, render
+from tests.helpers.cluster import WORKER_ARGS, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+FULL = f"{RELEASE}-swaserve"
+PREFILL, DECODE, ROUTER = f"{FULL}-prefill-all", f"{FULL}-decode", f"{FULL}-router"
+
+
+def chart_values(model_dir: Path) -> dict[str, Any]:
+    """The chart on the tiny model (a hostPath volume), fast polls and short drains."""
+    worker = {"engineArgs": [*WORKER_ARGS, "--num-threads", "1"], "preStopSleep": 1, "shutdownTimeout": 30}
+    return {
+        "model": {"source": "hostPath", "hostPath": {"path": str(model_dir)}, "mountPath": "/models", "path": "/models",
+                  "servedModelName": "m"},
+        "router": {
+            "replicas": 1,
+            "pollInterval": 0.2,
+            "requestTimeout": 120,
+            "extraArgs": ["--poll-timeout", "2", "--hung-polls", "3"],
+            "discovery": {"resyncInterval": 3},
+        },
+        "prefill": {"defaults": worker},
+        "decode": {**worker, "stagingMemory": "64MiB"},
+    }  # fmt: skip
+
+
+def _workers(base: str, token: str) -> dict[str, dict[str, Any]]:
+    r = httpx.get(f"{base}/workers", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    return {w["url"]: w for w in r.json()["data"]}
+
+
+def _in_use(base: str, token: str) -> dict[str, str]:
+    return {u: w["role"] for u, w in _workers(base, token).items() if w["state"] == "up"}
+
+
+def _retries(base: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == "swaserve:router_retries_total":
+                out[s.labels["reason"]] = s.value
+    return out
+
+
+def _complete(base: str, prompt: str, n: int) -> dict[str, Any]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _stream(base: str, prompt: str, n: int, out: dict[str, Any]) -> None:
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text, chunks, finish = [], 0, None
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text.append(choice["text"])
+            chunks += 1
+            out["chunks"] = chunks
+            finish = choice.get("finish_reason") or finish
+    out.update(text="".join(text), finish=finish)
+
+
+def test_the_chart_runs_discovers_scales_and_drains(tiny_dir: Path, tmp_path: Path) -> None:
+    from bench.fake_kube import FakeKube
+    from bench.kubelet import Kubelet
+
+    kube = FakeKube(namespace=NAMESPACE)
+    kube.start_in_thread()
+    kubelet = Kubelet(
+        render(chart_values(tiny_dir)),
+        kube,
+        kube.write_kubeconfig(tmp_path / "kubeconfig"),
+        tmp_path / "pods",
+    )
+    try:
+        kubelet.start_all()
+        pods = [p.name for p in kubelet.pods.values()]
+        kubelet.wait_ready(pods, timeout_s=240)
+        [router] = kubelet.replicas(ROUTER)
+        base, token = f"http://{router.ip}:8000", kubelet.secrets[f"{FULL}-admin-token"]["admin-token"]
+        addr = {p.name: f"{p.ip}:50051" for p in kubelet.pods.values() if "swaserve.io/role" in p.labels}
+
+        # discovery: the router uses exactly the Ready worker pods; /workers needs the admin token
+        expected = {
+            addr[p.name]: p.labels["swaserve.io/role"] for p in kubelet.pods.values() if p.name in addr
+        }
+        wait_for("the router to discover the worker pods", lambda: _in_use(base, token) == expected)
+        assert httpx.get(f"{base}/workers", timeout=10).status_code == 401
+        for pod in kubelet.pods.values():  # each worker serves its own load, labelled as routers label it
+            if pod.name in addr:
+                text = httpx.get(f"http://{pod.ip}:9090/metrics", timeout=10).text
+                role = pod.labels["swaserve.io/role"]
+                assert (
+                    f'swaserve:worker_num_requests_waiting{{model_name="m",role="{role}",worker="{addr[pod.name]}"}}'
+                    in text
+                )
+        prompt = "the quick brown fox jumps over the lazy dog " * 3
+        reference = _complete(base, prompt, 48)["text"]
+
+        # scale up: the new decode pod is used only once Ready
+        [d2] = kubelet.scale(DECODE, 2)
+        addr[d2.name] = f"{d2.ip}:50051"
+        while not d2.ready:
+            used = addr[d2.name] in _in_use(base, token)
+            done = time.monotonic()
+            # in use in a listing that was complete before the pod turned Ready: a violation
+            assert not used or (d2.ready_at is not None and d2.ready_at < done), (
+                "a pod not Ready was routed to"
+            )
+            time.sleep(0.2)
+        wait_for("the new decode pod in use", lambda: addr[d2.name] in _in_use(base, token))
+
+        # a dropped watch and a 410: the router lists again and still sees what changes after
+        kube.compact()
+        kube.drop_watches("gone")
+        [p2] = kubelet.scale(PREFILL, 2)
+        addr[p2.name] = f"{p2.ip}:50051"
+        kubelet.wait_ready([p2.name], timeout_s=240)
+        wait_for("the new prefill pod in use after a 410", lambda: addr[p2.name] in _in_use(base, token))
+
+        # scale down under a stream: the decode pod serving it drains; nothing resumed or lost
+        before = _retries(base)
+        result: dict[str, Any] = {}
+        streamer = threading.Thread(target=_stream, args=(base, prompt, 48, result))
+        streamer.start()
+        wait_for("the stream's first tokens", lambda: result.get("chunks", 0) >= 2)
+        busy = [
+            n
+            for n in (d.name for d in kubelet.replicas(DECODE))
+            if _workers(base, token)[addr[n]]["in_flight"]
+        ]
+        assert len(busy) == 1, busy
+        kubelet.scale(DECODE, 1, victims=busy)
+        wait_for(
+            "the draining pod out of use", lambda: addr[busy[0]] not in _in_use(base, token), timeout_s=30
+        )
+        during = _complete(base, prompt, 8)  # new requests go to the pods that stay
+        assert during["text"] == reference[: len(during["text"])] and during["finish_reason"] == "length"
+        streamer.join(timeout=120)
+        assert result["status"] == 200 and result["finish"] == "length"
+        assert result["text"] == reference, "the drained stream differs from the reference"
+        gone = kubelet.wait_gone(busy[0], timeout_s=120)
+        assert gone.exit_code == 0 and not gone.killed, gone.log_text()[-2000:]
+        assert _retries(base) == before, "a drain must not retry or resume anything"
+        wait_for("the deleted pod to leave the router", lambda: addr[busy[0]] not in _workers(base, token))
+
+        # scale down a prefill pod: it leaves, requests keep working on the other
+        [victim] = [p.name for p in kubelet.replicas(PREFILL)][:1]
+        kubelet.scale(PREFILL, 1, victims=[victim])
+        assert kubelet.wait_gone(victim, timeout_s=120).exit_code == 0
+        wait_for("the prefill pod to leave the router", lambda: addr[victim] not in _workers(base, token))
+        assert _complete(base, prompt, 48)["text"] == reference
+    finally:
+        kubelet.close()
+        kube.stop_thread()
