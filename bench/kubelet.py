@@ -229,7 +229,7 @@ class Kubelet:
                 if p.ready and all(p.labels.get(k) == v for k, v in sel.items())
             ]
             if ips:
-                text = re.sub(rf"(?<=//){re.escape(svc)}(\.[a-z0-9.-]+)?(?=[:/]|$)", ips[0], text)
+                text = re.sub(rf"(?<=[/@]){re.escape(svc)}(\.[a-z0-9.-]+)?(?=[:/]|$)", ips[0], text)
         return text
 
     def _paths(self, pod: Pod) -> dict[str, str]:
@@ -255,17 +255,17 @@ class Kubelet:
     def _argv(self, pod: Pod, env: Mapping[str, str]) -> list[str]:
         c = pod.container
         argv = [self._expand(a, env) for a in [*c.get("command", []), *c.get("args", [])]]
-        exe = {"python": sys.executable, "redis-server": _redis_binary()}
-        argv[0] = exe.get(argv[0], argv[0])
         paths = sorted(self._paths(pod).items(), key=lambda kv: -len(kv[0]))
         out = []
-        for a in argv:
+        for a in argv:  # the container's paths -> the directories standing in for its volumes
             a = pod.ip if a == "0.0.0.0" else self._resolve(a)
             for mount, local in paths:
                 if a == mount or a.startswith(mount + "/"):
                     a = local + a[len(mount) :]
                     break
             out.append(a)
+        exe = {"python": sys.executable, "redis-server": _redis_binary()}  # then this machine's binaries
+        out[0] = exe.get(argv[0], out[0])
         return out
 
     def _run(self, pod: Pod) -> None:

@@ -2,7 +2,7 @@
 
 The engine flags are ``swaserve serve``'s (``swaserve.options.ENGINE_OPTIONS``: same names, defaults
 and help), except that prefix caching defaults to on for prefill and off for decode workers. A
-prefill worker given ``--redis-url`` (explicitly: ``REDIS_URL`` in the environment is for routers,
+prefill worker given ``--redis-url`` (or ``SWASERVE_INDEX_REDIS_URL``; not ``REDIS_URL`` in the environment is for routers,
 and a stream nobody reads in approximate mode would only cost work) publishes its prefix cache's block
 events for the routers' precise-mode index (``--index-block-tokens``, default 64).
 
@@ -88,7 +88,11 @@ def worker_app(role: str) -> typer.Typer:
         ] = None,
         redis_url: Annotated[
             str | None,
-            typer.Option(help="prefill: publish prefix-cache events to this Redis (precise index mode)."),
+            typer.Option(
+                envvar="SWASERVE_INDEX_REDIS_URL",
+                help="prefill: publish prefix-cache events to this Redis (precise index mode). Not "
+                "REDIS_URL (that one is the routers'); the variable keeps a password off the command line.",
+            ),
         ] = None,
         index_namespace: Annotated[
             str, typer.Option(help="prefill: the routers' Redis namespace for cache events.")

@@ -150,6 +150,14 @@ def main(
     resync_interval: Annotated[
         float, typer.Option(min=1.0, help="kubernetes: seconds between full pod LISTs (besides the watch).")
     ] = 30.0,
+    shutdown_timeout: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="On SIGTERM: stop accepting connections and let the responses in flight (streams "
+            "included) finish for at most this many seconds, then close them.",
+        ),
+    ] = 5,
 ) -> None:
     import uvicorn
 
@@ -222,7 +230,7 @@ def main(
     install_worker_routes(fastapi_app, engine.admin)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(
-            fastapi_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+            fastapi_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout,
             ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
             ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
         )  # fmt: skip

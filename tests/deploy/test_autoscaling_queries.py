@@ -22,10 +22,16 @@ def _series(name: str, value: float, **labels: str) -> dict[str, str]:
 
 
 def _pod(
-    pod: str, component: str, bucket: str | None, waiting: float, pools: dict[str, tuple[int, int, int]]
+    pod: str,
+    component: str,
+    bucket: str | None,
+    waiting: float,
+    pools: dict[str, tuple[int, int, int]],
+    release: str = RELEASE,
 ) -> list[dict[str, str]]:
     """A scrape target's load gauges (``pools``: pool -> used, cached, total pages)."""
-    lb = {"pod": pod, "component": component, "role": "prefill", "worker": f"{pod}:50051", "model_name": "m"}
+    lb = {"pod": pod, "release": release, "component": component, "role": "prefill"}
+    lb.update(worker=f"{pod}:50051", model_name="m")
     if bucket:
         lb["bucket"] = bucket
     out = [_series("swaserve:worker_num_requests_waiting", waiting, **lb)]
@@ -47,9 +53,11 @@ def test_keda_queries_select_the_buckets_own_pods(tmp_path: Path) -> None:
         # the long bucket's two pods: the queries' inputs
         *_pod("long-a", "prefill", "long", 3, {"full": (60, 20, 100), "swa": (30, 0, 50)}),  # 0.4, 0.6
         *_pod("long-b", "prefill", "long", 5, {"full": (90, 10, 100), "swa": (10, 5, 50)}),  # 0.8, 0.1
-        # another bucket's pod and a router's copy of long-a's gauges: never counted
+        # another bucket's pod, a router's copy of long-a's gauges: never counted
         *_pod("short-a", "prefill", "short", 40, {"full": (100, 0, 100)}),
         *_pod("router-x", "router", None, 3, {"full": (60, 20, 100), "swa": (30, 0, 50)}),
+        # the same bucket name in another release of the namespace: never counted
+        *_pod("other-long-a", "prefill", "long", 7, {"full": (100, 0, 100)}, release="other"),
     ]
     test = {
         "rule_files": [],

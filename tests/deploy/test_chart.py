@@ -123,15 +123,32 @@ FAILS = [
     ({"redis": {"mode": "none"}}, "redis.mode none keeps routing state in each router"),
     ({"router": {"discovery": {"mode": "static"}}}, "needs router.staticWorkers.prefill"),
     ({"redis": {"mode": "external"}}, "redis.external.url or redis.external.existingSecret is required"),
-    ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
+    ({"model": {"source": "pvc", "path": "/models"}}, "model.pvc.claimName is required"),
     ({"tls": {"grpc": {"enabled": True}}}, "tls.grpc.secretName is required"),
     (
         {
             "prefill": {
-                "buckets": [{"name": "a", "promptLenRange": "0-"}, {"name": "a", "promptLenRange": "0-"}]
+                "buckets": [{"name": "a", "promptLenRange": "0-4k"}, {"name": "a", "promptLenRange": "4k-"}]
             }
         },
         'the name "a" is used twice',
+    ),
+    (
+        {
+            "prefill": {
+                "buckets": [{"name": "a", "promptLenRange": "0-8k"}, {"name": "b", "promptLenRange": "4k-"}]
+            }
+        },
+        "b (4k-) and a (0-8k) overlap",
+    ),
+    ({"prefill": {"buckets": [{"name": "a", "promptLenRange": "8k-4k"}]}}, "needs LO < HI"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "c"}}}, "is not inside the pvc volume"),
+    ({"redis": {"mode": "none"}, "router": {"replicas": 1, "indexMode": "precise"}}, "needs a Redis"),
+    ({"networkPolicy": {"routerFrom": [{"podSelector": {}}]}}, "set networkPolicy.metricsFrom"),
+    ({"router": {"livenessProbe": {"httpGet": {"path": "/health", "port": "http"}}}}, "exactly one handler"),
+    (
+        {"decode": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+        "minReplicas 5 > maxReplicas 2",
     ),
 ]
 
@@ -140,6 +157,55 @@ FAILS = [
 def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmError, match=re.escape(message)):
         render(values)
+
+
+def test_a_probe_handler_can_be_replaced_by_nulling_the_default() -> None:
+    values = {
+        "router": {"livenessProbe": {"tcpSocket": None, "httpGet": {"path": "/health", "port": "http"}}}
+    }
+    router = _by_name(render(values), "Deployment", f"{RELEASE}-swaserve-router")
+    probe = router["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
+    assert "tcpSocket" not in probe and probe["httpGet"]["path"] == "/health"
+
+
+def test_user_env_replaces_the_charts_entry_of_the_same_name() -> None:
+    values = {
+        "router": {
+            "env": [{"name": "REDIS_URL", "value": "redis://other:6379/0"}, {"name": "X", "value": "1"}]
+        }
+    }
+    router = _by_name(render(values), "Deployment", f"{RELEASE}-swaserve-router")
+    env = router["spec"]["template"]["spec"]["containers"][0]["env"]
+    names = [e["name"] for e in env]
+    assert len(names) == len(set(names)) and names[-2:] == ["REDIS_URL", "X"]
+    assert next(e for e in env if e["name"] == "REDIS_URL")["value"] == "redis://other:6379/0"
+    assert "REDIS_PASSWORD" in names  # the chart's other entries stay
+
+
+def test_long_names_are_cut_to_what_keda_accepts() -> None:
+    values = {
+        "prefill": {"buckets": [{"name": "b" * 20, "promptLenRange": "0-", "autoscaling": {"enabled": True}}]}
+    }
+    docs = render(values, name="r" * 45)
+    [so] = _objects(docs, "ScaledObject")
+    target = so["spec"]["scaleTargetRef"]["name"]
+    assert len(so["metadata"]["name"]) <= 54 < len(target)
+    assert _by_name(docs, "Deployment", target)
+
+
+def test_redis_password_reaches_every_client_from_a_secret() -> None:
+    docs = render({"router": {"indexMode": "precise"}})
+    redis = _by_name(docs, "StatefulSet", f"{RELEASE}-swaserve-redis")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    for name in (f"{RELEASE}-swaserve-router", f"{RELEASE}-swaserve-prefill-all"):
+        c = _by_name(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-swaserve-redis"
+        assert env["REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@")
+        assert "--redis-url" not in c["args"]  # the URL stays off the command line
+    assert {s["metadata"]["name"] for s in _objects(docs, "Secret")} >= {f"{RELEASE}-swaserve-redis"}
 
 
 def test_keda_without_its_crds_fails_instead_of_not_autoscaling() -> None:
@@ -305,10 +371,10 @@ def test_router_discovers_exactly_this_releases_workers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_workers_drain_within_their_grace_period(name: str) -> None:
+def test_workers_and_routers_drain_within_their_grace_period(name: str) -> None:
     for _, t in _pod_templates(render(EXAMPLES[name])):
         c = t["spec"]["containers"][0]
-        if "swaserve.io/role" not in t["metadata"]["labels"]:
+        if t["metadata"]["labels"]["app.kubernetes.io/component"] == "redis":
             continue
         pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
         timeout = float(c["args"][c["args"].index("--shutdown-timeout") + 1])
@@ -335,7 +401,8 @@ def test_buckets_are_one_deployment_each_with_their_range() -> None:
         c = d["spec"]["template"]["spec"]["containers"][0]
         if c["name"] == "prefill":
             ranges[d["metadata"]["name"]] = c["args"][c["args"].index("--prompt-len-range") + 1]
-            assert "--redis-url" in c["args"]  # the precise index: cache events published
+            env = {e["name"] for e in c["env"]}
+            assert "SWASERVE_INDEX_REDIS_URL" in env  # the precise index: cache events published
     assert ranges == {
         f"{RELEASE}-swaserve-prefill-short": "0-4k",
         f"{RELEASE}-swaserve-prefill-medium": "4k-32k",
@@ -347,7 +414,9 @@ def test_buckets_are_one_deployment_each_with_their_range() -> None:
     scaled = [d["spec"]["scaleTargetRef"]["name"] for d in _objects(docs, "ScaledObject")]
     assert scaled == [f"{RELEASE}-swaserve-prefill-long"]
     query = _objects(docs, "ScaledObject")[0]["spec"]["triggers"][0]["metadata"]["query"]
-    assert 'bucket="long"' in query and f'namespace="{NAMESPACE}"' in query
+    assert (
+        'bucket="long"' in query and f'namespace="{NAMESPACE}"' in query and f'release="{RELEASE}"' in query
+    )
 
 
 def test_keys_come_from_secrets_never_from_values_or_args() -> None:
@@ -357,10 +426,11 @@ def test_keys_come_from_secrets_never_from_values_or_args() -> None:
     for var in ("SWASERVE_API_KEY", "SWASERVE_ADMIN_TOKEN"):
         assert env[var]["valueFrom"]["secretKeyRef"]["name"] == "swaserve-keys"
         assert "value" not in env[var]
-    assert not _objects(docs, "Secret")  # existing Secrets named: none created
+    # existing Secrets named: none created but the bundled Redis's password
+    assert {d["metadata"]["name"] for d in _objects(docs, "Secret")} == {f"{RELEASE}-swaserve-redis"}
     created = render({"auth": {"apiKey": {"enabled": True}}})
     secrets = {s["metadata"]["name"]: s for s in _objects(created, "Secret")}
-    assert set(secrets) == {f"{RELEASE}-swaserve-api-key", f"{RELEASE}-swaserve-admin-token"}
+    assert set(secrets) == {f"{RELEASE}-swaserve-{k}" for k in ("api-key", "admin-token", "redis")}
     assert all(s["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for s in secrets.values())
     for _, t in _pod_templates(docs):
         args = " ".join(t["spec"]["containers"][0].get("args", []))

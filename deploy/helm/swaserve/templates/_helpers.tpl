@@ -52,11 +52,32 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
 {{- printf "%s-redis" (include "swaserve.fullname" .) -}}
 {{- end -}}
 
-{{/* Environment of a container that talks to Redis: REDIS_URL. */}}
+{{/* The Redis key namespace of this release's routers and prefill workers (one Redis may serve
+several releases). */}}
+{{- define "swaserve.redisNamespace" -}}
+{{- printf "swaserve.%s.%s" .Release.Namespace .Release.Name -}}
+{{- end -}}
+
+{{- define "swaserve.redisSecret" -}}
+{{- default (printf "%s-redis" (include "swaserve.fullname" .)) .Values.redis.bundled.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Environment of a container that talks to Redis: REDIS_URL (its password from a Secret). */}}
 {{- define "swaserve.redisEnv" -}}
 {{- if eq .Values.redis.mode "bundled" }}
+{{- $r := .Values.redis.bundled }}
+{{- if $r.auth.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "swaserve.redisSecret" . }}
+      key: {{ $r.auth.secretKey }}
 - name: REDIS_URL
-  value: {{ printf "redis://%s:%d/0" (include "swaserve.redisHost" .) (int .Values.redis.bundled.port) | quote }}
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "swaserve.redisHost" .) (int $r.port) | quote }}
+{{- else }}
+- name: REDIS_URL
+  value: {{ printf "redis://%s:%d/0" (include "swaserve.redisHost" .) (int $r.port) | quote }}
+{{- end }}
 {{- else if eq .Values.redis.mode "external" }}
 {{- if .Values.redis.external.existingSecret }}
 - name: REDIS_URL
@@ -69,6 +90,26 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
   value: {{ required "redis.external.url or redis.external.existingSecret is required with redis.mode external" .Values.redis.external.url | quote }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* A container's env: the chart's entries (YAML text), then the user's; a user entry replaces the
+chart's of the same name (duplicate names break server-side apply). Args: dict chart, user. */}}
+{{- define "swaserve.env" -}}
+{{- $user := default list .user -}}
+{{- $names := dict -}}
+{{- range $user }}{{ $_ := set $names .name true }}{{ end -}}
+{{- $out := list -}}
+{{- range (default "[]" .chart | fromYamlArray) }}
+{{- if not (hasKey $names .name) }}{{ $out = append $out . }}{{ end }}
+{{- end -}}
+{{- $all := concat $out $user -}}
+{{- if $all }}{{ toYaml $all }}{{ else }}[]{{ end -}}
+{{- end -}}
+
+{{/* Prompt tokens of a bucket bound ("16k" = 16384). */}}
+{{- define "swaserve.tokens" -}}
+{{- $s := lower (trim .) -}}
+{{- if hasSuffix "k" $s -}}{{ mul (trimSuffix "k" $s | int64) 1024 }}{{- else -}}{{ $s | int64 }}{{- end -}}
 {{- end -}}
 
 {{/* The model flag and volume pieces. */}}

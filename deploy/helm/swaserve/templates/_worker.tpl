@@ -106,17 +106,13 @@ spec:
             {{- with $spec.engineArgs }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+          {{- $env := list (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) | toYaml }}
+          {{- if and (eq .component "prefill") (eq $root.Values.router.indexMode "precise") }}
+          {{- /* the URL (and its password) in the environment, not on the command line */}}
+          {{- $env = printf "%s\n%s\n- name: SWASERVE_INDEX_REDIS_URL\n  value: $(REDIS_URL)" $env (include "swaserve.redisEnv" $root) }}
+          {{- end }}
           env:
-            - name: POD_IP
-              valueFrom:
-                fieldRef:
-                  fieldPath: status.podIP
-            {{- if and (eq .component "prefill") (eq $root.Values.router.indexMode "precise") }}
-            {{- with include "swaserve.redisEnv" $root }}{{ . | nindent 12 }}{{- end }}
-            {{- end }}
-            {{- with $spec.env }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
+            {{- include "swaserve.env" (dict "chart" $env "user" $spec.env) | nindent 12 }}
           ports:
             - name: grpc
               containerPort: {{ $port }}
@@ -175,7 +171,13 @@ Args (dict): root, name (the Deployment), component, bucket, spec.
 {{- $root := .root -}}
 {{- $a := .spec.autoscaling -}}
 {{- if $a.enabled -}}
-{{- $sel := printf "namespace=%q,component=%q" $root.Release.Namespace .component -}}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) -}}
+{{- fail (printf "%s autoscaling: minReplicas %d > maxReplicas %d" .name (int $a.minReplicas) (int $a.maxReplicas)) -}}
+{{- end -}}
+{{- /* KEDA's admission webhook takes names up to 54 characters */ -}}
+{{- $obj := .name -}}
+{{- if gt (len $obj) 54 }}{{ $obj = printf "%s-%s" (trunc 45 .name | trimSuffix "-") (sha256sum .name | trunc 8) }}{{ end -}}
+{{- $sel := printf "namespace=%q,release=%q,component=%q" $root.Release.Namespace $root.Release.Name .component -}}
 {{- if .bucket }}{{ $sel = printf "%s,bucket=%q" $sel .bucket }}{{ end -}}
 {{- if eq $a.type "keda" -}}
 {{- if not ($root.Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject") -}}
@@ -184,7 +186,7 @@ Args (dict): root, name (the Deployment), component, bucket, spec.
 apiVersion: keda.sh/v1alpha1
 kind: ScaledObject
 metadata:
-  name: {{ .name }}
+  name: {{ $obj }}
   namespace: {{ $root.Release.Namespace }}
   labels:
     {{- include "swaserve.labels" $root | nindent 4 }}
@@ -227,7 +229,7 @@ spec:
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:
-  name: {{ .name }}
+  name: {{ $obj }}
   namespace: {{ $root.Release.Namespace }}
   labels:
     {{- include "swaserve.labels" $root | nindent 4 }}
