@@ -217,12 +217,15 @@ def make_checkpoint(
     preset: Annotated[Literal["tiny", "default"], typer.Option(help="Model size preset.")] = "default",
     seed: Annotated[int, typer.Option(help="Weight initialization seed.")] = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out directory.")] = False,
+    mtp_layers: Annotated[
+        int, typer.Option(min=0, max=8, help="Random MTP (multi-token prediction) layers to add, hub key layout.")
+    ] = 0,
 ) -> None:
     """Write a randomly initialized MiMo-V2 checkpoint (config, tokenizer, safetensors)."""
     from swaserve.model.checkpoint import make_checkpoint as write_checkpoint
 
     try:
-        write_checkpoint(preset, out, seed, overwrite=overwrite)
+        write_checkpoint(preset, out, seed, overwrite=overwrite, mtp_layers=mtp_layers)
     except FileExistsError as e:
         raise typer.BadParameter(f"{e} (pass --overwrite to replace it)", param_hint="--out") from e
     typer.echo(f"wrote {preset} checkpoint to {out}")

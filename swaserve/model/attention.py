@@ -14,7 +14,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
+from swaserve.config import FULL, ModelConfig
+from swaserve.model.layers import PartialRope
 from swaserve.paged import at, put
 
 
@@ -125,3 +128,40 @@ class TorchPagedAttention(AttentionBackend):
             vd = at(v_cache, meta.decode_slots).to(q.dtype)
             out[meta.decode_rows] = _attend(qd, kd, vd, meta.decode_mask.unsqueeze(1), sinks, scale)[:, 0]
         return out
+
+
+class Attention(nn.Module):
+    """Attention of one layer of ``kind`` (full or sliding-window): its kind's head shapes."""
+
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        shape = cfg.full if kind == FULL else cfg.swa
+        self.kind = kind
+        self.nh, self.nkv = shape.num_heads, shape.num_kv_heads
+        self.dk, self.dv = shape.head_dim, shape.v_head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.dk, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.dk, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.dv, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.dv, h, bias=False)
+        self.attention_sink_bias = nn.Parameter(torch.zeros(self.nh)) if shape.has_sinks else None
+        self.scale = self.dk**-0.5
+        self.v_scale = cfg.value_scale
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: KindMeta,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.nh, self.dk)
+        k = self.k_proj(x).view(t, self.nkv, self.dk)
+        v = self.v_proj(x).view(t, self.nkv, self.dv) * self.v_scale
+        cos, sin = cos_sin
+        q, k = PartialRope.rotate(q, cos, sin), PartialRope.rotate(k, cos, sin)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.attention_sink_bias, self.scale)
+        return self.o_proj(out.reshape(t, self.nh * self.dv))

@@ -240,7 +240,9 @@ def write_tokenizer(tok: Any, out_dir: Path, model_max_length: int) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, *, overwrite: bool = False) -> Path:
+def make_checkpoint(
+    preset: str, out_dir: str | Path, seed: int = 0, *, overwrite: bool = False, mtp_layers: int = 0
+) -> Path:
     """Write a random MiMo-V2 checkpoint (weights, config, generation config, tokenizer).
 
     Args:
@@ -248,6 +250,9 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, *, overwrit
         out_dir: Target directory; built in a temp dir next to it, then renamed into place.
         seed: RNG seed; the same preset and seed give byte-identical weights.
         overwrite: Replace an existing non-empty ``out_dir``.
+        mtp_layers: MTP layers to add (random, hub keys ``model.mtp.layers.N.*`` in
+            ``mtp.safetensors``, ``num_nextn_predict_layers`` in config.json); the target's
+            weights are the same as without them.
 
     Returns:
         ``out_dir`` as a Path.
@@ -263,7 +268,46 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, *, overwrit
         model = build_model(preset, seed)
         model.save_pretrained(tmp)
         write_tokenizer(train_tokenizer(model.config.vocab_size), tmp, model.config.max_position_embeddings)
+        if mtp_layers:
+            write_mtp_layers(tmp, preset, mtp_layers, seed)
     return out
+
+
+def write_mtp_layers(model_dir: Path, preset: str, n: int, seed: int) -> None:
+    """Add ``n`` random MTP layers to the checkpoint in ``model_dir`` (hub key layout: separate
+    q/k/v projections, ``attention_sink_bias``, ``pre_mlp_layernorm``), initialised as
+    ``build_model`` initialises the target, from their own generator (seed + 1)."""
+    from safetensors.torch import save_file
+
+    from swaserve.config import ModelConfig
+    from swaserve.model.mtp import HUB_RENAMES, MTPLayer
+
+    cfg_path = model_dir / "config.json"
+    raw_cfg = json.loads(cfg_path.read_text())
+    cfg = ModelConfig.from_dict(raw_cfg)
+    p = PRESETS[preset]
+    g = torch.Generator().manual_seed(seed + 1)
+    hub = {v: k for k, v in HUB_RENAMES.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        layer = MTPLayer(cfg)
+        with torch.no_grad():
+            for name, t in sorted(layer.named_parameters()):
+                if name.endswith("norm.weight"):
+                    t.uniform_(0.5, 1.5, generator=g)
+                elif name.endswith("attention_sink_bias"):
+                    t.normal_(0.0, 1.0, generator=g)
+                else:
+                    t.normal_(0.0, p.gain / math.sqrt(t.shape[-1]), generator=g)
+                tensors[f"model.mtp.layers.{i}.{hub.get(name, name)}"] = t.detach().clone().contiguous()
+    save_file(tensors, str(model_dir / "mtp.safetensors"), metadata={"format": "pt"})
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index must name the new file's tensors
+        idx = json.loads(index.read_text())
+        idx["weight_map"].update({k: "mtp.safetensors" for k in tensors})
+        index.write_text(json.dumps(idx, indent=2))
+    raw_cfg["num_nextn_predict_layers"] = n
+    cfg_path.write_text(json.dumps(raw_cfg, indent=2) + "\n")
 
 
 def cache_dir() -> Path:

@@ -2,13 +2,15 @@
 
 Safetensors (single, sharded, indexed); per-expert (hub) or fused (transformers v5) expert weights,
 stacked into ``w_gate``/``w_up`` [E, I, H] and ``w_down`` [E, H, I]; separate or fused qkv; FP8 block
-weights (DeepSeek-V3 format) dequantized at load; MTP weights kept aside. Anything missing or left
-over raises ``LoadError`` naming the tensors.
+weights (DeepSeek-V3 format) dequantized at load; MTP layers (``model.mtp.layers.N.*``, their count
+from ``num_nextn_predict_layers``, else from the weights) into ``model.mtp``. Anything missing or
+left over raises ``LoadError`` naming the tensors.
 
 Key mapping: docs/DESIGN.md#modelloaderpy"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from safetensors import safe_open
 
 from swaserve.config import ModelConfig
 from swaserve.model.mimo_v2 import MiMoV2ForCausalLM
+from swaserve.model.mtp import count_mtp_layers
 
 
 class LoadError(RuntimeError):
@@ -74,9 +77,11 @@ def load_model(
     """
     model_dir = Path(model_dir)
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
+    raw: dict[str, torch.Tensor] = dict(iter_checkpoint(model_dir))
+    if not cfg.num_mtp_layers:  # the config does not say: the weights do
+        cfg = dataclasses.replace(cfg, num_mtp_layers=count_mtp_layers(set(raw)))
     with torch.device("meta"):
         model = MiMoV2ForCausalLM(cfg)
-    raw: dict[str, torch.Tensor] = dict(iter_checkpoint(model_dir))
     block = tuple(cfg.quantization["weight_block_size"]) if cfg.quantization else None
 
     def take(name: str) -> torch.Tensor:
@@ -92,7 +97,6 @@ def load_model(
             t = dequantize_fp8(t, raw.pop(sname), (int(block[0]), int(block[1])))
         return t
 
-    model.mtp_state = {k: raw.pop(k) for k in [k for k in raw if k.startswith("model.mtp.")]}
     params: dict[str, torch.Tensor] = {}
     missing: list[str] = []
 
@@ -113,12 +117,25 @@ def load_model(
         p, o = f"model.layers.{i}.", f"layers.{i}."
         want(o + "input_layernorm.weight", p + "input_layernorm.weight")
         want(o + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
-        _load_attention(cfg, i, p + "self_attn.", o + "self_attn.", raw, take, params, missing, want)
+        _load_attention(cfg.attn(i), p + "self_attn.", o + "self_attn.", raw, take, params, missing, want)
         if cfg.mlp_types[i] == "sparse":
             _load_moe(cfg, p + "mlp.", o + "mlp.", raw, take, params, missing, want)
         else:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 want(o + f"mlp.{n}.weight", p + f"mlp.{n}.weight")
+    for j in range(cfg.num_mtp_layers):
+        p, o = f"model.mtp.layers.{j}.", f"mtp.{j}."
+        for name in ("enorm", "hnorm", "input_layernorm", "final_layernorm"):
+            want(o + f"{name}.weight", p + f"{name}.weight")
+        want(
+            o + "post_attention_layernorm.weight",
+            p + "pre_mlp_layernorm.weight",
+            p + "post_attention_layernorm.weight",
+        )
+        want(o + "eh_proj.weight", p + "eh_proj.weight")
+        _load_attention(cfg.swa, p + "self_attn.", o + "self_attn.", raw, take, params, missing, want)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            want(o + f"mlp.{name}.weight", p + f"mlp.{name}.weight")
     leftovers = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
     if missing or leftovers:
         raise LoadError(
@@ -147,8 +164,7 @@ def load_model(
     return model.to(device).eval()
 
 
-def _load_attention(cfg, i, p, o, raw, take, params, missing, want):  # type: ignore[no-untyped-def]
-    shape = cfg.attn(i)
+def _load_attention(shape, p, o, raw, take, params, missing, want):  # type: ignore[no-untyped-def]
     if p + "qkv_proj.weight" in raw:
         qkv = take(p + "qkv_proj.weight")
         nq, nk = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim

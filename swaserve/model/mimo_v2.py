@@ -5,7 +5,8 @@ full in a few layers and sliding-window (SWA) in the rest. SWA layers have their
 (2x the full layers' in MiMo-V2-Flash), per-head attention sinks and their own RoPE theta; q/k head
 dim (192) differs from v head dim (128); values are scaled by ``attention_value_scale``; RoPE covers
 a leading fraction of each head. MLP is dense in the first layer(s) and a sigmoid-routed MoE
-elsewhere. ``model.mtp.*`` weights (multi-token prediction) are loaded and kept aside for MTP.
+elsewhere. ``model.mtp.*`` weights load into ``mtp`` (``swaserve.model.mtp``: the draft layers of
+speculative decoding), which reads the target's pre-final-norm hidden states (``forward_hidden``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from swaserve.config import FULL, ModelConfig
-from swaserve.model.attention import AttentionBackend, KindMeta, TorchPagedAttention
+from swaserve.config import FULL, SWA, ModelConfig
+from swaserve.model.attention import Attention, AttentionBackend, KindMeta, TorchPagedAttention
 from swaserve.model.layers import DenseMLP, MoE, PartialRope, RMSNorm
+from swaserve.model.mtp import MTPLayer
 
 
 @dataclass
@@ -45,45 +47,10 @@ class ForwardBatch:
     layer's pages loaded back from the host tier (layer-by-layer overlap on a GPU)."""
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        shape = cfg.attn(layer)
-        self.kind = cfg.layer_types[layer]
-        self.nh, self.nkv = shape.num_heads, shape.num_kv_heads
-        self.dk, self.dv = shape.head_dim, shape.v_head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.dk, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.dk, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.dv, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.dv, h, bias=False)
-        self.attention_sink_bias = nn.Parameter(torch.zeros(self.nh)) if shape.has_sinks else None
-        self.scale = self.dk**-0.5
-        self.v_scale = cfg.value_scale
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: KindMeta,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.nh, self.dk)
-        k = self.k_proj(x).view(t, self.nkv, self.dk)
-        v = self.v_proj(x).view(t, self.nkv, self.dv) * self.v_scale
-        cos, sin = cos_sin
-        q, k = PartialRope.rotate(q, cos, sin), PartialRope.rotate(k, cos, sin)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.attention_sink_bias, self.scale)
-        return self.o_proj(out.reshape(t, self.nh * self.dv))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, cfg.layer_types[layer])
         self.mlp: nn.Module
         if cfg.mlp_types[layer] == "sparse":
             self.mlp = MoE(
@@ -125,11 +92,17 @@ class MiMoV2ForCausalLM(nn.Module):
         for kind in cfg.layer_types:
             self.kind_index.append(counters.get(kind, 0))
             counters[kind] = counters.get(kind, 0) + 1
-        self.mtp_state: dict[str, torch.Tensor] = {}  # model.mtp.* tensors, kept for MTP
+        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_mtp_layers))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns final-norm hidden states [T, hidden] for every scheduled token."""
+        out: torch.Tensor = self.norm(self.forward_hidden(batch))
+        return out
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The decoder's output before its final norm, [T, hidden] (what the MTP layers read)."""
         h = self.embed_tokens(batch.input_ids)
         cos_sin = {
             kind: cast(PartialRope, rope).cos_sin(batch.positions, h.dtype)
@@ -153,7 +126,32 @@ class MiMoV2ForCausalLM(nn.Module):
             )
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+        return h
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self,
+        k: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: KindMeta,
+    ) -> torch.Tensor:
+        """MTP layer ``k`` over T rows: input_ids [T] the shifted tokens (row t: token t+1+k),
+        positions [T], hidden [T, H] the target's ``forward_hidden`` at those positions; its own
+        SWA caches and metadata. Returns final-normed [T, H] (``logits`` of it: the drafts').
+
+        Raises:
+            IndexError: no MTP layer ``k`` in this checkpoint."""
+        rope = cast(PartialRope, self.rope[SWA])
+        cos_sin = rope.cos_sin(positions, hidden.dtype)
+        layer = cast(MTPLayer, self.mtp[k])
+        out: torch.Tensor = layer(
+            self.embed_tokens(input_ids), hidden, cos_sin, k_cache, v_cache, meta, self.backend
+        )
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

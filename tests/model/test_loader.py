@@ -122,13 +122,14 @@ def test_wrong_shape_is_named(tiny_dir: Path, tmp_path: Path) -> None:
         load_model(d)
 
 
-def test_mtp_weights_are_kept_aside(tiny_dir: Path, tmp_path: Path) -> None:
+def test_an_incomplete_mtp_layer_names_what_it_lacks(tiny_dir: Path, tmp_path: Path) -> None:
     d = _edit_weights(
         tiny_dir,
         tmp_path / "mtp",
         lambda sd: sd.__setitem__("model.mtp.layers.0.enorm.weight", torch.ones(64)),
     )
-    assert "model.mtp.layers.0.enorm.weight" in load_model(d).mtp_state
+    with pytest.raises(LoadError, match=r"model\.mtp\.layers\.0\.hnorm\.weight"):
+        load_model(d)
 
 
 @pytest.mark.parametrize(
