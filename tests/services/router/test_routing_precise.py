@@ -22,6 +22,17 @@ from tests.helpers.routing_cluster import WORKER_ARGS, cached, metric, send
 pytestmark = pytest.mark.cluster  # starts routers, workers and Redis (``Cluster``) as child processes
 
 
+def wait_settled(url: str, timeout_s: float = 10.0) -> None:
+    """Until the router holds no request in flight on any worker (``/workers`` in_flight: its
+    attempts, whose leases weigh on the next choice)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while any(w["in_flight"] for w in httpx.get(f"{url}/workers", timeout=10).json()["data"]):
+        assert time.monotonic() < deadline, "the router still holds requests in flight"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_dir: Path) -> Iterator[Cluster]:
     c = Cluster(
@@ -53,7 +64,10 @@ def test_index_follows_worker_events(cluster: Cluster) -> None:
         asyncio.run(send([(cluster.url, [1, 2, 3])]))  # a router polls the stream when it routes
         time.sleep(0.2)
     where = [index.match(h, time.time()) for h in chains]
-    second = [asyncio.run(send([(cluster.url, [*s, 9, 10, 11])]))[0] for s in stems]  # one at a time
+    second = []
+    for s in stems:  # one at a time, each after the router has settled the one before (its leases)
+        wait_settled(cluster.url)
+        second.append(asyncio.run(send([(cluster.url, [*s, 9, 10, 11])]))[0])
     # on a miss, say where the index pointed, how the router decided and what each worker's cache
     # held (an SWA window evicted emits no index event: a full-attention hit without its window)
     assert all(cached(x) >= 32 for x in second), (
