@@ -22,14 +22,19 @@ from tests.helpers.routing_cluster import WORKER_ARGS, cached, metric, send
 pytestmark = pytest.mark.cluster  # starts routers, workers and Redis (``Cluster``) as child processes
 
 
-def wait_settled(url: str, timeout_s: float = 10.0) -> None:
-    """Until the router holds no request in flight on any worker (``/workers`` in_flight: its
-    attempts, whose leases weigh on the next choice)."""
+def wait_settled(url: str, timeout_s: float = 30.0) -> None:
+    """Until the router's view is idle: no request of its in flight on any worker (their leases)
+    and every worker's last poll reporting nothing running or waiting. A stale heartbeat (a poll
+    taken during the previous request, late on a loaded machine) makes the cached worker look busy,
+    and cache_aware rightly sends the request to the idle one."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while any(w["in_flight"] for w in httpx.get(f"{url}/workers", timeout=10).json()["data"]):
-        assert time.monotonic() < deadline, "the router still holds requests in flight"
+    while any(
+        w["in_flight"] or w["running"] or w["waiting"]
+        for w in httpx.get(f"{url}/workers", timeout=10).json()["data"]
+    ):
+        assert time.monotonic() < deadline, "the router's view of the workers is still busy"
         time.sleep(0.05)
 
 
