@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.convert import WORKER_DRAINING, page_from_proto
-from swaserve.config import FULL, SWA
+from services.convert import WORKER_DRAINING, hidden_from_header, page_from_proto
+from swaserve.config import FULL, SWA, kv_config
 from swaserve.engine.client import LocalEngineClient
 from swaserve.transfer.kv_transfer import KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.v1 import kv_transfer_pb2 as kvpb
@@ -23,10 +23,17 @@ if TYPE_CHECKING:
     from services.worker_metrics import WorkerMetrics
 
 
+def transfer_layers(engine: LocalEngineClient) -> dict[str, int]:
+    """Layers per kind in a KV transfer: the model's, and with MTP on its MTP layers as SWA ones
+    (``config.kv_config``); a prefill and a decode worker must agree on it."""
+    kcfg = kv_config(engine.model_config, engine.engine_config.speculative_num_steps)
+    return {FULL: len(kcfg.full_layers), SWA: len(kcfg.swa_layers)}
+
+
 def staging_for(engine: LocalEngineClient, max_bytes: int) -> KVStaging:
     cfg, ecfg = engine.model_config, engine.engine_config
     return KVStaging(
-        {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
+        transfer_layers(engine),
         {
             FULL: LayerShape(cfg.full.num_kv_heads, cfg.full.head_dim, cfg.full.v_head_dim),
             SWA: LayerShape(cfg.swa.num_kv_heads, cfg.swa.head_dim, cfg.swa.v_head_dim),
@@ -86,7 +93,14 @@ class KVTransferService(kvgrpc.KVTransferServicer):
                         raise TransferError(f"request {m.header.request_id!r} was aborted")
                     if m.header.request_id in self.staging.open_ids():  # a retry supersedes it
                         self.staging.discard(m.header.request_id)
-                    self.staging.begin(m.header.request_id, m.header.num_tokens, m.header.sampler_state)
+                    h = m.header
+                    self.staging.begin(
+                        h.request_id,
+                        h.num_tokens,
+                        h.sampler_state,
+                        list(h.spec_drafts),
+                        hidden_from_header(h),
+                    )
                     rid, num_pages = m.header.request_id, m.header.num_pages
                     self.staged_at[rid] = time.monotonic()
                 elif kind == "page":

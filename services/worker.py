@@ -25,11 +25,10 @@ from grpc_reflection.v1alpha import reflection
 
 from services.convert import ENGINE_NOT_RUNNING, WORKER_DRAINING, chunk_message, params_from_proto, usage
 from services.index_events import EventPump
-from services.kv_receiver import KVTransferService, staging_for
+from services.kv_receiver import KVTransferService, staging_for, transfer_layers
 from services.tls import Dialer
 from services.transport import GrpcKVSender, KVSender
 from services.worker_metrics import WorkerLoadCollector, WorkerMetrics, serve_metrics
-from swaserve.config import FULL, SWA
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.types import FinishReason, SamplingParams
 from swaserve.model.identity import model_identity
@@ -77,7 +76,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self.boot_id = uuid.uuid4().hex  # this process: a restart draws a new one
         self.sender: KVSender = GrpcKVSender(
             engine.engine_config.page_size,
-            {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
+            transfer_layers(engine),
             dialer=opts.dialer,
         )
 

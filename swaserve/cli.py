@@ -218,7 +218,8 @@ def make_checkpoint(
     seed: Annotated[int, typer.Option(help="Weight initialization seed.")] = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out directory.")] = False,
     mtp_layers: Annotated[
-        int, typer.Option(min=0, max=8, help="Random MTP (multi-token prediction) layers to add, hub key layout.")
+        int,
+        typer.Option(min=0, max=8, help="Random MTP (multi-token prediction) layers to add, hub key layout."),
     ] = 0,
 ) -> None:
     """Write a randomly initialized MiMo-V2 checkpoint (config, tokenizer, safetensors)."""

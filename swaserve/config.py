@@ -9,7 +9,7 @@ Design notes: docs/DESIGN.md#configpy"""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -211,6 +211,21 @@ class ModelConfig:
         )
 
 
+def kv_config(cfg: ModelConfig, mtp_layers: int) -> ModelConfig:
+    """``cfg`` as the KV pools see it with ``mtp_layers`` MTP layers running: each one more SWA
+    layer (its KV is SWA KV at the same positions and page tables; ``engine.drafter``), appended
+    after the decoder's layers. Sizing, storage, the host tier and PD transfer take this config;
+    the model keeps ``cfg``."""
+    if mtp_layers == 0:
+        return cfg
+    return replace(
+        cfg,
+        num_layers=cfg.num_layers + mtp_layers,
+        layer_types=cfg.layer_types + (SWA,) * mtp_layers,
+        mlp_types=cfg.mlp_types + ("dense",) * mtp_layers,
+    )
+
+
 def _rotary_dim(head_dim: int, factor: float) -> int:
     """``int(head_dim * factor)``, as the reference computes it (an odd value rotates one more dim)."""
     dim = int(head_dim * factor)
@@ -288,6 +303,9 @@ class EngineConfig:
             "separate" (its own process behind an IPC client) or "auto" (``engine.factory``).
         engine_step_timeout: separate core only: seconds a core holding work may send nothing
             (one step) before it is killed as hung and handled as dead; 0 = never.
+        speculative_num_steps: MTP speculative decoding: draft tokens per step, one per MTP layer
+            (0 = off; at most the checkpoint's ``num_nextn_predict_layers``). Their KV: extra SWA
+            layers (``kv_config``).
     """
 
     page_size: int = 16
@@ -310,3 +328,4 @@ class EngineConfig:
     index_block_tokens: int | None = None
     engine_process: str = "auto"
     engine_step_timeout: float = 120.0
+    speculative_num_steps: int = 0

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from swaserve.engine.spec import SpecStats
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput
 from swaserve.kvcache.stats import PoolStats
@@ -227,10 +228,28 @@ class EngineStatsCollector(Collector):
         for labels, p in rows if r is not None else ():
             cached.add_metric(labels, p.cached_pages)
         yield from (queries, hits, cached)
+        if s.spec is not None:
+            yield from self._spec_families(s.spec)
         if r is not None:
             yield from self._router_families(r)
         if r is not None and r.discovery is not None:
             yield from self._discovery_families(r.discovery)
+
+    def _spec_families(self, sp: SpecStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (mean accept length = 1 + accepted / drafts)."""
+        yield self._counter("spec_decode_num_drafts", "Verify steps with drafts.", [], [((), sp.drafts)])
+        yield self._counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed.", [], [((), sp.draft_tokens)]
+        )
+        yield self._counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.", [], [((), sp.accepted)]
+        )
+        yield self._counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position (0: the first draft).",
+            ["position"],
+            (((str(i),), n) for i, n in enumerate(sp.accepted_per_pos)),
+        )
 
     def _discovery_families(self, d: DiscoveryStats) -> Iterator[Metric]:
         yield self._counter(

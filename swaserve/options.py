@@ -183,6 +183,18 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "cpu-tiny",
     ),
     EngineOption(
+        "speculative_num_steps",
+        Annotated[
+            int,
+            typer.Option(
+                min=0,
+                help="MTP speculative decoding: draft tokens per step, one per MTP layer (0 = off; "
+                "at most the checkpoint's num_nextn_predict_layers). Greedy output is unchanged.",
+            ),
+        ],
+        0,
+    ),
+    EngineOption(
         "engine_process",
         Annotated[
             Literal["auto", "inline", "separate"],

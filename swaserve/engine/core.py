@@ -10,6 +10,7 @@ counters belong to the front (``engine.output.OutputProcessor``), so the same co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -18,12 +19,14 @@ from pathlib import Path
 
 import torch
 
-from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
 from swaserve.engine.detokenizer import check_stop_token
+from swaserve.engine.drafter import Drafter
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.engine.sampler import Sampler, SamplingState
 from swaserve.engine.scheduler import Scheduler
+from swaserve.engine.speculative import SpeculativeStep
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.structured import StructuredDecoder
 from swaserve.engine.types import EngineLimits, FinishReason, SamplingParams, TokenLogprob
@@ -31,7 +34,7 @@ from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
-from swaserve.kvcache.sizing import host_plan, plan_pools
+from swaserve.kvcache.sizing import host_plan, plan_pools, spec_lookahead
 from swaserve.kvcache.storage import KVStorage
 from swaserve.model.loader import load_model
 from swaserve.sched.cost import preset
@@ -122,12 +125,18 @@ class EngineCore:
         )
         self.eos_token_ids = set(cfg.eos_token_ids) | set(eos_token_ids)
         torch.manual_seed(config.seed)
+        K = config.speculative_num_steps
+        if not 0 <= K <= cfg.num_mtp_layers:
+            raise ValueError(
+                f"speculative_num_steps must be 0 .. {cfg.num_mtp_layers} (the checkpoint's MTP layers), got {K}"
+            )
         self.model = load_model(model_dir, cfg, self.dtype, self.device)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        arena = arena_layout(cfg, config.page_size, elem) if cfg.full_layers and cfg.swa_layers else None
+        kcfg = kv_config(cfg, K)  # the MTP layers' KV: extra SWA layers
+        arena = arena_layout(kcfg, config.page_size, elem) if cfg.full_layers and cfg.swa_layers else None
         # with prefix caching and no --swa-full-tokens-ratio: one arena both pools draw from
-        plan = plan_pools(cfg, config, elem, shared=arena is not None, arena=arena)
-        self.storage = KVStorage(cfg, plan, config.page_size, self.dtype, self.device)
+        plan = plan_pools(kcfg, config, elem, shared=arena is not None, arena=arena)
+        self.storage = KVStorage(kcfg, plan, config.page_size, self.dtype, self.device)
         self.host: HostKVStorage | None = None
         host_pages = host_bytes = host_units = None
         if config.enable_prefix_caching and config.host_cache_memory > 0:
@@ -147,13 +156,14 @@ class EngineCore:
             config.page_size,
             cfg.window,
             config.kv_layout,
-            len(cfg.full_layers),
-            len(cfg.swa_layers),
+            len(kcfg.full_layers),
+            len(kcfg.swa_layers),
             prefix_caching=config.enable_prefix_caching,
             host_pages=host_pages,
             host_bytes=host_bytes,
             mover=self.host,
             write_policy=config.host_write_policy,  # type: ignore[arg-type]
+            lookahead=spec_lookahead(config),
         )
         self.storage.bind(FULL, self.kv.full.pool)
         self.storage.bind(SWA, self.kv.swa.pool)
@@ -176,8 +186,10 @@ class EngineCore:
         self.runner = ModelRunner(self.model, cfg, self.kv, self.storage, self.device, self.host)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, on_import=self._import_kv,
-            priority=schedule_priority(config),
+            priority=schedule_priority(config), lookahead=K,
         )  # fmt: skip
+        self.drafter = Drafter(self.model, cfg, self.kv, self.storage, self.device, K) if K else None
+        self.spec = SpeculativeStep(self, self.drafter) if self.drafter is not None else None
         self.sampler = Sampler()
         self.structured = StructuredDecoder(model_dir, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -222,8 +234,8 @@ class EngineCore:
         if params.structured is not None:
             req.grammar = self.structured.new(params.structured)
         if export_kv:  # stops after its first token: pages for the prompt and that token only
-            req.export_kv = True
-            req.max_total_tokens = len(prompt_token_ids) + 1
+            req.export_kv = True  # (and with MTP the positions of the first drafts' rows)
+            req.max_total_tokens = len(prompt_token_ids) + 1 + (self.drafter.k if self.drafter else 0)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -256,6 +268,8 @@ class EngineCore:
             except RuntimeError as e:
                 raise ValueError(f"sampler state from the prefill worker does not fit: {e}") from e
         req.output_token_ids.append(first_token)
+        if self.drafter is not None:  # MTP rows from the prompt's end on; drafts from the prefill
+            self.drafter.start_imported(req, payload.mtp_hidden, payload.spec_drafts)
         if params.structured is not None:  # the prefill worker sampled it under the same grammar
             req.grammar = self.structured.new(params.structured, [first_token])
         self.requests[request_id] = req
@@ -326,13 +340,16 @@ class EngineCore:
         chunks = self.scheduler.schedule(now)
         if not chunks:
             return []
-        logits, prompt_lps = self.runner.run(chunks)
+        logits, prompt_lps, hidden = self.runner.run(chunks, keep_hidden=self.spec is not None)
         self.steps += 1
         self.computed_tokens += sum(c.n for c in chunks)
         for i, lps in prompt_lps.items():
             have = chunks[i].req.prompt_logprobs
             if have is not None:
                 have.extend(lps)
+        if self.spec is not None:
+            assert hidden is not None
+            return self.spec.finish_step(chunks, logits, hidden)
         ends = [c for c in chunks if c.samples]
         sampling = [c for c in ends if c.req.params.max_tokens > 0]  # max_tokens 0: the prompt only
         if len(sampling) < len(ends):
@@ -362,38 +379,72 @@ class EngineCore:
         return self._output(req, [], [])
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> CoreOutput:
+        out = self._append_tokens(req, [token], [logprob], now)
+        return out
+
+    def _append_tokens(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        now: float,
+        defer: list[Request] | None = None,
+    ) -> CoreOutput:
+        """Append tokens one by one (speculative steps emit several), ending the request at the
+        first that finishes it; one output for all. With ``defer``, a finishing request is put
+        there instead of leaving now (the caller then calls ``_finish``)."""
         if req.first_token_time is None:
             req.first_token_time = now
+        out_tokens: list[int] = []
+        out_lps: list[TokenLogprob] = []
+        stop_token = False
         g = req.grammar
-        if g is not None:
-            g.accept(token)
-            if g.error:  # a broken grammar fails its request, never the engine
-                log.warning("request %s: %s", req.request_id, g.error)
-                out = self.abort_request(req.request_id)
-                assert out is not None
-                out.error = g.error
-                return out
-        req.output_token_ids.append(token)
-        reason: FinishReason | None = None
-        stop_token = check_stop_token(token, req.params, self.eos_token_ids)
-        if stop_token or (g is not None and g.done):
-            reason = FinishReason.STOP
-        elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        elif req.export_kv:
-            reason = FinishReason.HANDOFF
-        if reason is not None:
-            if req.export_kv:
-                req.kv_payload = gather(self.kv, self.storage, req.request_id, req.num_prompt)
-                gen = req.sampling.generator if req.sampling is not None else None
-                if gen is not None:  # the decoder continues this random stream
-                    req.kv_payload.sampler_state = gen.get_state().numpy().tobytes()
-            req.finish_reason = reason
-            self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
-        out = self._output(req, [token], [logprob] if logprob is not None else [])
-        out.structured_end = reason == FinishReason.STOP and not stop_token
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            if g is not None:
+                g.accept(token)
+                if g.error:  # a broken grammar fails its request, never the engine
+                    log.warning("request %s: %s", req.request_id, g.error)
+                    out = self.abort_request(req.request_id)
+                    assert out is not None
+                    out.error = g.error
+                    out.new_token_ids, out.new_logprobs = out_tokens, out_lps
+                    return out
+            req.output_token_ids.append(token)
+            out_tokens.append(token)
+            if logprob is not None:
+                out_lps.append(logprob)
+            reason: FinishReason | None = None
+            stop_token = check_stop_token(token, req.params, self.eos_token_ids)
+            if stop_token or (g is not None and g.done):
+                reason = FinishReason.STOP
+            elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            elif req.export_kv:
+                reason = FinishReason.HANDOFF
+            if reason is not None:
+                req.finish_reason = reason
+                if defer is None:
+                    self._finish(req)
+                else:
+                    defer.append(req)
+                break
+        out = self._output(req, out_tokens, out_lps)
+        out.structured_end = req.finish_reason == FinishReason.STOP and not stop_token
         return out
+
+    def _finish(self, req: Request) -> None:
+        """A request whose ``finish_reason`` is set leaves: its KV exported (prefill role), its
+        pages freed (cached)."""
+        if req.export_kv:
+            req.kv_payload = gather(self.kv, self.storage, req.request_id, req.num_prompt)
+            gen = req.sampling.generator if req.sampling is not None else None
+            if gen is not None:  # the decoder continues this random stream
+                req.kv_payload.sampler_state = gen.get_state().numpy().tobytes()
+            if req.mtp is not None:  # the first drafts, and the hidden states their rows read
+                req.kv_payload.spec_drafts = list(req.spec_drafts)
+                req.kv_payload.mtp_hidden = self.drafter.hidden_tail(req) if self.drafter else None
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
 
     def _output(self, req: Request, tokens: list[int], lps: list[TokenLogprob]) -> CoreOutput:
         finished = req.finish_reason is not None
@@ -432,6 +483,9 @@ class EngineCore:
             prefill_tokens=sum(max(0, r.num_prompt - r.num_computed) for r in reqs),
             steps_total=self.steps,
             computed_tokens_total=self.computed_tokens,
+            spec=dataclasses.replace(self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos))
+            if self.spec is not None
+            else None,
         )
 
     def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:

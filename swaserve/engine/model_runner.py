@@ -46,17 +46,19 @@ class ModelRunner:
         self.host = host
 
     def build(self, chunks: Sequence[ScheduledChunk]) -> tuple[ForwardBatch, list[int]]:
-        """Returns the batch and the flat row of each sampling chunk's last token."""
+        """Returns the batch and the flat rows whose logits are sampled: each sampling chunk's last
+        token, and before it its ``draft`` verify rows (speculative decoding)."""
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         sample_rows: list[int] = []
         row = 0
         for c in chunks:
-            ids.extend(c.req.token_slice(c.start, c.start + c.n))
+            ids.extend(c.req.token_slice(c.start, c.start + c.n - c.draft))
+            ids.extend(c.req.spec_drafts[: c.draft])  # verify rows: the drafts after the last token
             pos.append(torch.arange(c.start, c.start + c.n, dtype=torch.int64))
             row += c.n
             if c.samples:
-                sample_rows.append(row - 1)
+                sample_rows.extend(range(row - 1 - c.draft, row))
         meta = {FULL: self._kind_metas(chunks, FULL, self.kv.full, None)}
         if self.cfg.swa_layers:
             meta[SWA] = self._kind_metas(chunks, SWA, self.kv.swa, self.cfg.window)
@@ -74,6 +76,7 @@ class ModelRunner:
         self, chunks: Sequence[ScheduledChunk], kind: str, mgr: KindManager, window: int | None
     ) -> list[KindMeta]:
         """``kind``'s metadata for each unit group of the storage (one with pools of their own)."""
+        spans = [(c.req.request_id, c.start, c.start + c.n) for c in chunks]
         pool_slots: dict[tuple[str, int, int], torch.Tensor] = {}  # page-table walks once per step
 
         def slots(rid: str, lo: int, end: int) -> torch.Tensor:
@@ -83,64 +86,31 @@ class ModelRunner:
             return pool_slots[key]
 
         return [
-            self._kind_meta(chunks, slots, window, functools.partial(self.storage.locate, kind, g))
+            kind_meta(spans, slots, window, functools.partial(self.storage.locate, kind, g), self.device)
             for g in range(self.storage.num_groups(kind))
         ]
 
-    def _kind_meta(
-        self,
-        chunks: Sequence[ScheduledChunk],
-        slots_of: Callable[[str, int, int], torch.Tensor],
-        window: int | None,
-        locate: Callable[[torch.Tensor], torch.Tensor],
-    ) -> KindMeta:
-        dev = self.device
-        writes: list[torch.Tensor] = []
-        prefills: list[SeqAttn] = []
-        dec_rows: list[int] = []
-        dec_slots: list[torch.Tensor] = []
-        row = 0
-        for c in chunks:
-            rid = c.req.request_id
-            end = c.start + c.n
-            writes.append(locate(slots_of(rid, c.start, end)))
-            lo = 0 if window is None else max(0, c.start - window)
-            slots = locate(slots_of(rid, lo, end))
-            if c.n == 1:
-                dec_rows.append(row)
-                dec_slots.append(slots)
-            else:
-                kv_pos = torch.arange(lo, end, dtype=torch.int64)
-                q_pos = torch.arange(c.start, end, dtype=torch.int64)
-                mask = kv_pos[None, :] <= q_pos[:, None]
-                if window is not None:
-                    mask &= kv_pos[None, :] >= q_pos[:, None] - window
-                prefills.append(SeqAttn(row, c.n, slots.to(dev), mask.to(dev)))
-            row += c.n
-        meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills)
-        if dec_rows:
-            lengths = torch.tensor([len(s) for s in dec_slots])
-            slots_pad = pad_sequence(dec_slots, batch_first=True)
-            valid = torch.arange(slots_pad.shape[1])[None, :] < lengths[:, None]
-            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
-            meta.decode_slots = slots_pad.to(dev)
-            meta.decode_mask = valid.to(dev)
-        return meta
-
-    def run(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
+    @torch.inference_mode()
+    def run(
+        self, chunks: Sequence[ScheduledChunk], keep_hidden: bool = False
+    ) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]], torch.Tensor | None]:
         """Forward one step.
 
         Returns:
-            fp32 logits [num sampling chunks, vocab], and for each chunk (by index) of a request
-            with ``prompt_logprobs`` the logprobs of the prompt tokens it predicts: positions
-            ``start+1 .. min(start+n, prompt_len-1)`` (token 0 has no logprob).
+            fp32 logits [sampled rows, vocab] (``build``: a sampling chunk's ``draft + 1`` last
+            rows); for each chunk (by index) of a request with ``prompt_logprobs`` the logprobs of
+            the prompt tokens it predicts: positions ``start+1 .. min(start+n, prompt_len-1)``
+            (token 0 has no logprob); with ``keep_hidden`` the decoder's pre-final-norm output
+            [T, hidden] of every row (what the MTP layers read), else None.
         """
         batch, rows = self.build(chunks)
-        hidden = self.model(batch)
+        pre = self.model.forward_hidden(batch)
+        hidden = self.model.norm(pre)
         prompt = self._prompt_logprobs(hidden, chunks)
+        kept = pre if keep_hidden else None
         if not rows:
-            return hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32), prompt
-        return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)]), prompt
+            return hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32), prompt, kept
+        return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)]), prompt, kept
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, chunks: Sequence[ScheduledChunk]
@@ -163,3 +133,47 @@ class ModelRunner:
                 out[i] = [lp for lp in lps if lp is not None]
             row += c.n
         return out
+
+
+def kind_meta(
+    spans: Sequence[tuple[str, int, int]],
+    slots_of: Callable[[str, int, int], torch.Tensor],
+    window: int | None,
+    locate: Callable[[torch.Tensor], torch.Tensor],
+    dev: torch.device,
+) -> KindMeta:
+    """Attention metadata of one kind (one unit group) for query spans ``(request id, start, end)``
+    laid out back to back: each span writes its positions' K/V and reads ``[start - window, end)``
+    (``[0, end)`` for full attention) under the causal window mask; a 1-row span takes the batched
+    decode path. ``slots_of(rid, lo, end)``: pool slots of positions ``lo .. end-1``; ``locate``:
+    pool slots -> row slots of the group."""
+    writes: list[torch.Tensor] = []
+    prefills: list[SeqAttn] = []
+    dec_rows: list[int] = []
+    dec_slots: list[torch.Tensor] = []
+    row = 0
+    for rid, start, end in spans:
+        n = end - start
+        writes.append(locate(slots_of(rid, start, end)))
+        lo = 0 if window is None else max(0, start - window)
+        slots = locate(slots_of(rid, lo, end))
+        if n == 1:
+            dec_rows.append(row)
+            dec_slots.append(slots)
+        else:
+            kv_pos = torch.arange(lo, end, dtype=torch.int64)
+            q_pos = torch.arange(start, end, dtype=torch.int64)
+            mask = kv_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                mask &= kv_pos[None, :] >= q_pos[:, None] - window
+            prefills.append(SeqAttn(row, n, slots.to(dev), mask.to(dev)))
+        row += n
+    meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills)
+    if dec_rows:
+        lengths = torch.tensor([len(s) for s in dec_slots])
+        slots_pad = pad_sequence(dec_slots, batch_first=True)
+        valid = torch.arange(slots_pad.shape[1])[None, :] < lengths[:, None]
+        meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
+        meta.decode_slots = slots_pad.to(dev)
+        meta.decode_mask = valid.to(dev)
+    return meta

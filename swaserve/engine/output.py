@@ -98,25 +98,34 @@ class OutputProcessor:
     def _delta(self, detok: IncrementalDetokenizer, o: CoreOutput) -> RequestOutput:
         reason = o.finish_reason
         text = ""
-        if o.new_token_ids:
-            self.generation_tokens_total += len(o.new_token_ids)
-            if reason != FinishReason.STOP or o.structured_end:  # a stop token (EOS...) has no text
-                text = detok.add(o.new_token_ids)
+        ids, lps = list(o.new_token_ids), list(o.new_logprobs)
+        completion = o.completion_tokens
+        if ids:
+            # a stop token (EOS...) has no text; several tokens (a speculative step): token by
+            # token, so a stop string drops the ones after the token that completed it
+            stop_token = reason == FinishReason.STOP and not o.structured_end
+            texted = ids[:-1] if stop_token else ids
+            for i in range(len(texted)):
+                text += detok.add(texted[i : i + 1] if len(texted) > 1 else texted)
                 if detok.stopped:
                     reason = FinishReason.STOP
+                    completion -= len(ids) - (i + 1)
+                    ids, lps = ids[: i + 1], lps[: i + 1]
+                    break
+            self.generation_tokens_total += len(ids)
         if reason in (FinishReason.STOP, FinishReason.LENGTH) and not detok.stopped:
             text += detok.flush()  # HANDOFF: text held back stays with the decoder
         finished = reason is not None
         return RequestOutput(
             request_id=o.request_id,
-            new_token_ids=list(o.new_token_ids),
+            new_token_ids=ids,
             new_text=text,
-            new_logprobs=list(o.new_logprobs),
+            new_logprobs=lps,
             prompt_logprobs=o.prompt_logprobs,
             finished=finished,
             finish_reason=reason,
             prompt_tokens=o.prompt_tokens,
-            completion_tokens=o.completion_tokens,
+            completion_tokens=completion,
             cached_tokens=o.cached_tokens,
             arrival_time=o.arrival_time,
             first_scheduled_time=o.first_scheduled_time,

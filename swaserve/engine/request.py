@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from swaserve.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
+    from swaserve.engine.drafter import MTPState
     from swaserve.engine.sampler import SamplingState
     from swaserve.engine.structured import Grammar
     from swaserve.transfer.kv_transfer import KVPayload
@@ -48,6 +49,11 @@ class Request:
     kv_payload: KVPayload | None = None  # exported KV (prefill role) or KV to import (decode role)
     prompt_logprobs: list[TokenLogprob] | None = None  # computed so far (``params.prompt_logprobs``)
     grammar: Grammar | None = None  # ``params.structured``'s matcher over the output so far
+    # speculative decoding (``engine.drafter``): drafts for the next step, pages held up to
+    # ``spec_end`` (exclusive position), and the MTP layers' state
+    spec_drafts: list[int] = field(default_factory=list)
+    spec_end: int = 0
+    mtp: MTPState | None = None
 
     @property
     def num_prompt(self) -> int:

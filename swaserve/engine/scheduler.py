@@ -21,15 +21,17 @@ from swaserve.sched.priority import ComputeAwarePriority
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute tokens ``[start, start + n)`` of ``req`` this step; sample if that reaches the end."""
+    """Compute tokens ``[start, start + n)`` of ``req`` this step; sample if that reaches the end
+    (with ``draft`` > 0: a verify chunk, the request's last token then its first ``draft`` drafts)."""
 
     req: Request
     start: int
     n: int
+    draft: int = 0  # of the n rows, the last ``draft`` are draft tokens to verify (``req.spec_drafts``)
 
     @property
     def samples(self) -> bool:
-        return self.start + self.n == self.req.num_tokens
+        return self.start + self.n - self.draft == self.req.num_tokens
 
 
 _Entry = tuple[float, int, Request]  # (sort key, sequence number of add: unique, breaks ties, request)
@@ -180,11 +182,16 @@ class Scheduler:
         max_bypass: int = 32,
         on_import: Callable[[Request], None] | None = None,
         priority: ComputeAwarePriority | None = None,
+        lookahead: int = 0,
     ) -> None:
         """``on_import``: called when a request that arrives with its prompt's KV (decode role,
         ``req.kv_payload``) is admitted; it allocates the pages, copies the KV in and sets
-        ``num_computed``. ``priority``: admission order of waiting requests (None: FCFS)."""
+        ``num_computed``. ``priority``: admission order of waiting requests (None: FCFS).
+        ``lookahead`` (speculative decoding): a chunk that samples also gets pages for this many
+        positions after it (the draft layers' rows), at most up to ``req.max_total_tokens``; a
+        decode chunk carries the request's drafts (``ScheduledChunk.draft``)."""
         self.priority = priority
+        self.lookahead = lookahead
         self.kv = kv
         self.on_import = on_import
         self.max_bypass = max_bypass
@@ -284,13 +291,29 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
         start = req.num_computed
-        want = min(req.num_tokens - start, budget)
-        n = self.kv.max_chunk(req.request_id, start, start + want)
+        left = req.num_tokens - start
+        # drafts: within the budget, and at positions < max_total_tokens (the full pool's guarantee)
+        draft = min(len(req.spec_drafts), budget - 1, req.max_total_tokens - start - 1) if left == 1 else 0
+        draft = max(0, draft)
+        want = min(left + draft, budget)
+        room = 0  # positions past the chunk it samples whose pages it gets (``lookahead``)
+        if self.lookahead and want == left + draft:
+            room = max(0, min(self.lookahead, req.max_total_tokens - (start + want)))
+        rid = req.request_id
+        n = self.kv.max_chunk(rid, start, start + want + room)
+        if n < want + room:  # not all of it: no lookahead, and no drafts
+            room = 0
+            if draft:
+                draft, want = 0, 1
+            n = min(n, want - 1) if want > 1 and n < want else min(n, want)
+        else:
+            n = want
         if n == 0:
             return None
-        if not self.kv.allocate(req.request_id, start, start + n):
+        if not self.kv.allocate(rid, start, start + n + room):
             raise RuntimeError("allocation failed after max_chunk said it fits (internal error)")
-        return ScheduledChunk(req, start, n)
+        req.spec_end = start + n + room
+        return ScheduledChunk(req, start, n, draft)
 
     def finish(self, req: Request) -> None:
         """Remove a running or waiting request and free its pages."""

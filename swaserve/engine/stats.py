@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from swaserve.kvcache.prefix_cache import CacheStats  # at run time: msgspec decodes these (engine.ipc)
+from swaserve.engine.spec import SpecStats  # at run time: msgspec decodes these (engine.ipc)
+from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.kvcache.stats import PoolStats
 
 
@@ -23,3 +24,4 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens not computed yet
     steps_total: int = 0  # engine steps (forwards) run since start: its progress
     computed_tokens_total: int = 0  # tokens run through the model since start (prefill chunks + decode)
+    spec: SpecStats | None = None  # MTP speculative decoding's counters (None: off)

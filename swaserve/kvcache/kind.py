@@ -184,21 +184,32 @@ class SlidingWindowManager(KindManager):
         window: previous tokens each query sees (>= 1).
         keep_boundary_window: set when a prefix cache takes the request's pages: also keep the
             window of the last page boundary before a chunk (``first_needed_page``).
+        lookahead: tokens a decode step may hold past its one new token (speculative decoding:
+            k draft rows verified, and the draft layers' rows after them); added to the guarantee.
     """
 
     def __init__(
-        self, pool: PagePool, page_size: int, window: int, keep_boundary_window: bool = False
+        self,
+        pool: PagePool,
+        page_size: int,
+        window: int,
+        keep_boundary_window: bool = False,
+        lookahead: int = 0,
     ) -> None:
         super().__init__(pool, page_size)
         self._window = window
         self.keep_boundary_window = keep_boundary_window
+        self.lookahead = lookahead
 
     @property
     def window(self) -> int:
         return self._window
 
     def guarantee_for(self, max_total_tokens: int, cached_pages: int = 0) -> int:
-        return min(cdiv(max_total_tokens, self.page_size), cdiv(self._window, self.page_size) + 2)
+        return min(
+            cdiv(max_total_tokens, self.page_size),
+            cdiv(self._window + self.lookahead, self.page_size) + 2,
+        )
 
     def first_needed_page(self, start: int) -> int:
         """Lowest logical page a chunk starting at ``start`` reads (with ``keep_boundary_window``:

@@ -61,6 +61,7 @@ class KVCacheManager:
         write_policy: when pages get a host copy ("on_evict" | "second_hit").
         host_bytes: with a shared plan, the host tier's byte budget, shared by its two pools
             (``host_pages`` then ignored); None = ``host_pages`` as given.
+        lookahead: tokens a speculative decode step holds past its new token (SWA guarantee).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class KVCacheManager:
         mover: PageMover | None = None,
         write_policy: WritePolicy = "on_evict",
         host_bytes: int | None = None,
+        lookahead: int = 0,
     ) -> None:
         if layout not in ("hybrid", "full"):
             raise ValueError(f"kv layout must be 'hybrid' or 'full', got {layout!r}")
@@ -87,7 +89,9 @@ class KVCacheManager:
         )
         swa_pool = PagePool(plan.swa_pages, plan.swa_page_bytes, num_swa_layers, self.budget)
         self.swa: KindManager = (
-            SlidingWindowManager(swa_pool, page_size, window, keep_boundary_window=prefix_caching)
+            SlidingWindowManager(
+                swa_pool, page_size, window, keep_boundary_window=prefix_caching, lookahead=lookahead
+            )
             if layout == "hybrid"
             else FullAttentionManager(swa_pool, page_size)  # the SWA-unaware baseline keeps every page
         )

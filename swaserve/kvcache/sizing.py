@@ -1,7 +1,7 @@
 """Split one KV byte budget between the full-attention pool and the SWA pool (``plan_pools``).
 
 Hybrid: the SWA pool gets what the running requests and one step's chunks need,
-``max_num_seqs * (ceil(W/P) + 2) + ceil(C/P) + 1`` pages (at most half the budget), the full pool
+``max_num_seqs * (ceil((W + lookahead)/P) + 2) + ceil(C/P) + 1`` pages (lookahead: ``spec_lookahead``) (at most half the budget), the full pool
 the rest; with prefix caching at least ``r`` SWA pages per full page (``swa_full_tokens_ratio``,
 default 1/9), or, asked for ``shared``, one budget both pools draw from (``kvcache.adaptive``
 moves the split). Full layout (SWA-unaware): equal page counts, ``budget // (full + SWA page bytes)``.
@@ -14,6 +14,12 @@ from swaserve.kvcache.arena import ArenaLayout
 from swaserve.kvcache.plan import PoolPlan, cdiv
 
 DEFAULT_SWA_FULL_TOKENS_RATIO = 1 / 9
+
+
+def spec_lookahead(ecfg: EngineConfig) -> int:
+    """Tokens a decode step holds past its new one with MTP on: k verified draft rows, then up to
+    k - 1 provisional draft-layer rows past the accepted ones (``engine.drafter``)."""
+    return 2 * ecfg.speculative_num_steps
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> tuple[int, int]:
@@ -63,7 +69,8 @@ def plan_pools(
         if pages < 1:
             raise ValueError(f"kv cache budget {budget} B is smaller than one page ({pbf + pbs} B)")
         return PoolPlan(pages, pages, pbf, pbs)
-    swa_pages = ecfg.max_num_seqs * (cdiv(cfg.window, p) + 2) + cdiv(ecfg.max_num_batched_tokens, p) + 1
+    per_seq = cdiv(cfg.window + spec_lookahead(ecfg), p) + 2
+    swa_pages = ecfg.max_num_seqs * per_seq + cdiv(ecfg.max_num_batched_tokens, p) + 1
     swa_pages = min(swa_pages, (budget // 2) // pbs)
     full_pages = (budget - swa_pages * pbs) // pbf
     if ecfg.enable_prefix_caching:

@@ -19,7 +19,7 @@ from swaserve.config import FULL, SWA
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TransferError(ValueError):
@@ -31,7 +31,7 @@ class StagingFull(TransferError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in _DTYPES.items():
+    for name, dt in DTYPES.items():
         if dt == dtype:
             return name
     raise TransferError(f"unsupported KV dtype {dtype}")
@@ -49,6 +49,9 @@ class KVPayload:
             ``[min(n, W), kv_heads, head_dim]`` (positions ``[n - min(n, W), n)``); v's last dim
             is ``v_head_dim``.
         sampler_state: a seeded request's ``torch.Generator`` state after its first token.
+        spec_drafts: MTP on: the first draft tokens after the first token (``engine.drafter``).
+        mtp_hidden: MTP on: [m, hidden] the target's pre-final-norm hidden states of positions
+            ``[n - m, n)``, which the decoder's first MTP rows read (m <= its MTP layers).
     """
 
     request_id: str
@@ -56,6 +59,8 @@ class KVPayload:
     window: int
     kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     sampler_state: bytes = b""  # seeded requests: RNG state after the first token (empty: none)
+    spec_drafts: list[int] = field(default_factory=list)
+    mtp_hidden: torch.Tensor | None = None
 
     def token_range(self, kind: str) -> tuple[int, int]:
         """Positions ``[lo, n)`` whose KV the payload carries for ``kind``."""
@@ -63,7 +68,11 @@ class KVPayload:
         return (0, n) if kind == FULL else (max(0, n - self.window), n)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layers in self.kv.values() for kv in layers for t in kv)
+        h = self.mtp_hidden
+        extra = h.numel() * h.element_size() if h is not None else 0
+        return extra + sum(
+            t.numel() * t.element_size() for layers in self.kv.values() for kv in layers for t in kv
+        )
 
 
 @dataclass(frozen=True)
@@ -177,8 +186,16 @@ class KVStaging:
     def staged_bytes(self) -> int:
         return sum(self._bytes.values())
 
-    def begin(self, request_id: str, num_tokens: int, sampler_state: bytes = b"") -> None:
-        """Start staging a transfer of ``num_tokens`` prompt tokens' KV (allocates host tensors).
+    def begin(
+        self,
+        request_id: str,
+        num_tokens: int,
+        sampler_state: bytes = b"",
+        spec_drafts: list[int] | None = None,
+        mtp_hidden: torch.Tensor | None = None,
+    ) -> None:
+        """Start staging a transfer of ``num_tokens`` prompt tokens' KV (allocates host tensors);
+        the header's other fields go into the payload as they are (``KVPayload``).
 
         Raises:
             TransferError: duplicate id, bad length; StagingFull: not enough staging memory.
@@ -187,7 +204,14 @@ class KVStaging:
             raise TransferError(f"transfer for {request_id!r} already open")
         if num_tokens < 1:
             raise TransferError(f"transfer of {num_tokens} tokens")
-        payload = KVPayload(request_id, num_tokens, self.window, sampler_state=sampler_state)
+        payload = KVPayload(
+            request_id,
+            num_tokens,
+            self.window,
+            sampler_state=sampler_state,
+            spec_drafts=list(spec_drafts or []),
+            mtp_hidden=mtp_hidden,
+        )
         size = 0
         for kind, n_layers in self.layers.items():
             lo, hi = payload.token_range(kind)

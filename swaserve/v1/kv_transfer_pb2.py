@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dswaserve/v1/kv_transfer.proto\x12\x0bswaserve.v1\"b\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x15\n\rsampler_state\x18\x04 \x01(\x0c\"\xcd\x01\n\x06KVPage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07k_shape\x18\x08 \x03(\r\x12\x0f\n\x07v_shape\x18\t \x03(\r\x12\t\n\x01k\x18\n \x01(\x0c\x12\t\n\x01v\x18\x0b \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\r\"m\n\x0fTransferMessage\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.swaserve.v1.TransferHeaderH\x00\x12#\n\x04page\x18\x02 \x01(\x0b\x32\x13.swaserve.v1.KVPageH\x00\x42\x06\n\x04kind\"H\n\x0bTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\r2N\n\nKVTransfer\x12@\n\x04Push\x12\x1c.swaserve.v1.TransferMessage\x1a\x18.swaserve.v1.TransferAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dswaserve/v1/kv_transfer.proto\x12\x0bswaserve.v1\"\xbf\x01\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x15\n\rsampler_state\x18\x04 \x01(\x0c\x12\x13\n\x0bspec_drafts\x18\x05 \x03(\r\x12\x12\n\nmtp_hidden\x18\x06 \x01(\x0c\x12\x18\n\x10mtp_hidden_shape\x18\x07 \x03(\r\x12\x18\n\x10mtp_hidden_dtype\x18\x08 \x01(\t\"\xcd\x01\n\x06KVPage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07k_shape\x18\x08 \x03(\r\x12\x0f\n\x07v_shape\x18\t \x03(\r\x12\t\n\x01k\x18\n \x01(\x0c\x12\t\n\x01v\x18\x0b \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\r\"m\n\x0fTransferMessage\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.swaserve.v1.TransferHeaderH\x00\x12#\n\x04page\x18\x02 \x01(\x0b\x32\x13.swaserve.v1.KVPageH\x00\x42\x06\n\x04kind\"H\n\x0bTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\r2N\n\nKVTransfer\x12@\n\x04Push\x12\x1c.swaserve.v1.TransferMessage\x1a\x18.swaserve.v1.TransferAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swaserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERHEADER']._serialized_start=46
-  _globals['_TRANSFERHEADER']._serialized_end=144
-  _globals['_KVPAGE']._serialized_start=147
-  _globals['_KVPAGE']._serialized_end=352
-  _globals['_TRANSFERMESSAGE']._serialized_start=354
-  _globals['_TRANSFERMESSAGE']._serialized_end=463
-  _globals['_TRANSFERACK']._serialized_start=465
-  _globals['_TRANSFERACK']._serialized_end=537
-  _globals['_KVTRANSFER']._serialized_start=539
-  _globals['_KVTRANSFER']._serialized_end=617
+  _globals['_TRANSFERHEADER']._serialized_start=47
+  _globals['_TRANSFERHEADER']._serialized_end=238
+  _globals['_KVPAGE']._serialized_start=241
+  _globals['_KVPAGE']._serialized_end=446
+  _globals['_TRANSFERMESSAGE']._serialized_start=448
+  _globals['_TRANSFERMESSAGE']._serialized_end=557
+  _globals['_TRANSFERACK']._serialized_start=559
+  _globals['_TRANSFERACK']._serialized_end=631
+  _globals['_KVTRANSFER']._serialized_start=633
+  _globals['_KVTRANSFER']._serialized_end=711
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "num_pages", "sampler_state")
+    __slots__ = ("request_id", "num_tokens", "num_pages", "sampler_state", "spec_drafts", "mtp_hidden", "mtp_hidden_shape", "mtp_hidden_dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MTP_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    MTP_HIDDEN_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MTP_HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     num_pages: int
     sampler_state: bytes
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
+    spec_drafts: _containers.RepeatedScalarFieldContainer[int]
+    mtp_hidden: bytes
+    mtp_hidden_shape: _containers.RepeatedScalarFieldContainer[int]
+    mtp_hidden_dtype: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., spec_drafts: _Optional[_Iterable[int]] = ..., mtp_hidden: _Optional[bytes] = ..., mtp_hidden_shape: _Optional[_Iterable[int]] = ..., mtp_hidden_dtype: _Optional[str] = ...) -> None: ...
 
 class KVPage(_message.Message):
     __slots__ = ("request_id", "kind", "layer", "token_start", "token_end", "page_size", "dtype", "k_shape", "v_shape", "k", "v", "checksum")
