@@ -102,6 +102,7 @@ class KVTransferService(kvgrpc.KVTransferServicer):
                         hidden_from_header(h),
                     )
                     rid, num_pages = m.header.request_id, m.header.num_pages
+                    received += len(h.mtp_hidden)  # payload bytes (KVPayload.nbytes): the hidden states too
                     self.staged_at[rid] = time.monotonic()
                 elif kind == "page":
                     if rid is None or m.page.request_id != rid:

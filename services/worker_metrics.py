@@ -19,7 +19,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from swaserve.engine.stats import EngineStats
-from swaserve.metrics import PREFIX, WORKER_LABEL
+from swaserve.metrics import PREFIX, WORKER_LABEL, spec_families
 
 TEXT_FORMAT = "text/plain; version=0.0.4"
 
@@ -62,7 +62,7 @@ class WorkerLoadCollector(Collector):
     """The worker's own load, under the names and labels the router exports for it
     (``worker_num_requests_*``, ``worker_outstanding_tokens``, ``worker_kv_staged_bytes``,
     ``kv_cache_{usage_perc,used_pages,total_pages}`` and ``prefix_cache_pages`` with ``model_name``,
-    ``role``, ``worker`` and ``pool``): per-pod series an autoscaler can select by the pod's labels
+    ``role``, ``worker`` and ``pool``; with MTP on the ``spec_decode_*`` counters): per-pod series an autoscaler can select by the pod's labels
     (the chart's KEDA triggers), and that ``max by (worker)`` folds with the routers' copies.
 
     Args: stats: the engine's latest snapshot (never waits for a step); staged_bytes: decode KV
@@ -108,6 +108,8 @@ class WorkerLoadCollector(Collector):
             for pool, p in sorted(s.pools.items()):
                 fam.add_metric([self._labels[0], pool, *self._labels[1:]], get(p))
             yield fam
+        if s.spec is not None:  # MTP on: the acceptance counters (decode workers verify)
+            yield from spec_families(s.spec, dict(zip(names, self._labels, strict=True)))
 
 
 class _Quiet(WSGIRequestHandler):

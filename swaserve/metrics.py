@@ -113,6 +113,28 @@ DISCOVERY_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
 DISCOVERY_RELISTS = ("start", "resync", "gone", "error")
 
 
+def spec_families(sp: SpecStats, labels: dict[str, str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters with ``labels`` (mean accept length = 1 + accepted /
+    drafts); ``..._per_pos`` adds ``position`` (0: the first draft)."""
+    names, values = list(labels), list(labels.values())
+    for name, doc, n in (
+        ("spec_decode_num_drafts", "Verify steps with drafts.", sp.drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", sp.draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp.accepted),
+    ):
+        fam = CounterMetricFamily(PREFIX + name, doc, labels=names)
+        fam.add_metric(values, n)
+        yield fam
+    per = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by draft position (0: the first draft).",
+        labels=[*names, "position"],
+    )
+    for i, n in enumerate(sp.accepted_per_pos):
+        per.add_metric([*values, str(i)], n)
+    yield per
+
+
 class EngineStatsCollector(Collector):
     """Turns one ``EngineStats`` snapshot per scrape into gauges and counters.
 
@@ -229,27 +251,11 @@ class EngineStatsCollector(Collector):
             cached.add_metric(labels, p.cached_pages)
         yield from (queries, hits, cached)
         if s.spec is not None:
-            yield from self._spec_families(s.spec)
+            yield from spec_families(s.spec, {"model_name": self._model})
         if r is not None:
             yield from self._router_families(r)
         if r is not None and r.discovery is not None:
             yield from self._discovery_families(r.discovery)
-
-    def _spec_families(self, sp: SpecStats) -> Iterator[Metric]:
-        """vLLM's speculative-decoding counters (mean accept length = 1 + accepted / drafts)."""
-        yield self._counter("spec_decode_num_drafts", "Verify steps with drafts.", [], [((), sp.drafts)])
-        yield self._counter(
-            "spec_decode_num_draft_tokens", "Draft tokens proposed.", [], [((), sp.draft_tokens)]
-        )
-        yield self._counter(
-            "spec_decode_num_accepted_tokens", "Draft tokens accepted.", [], [((), sp.accepted)]
-        )
-        yield self._counter(
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by draft position (0: the first draft).",
-            ["position"],
-            (((str(i),), n) for i, n in enumerate(sp.accepted_per_pos)),
-        )
 
     def _discovery_families(self, d: DiscoveryStats) -> Iterator[Metric]:
         yield self._counter(

@@ -194,6 +194,25 @@ TRANSFER = Row(
     ),
 )  # fmt: skip
 
+DRAFTS = f"sum(rate(swaserve:spec_decode_num_drafts_total{{{M}}}{R}))"
+SPEC = Row(
+    "Speculative decoding (MTP)",
+    (
+        Panel("Mean accept length",
+              ((f"1 + sum(rate(swaserve:spec_decode_num_accepted_tokens_total{{{M}}}{R})) / {DRAFTS}", "mean"),),
+              "short", "Tokens per verify step, the bonus token included (1 = no draft accepted)."),
+        Panel("Acceptance by draft position",
+              ((f"sum by (position) (rate(swaserve:spec_decode_num_accepted_tokens_per_pos_total{{{M}}}{R}))"
+                f" / ignoring (position) group_left {DRAFTS}", "draft {{position}}"),),
+              "percentunit", "Fraction of verify steps that accepted the draft at each position."),
+        Panel("Drafts", (
+            (DRAFTS, "verify steps"),
+            (f"sum(rate(swaserve:spec_decode_num_draft_tokens_total{{{M}}}{R}))", "draft tokens"),
+            (f"sum(rate(swaserve:spec_decode_num_accepted_tokens_total{{{M}}}{R}))", "accepted"),
+        ), "short", "Per second, from `serve` or the decode workers' own /metrics."),
+    ),
+)  # fmt: skip
+
 VARIABLES: tuple[dict[str, Any], ...] = (
     {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
      "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1, "regex": ""},
@@ -207,7 +226,7 @@ VARIABLES: tuple[dict[str, Any], ...] = (
 OVERVIEW = Dashboard(
     "swaserve-overview",
     "swaserve overview",
-    (LATENCY, TRAFFIC, QUEUES, KV, ROUTER, TRANSFER),
+    (LATENCY, TRAFFIC, QUEUES, KV, SPEC, ROUTER, TRANSFER),
     variables=VARIABLES,
 )
 DASHBOARDS = {"swaserve-overview.json": OVERVIEW}

@@ -14,12 +14,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
+from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.detokenizer import check_stop_token
 from swaserve.engine.drafter import Drafter
 from swaserve.engine.model_runner import ModelRunner
@@ -63,36 +63,6 @@ def schedule_priority(config: EngineConfig) -> ComputeAwarePriority | None:
     return ComputeAwarePriority(
         preset(config.cost_model), config.priority_max_wait_s, config.priority_wait_weight
     )
-
-
-@dataclass
-class CoreOutput:
-    """What one step did for one request: at most one new token (none when aborted).
-
-    ``finish_reason`` is set on the request's last output: STOP (an EOS or stop token id, or
-    with ``structured_end`` its structured-output grammar complete: the last token is text),
-    LENGTH, HANDOFF (prefill role, ``kv_payload`` set) or ABORT (with ``error`` when the request
-    failed: its grammar broke). Counters are cumulative; times are the core's clock (seconds).
-    """
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None  # once, when the prompt is done (prompt_logprobs)
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    kv_payload: KVPayload | None = None
-    structured_end: bool = False
-    error: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class EngineCore:

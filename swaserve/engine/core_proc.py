@@ -22,7 +22,8 @@ import msgspec
 import zmq
 
 from swaserve.config import EngineConfig
-from swaserve.engine.core import CoreOutput, EngineCore
+from swaserve.engine.core import EngineCore
+from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.ipc import (
     MAX_MESSAGE_BYTES,
     Abort,

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from swaserve.engine.core import CoreOutput
+from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, SamplingParams
 from swaserve.kvcache.block_events import BlockEvent

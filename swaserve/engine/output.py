@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from swaserve.engine.core import CoreOutput
+from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams

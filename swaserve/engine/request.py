@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from swaserve.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from swaserve.engine.drafter import MTPState
+    from swaserve.engine.mtp_state import MTPState
     from swaserve.engine.sampler import SamplingState
     from swaserve.engine.structured import Grammar
     from swaserve.transfer.kv_transfer import KVPayload

@@ -13,26 +13,51 @@ overwritten by the next step's rows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.detokenizer import check_stop_token
 from swaserve.engine.drafter import Drafter, DraftItem
 from swaserve.engine.request import Request
-from swaserve.engine.sampler import SampledToken
+from swaserve.engine.sampler import SampledToken, Sampler
 from swaserve.engine.scheduler import ScheduledChunk
 from swaserve.engine.spec import SpecStats, verify
+from swaserve.engine.structured import StructuredDecoder
 from swaserve.engine.types import FinishReason, TokenLogprob
+from swaserve.kvcache.manager import KVCacheManager
 
-if TYPE_CHECKING:
-    from swaserve.engine.core import CoreOutput, EngineCore
+
+class Core(Protocol):
+    """What the step needs of ``EngineCore`` (which holds it)."""
+
+    kv: KVCacheManager
+    sampler: Sampler
+    structured: StructuredDecoder
+    clock: Callable[[], float]
+    max_model_len: int
+    eos_token_ids: set[int]
+
+    def _output(self, req: Request, tokens: list[int], lps: list[TokenLogprob]) -> CoreOutput: ...
+
+    def _append_tokens(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        now: float,
+        defer: list[Request] | None = None,
+    ) -> CoreOutput: ...
+
+    def _finish(self, req: Request) -> None: ...
 
 
 class SpeculativeStep:
     """``EngineCore.step`` after its forward when MTP is on (module docstring)."""
 
-    def __init__(self, core: EngineCore, drafter: Drafter) -> None:
+    def __init__(self, core: Core, drafter: Drafter) -> None:
         self.core = core
         self.drafter = drafter
         self.k = drafter.k

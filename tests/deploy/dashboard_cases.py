@@ -120,6 +120,17 @@ SERIES: list[Series] = [
     _g("swaserve:router_index_entries", 120, **R2),
     _g("swaserve:router_shared_state_up", 1, **R1),
     _g("swaserve:router_shared_state_up", 0, **R2),
+    # MTP: a decode worker's own counters (model_name, role, worker) and serve's
+    _c("swaserve:spec_decode_num_drafts_total", 120, **WD, model_name="m", **D1),
+    _c("swaserve:spec_decode_num_drafts_total", 60, **S1),
+    _c("swaserve:spec_decode_num_draft_tokens_total", 360, **WD, model_name="m", **D1),
+    _c("swaserve:spec_decode_num_draft_tokens_total", 180, **S1),
+    _c("swaserve:spec_decode_num_accepted_tokens_total", 240, **WD, model_name="m", **D1),
+    _c("swaserve:spec_decode_num_accepted_tokens_total", 60, **S1),
+    *(_c("swaserve:spec_decode_num_accepted_tokens_per_pos_total", v, **WD, model_name="m", **D1, position=str(i))
+      for i, v in enumerate((120, 72, 48))),
+    *(_c("swaserve:spec_decode_num_accepted_tokens_per_pos_total", v, **S1, position=str(i))
+      for i, v in enumerate((30, 18, 12))),
 ]  # fmt: skip
 
 
@@ -223,6 +234,13 @@ EXPECTED: dict[tuple[str, str, str], list[tuple[str, float]]] = {
     # rates 0, 1, 2, 2 at le 1024, 4096, 16384: rank 1 -> 4096; 1.8 -> 4096 + 12288 x 0.8 (f64)
     (OV, "KV bytes per request", "p50"): [("{}", 4096)],
     (OV, "KV bytes per request", "p90"): [("{}", 13926.400000000001)],  # (f64)
+    # drafts 2 + 1 /s, accepted 4 + 1 /s: 1 + 5/3; per position (2 + 0.5, 1.2 + 0.3, 0.8 + 0.2) / 3
+    (OV, "Mean accept length", "mean"): [("{}", 1 + 5 / 3)],
+    (OV, "Acceptance by draft position", "draft {{position}}"): [
+        ('{position="0"}', 2.5 / 3), ('{position="1"}', 0.5000000000000001), ('{position="2"}', 1 / 3)],  # (f64)
+    (OV, "Drafts", "verify steps"): [("{}", 3)],
+    (OV, "Drafts", "draft tokens"): [("{}", 9)],
+    (OV, "Drafts", "accepted"): [("{}", 5)],
     (OV, "Transfer failures and index events", "failed transfers"): [("{}", 0.1)],
     (OV, "Transfer failures and index events", "index events {{outcome}}"): [
         ('{outcome="published"}', 10), ('{outcome="dropped"}', 0)],

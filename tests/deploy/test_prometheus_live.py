@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from swaserve.launcher import Cluster
+from swaserve.model.checkpoint import make_checkpoint
 from swaserve.procs import free_port
 from tests.helpers import promql as h
 from tests.helpers.cluster import MODEL, WORKER_ARGS, prompt, running
@@ -109,9 +110,13 @@ def complete(url: str, ids: list[int]) -> dict[str, Any]:
     return dict(r.json())
 
 
-def test_dashboards_and_rules_on_a_live_cluster(tiny_dir: Path, tmp_path: Path) -> None:
+def test_dashboards_and_rules_on_a_live_cluster(tmp_path: Path) -> None:
+    # the tiny model with MTP layers (same target, same name), workers speculating: the MTP panels
+    model = make_checkpoint("tiny", tmp_path / MODEL, mtp_layers=2)
     cluster = Cluster(
-        tiny_dir, worker_args=[*WORKER_ARGS, "--num-threads", "1"], router_args=["--request-timeout", "60"]
+        model,
+        worker_args=[*WORKER_ARGS, "--num-threads", "1", "--speculative-num-steps", "2"],
+        router_args=["--request-timeout", "60"],
     )
     with running(cluster, timeout_s=120):
         workers = [u.removeprefix("http://").removesuffix("/metrics") for u in cluster.metrics_urls.values()]

@@ -197,7 +197,16 @@ def exported_names() -> set[str]:
     from swaserve.metrics import DiscoveryStats, RouterStats, ServerMetrics, WorkerStats
 
     pools = {"full": PoolStats(8, 2, 3, 64, 1, cached_pages=1), "swa": PoolStats(8, 1, 1, 64, 1)}
-    engine = EngineStats(1, 1, pools=pools, prefix_cache=CacheStats(10, 5, 1), cache_pages={"full": 1})
+    from swaserve.engine.spec import SpecStats
+
+    engine = EngineStats(
+        1,
+        1,
+        pools=pools,
+        prefix_cache=CacheStats(10, 5, 1),
+        cache_pages={"full": 1},
+        spec=SpecStats(2, 6, 3, [2, 1, 0]),
+    )
     router = RouterStats(
         workers=(WorkerStats("decode", "h:1", True, 1, 1, 1, 1, pools),),
         requests={"ok": 1}, retries={"resumed": 1}, decisions={"affinity": 1},

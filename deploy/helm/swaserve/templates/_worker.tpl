@@ -98,6 +98,10 @@ spec:
             - --served-model-name
             - {{ . | quote }}
             {{- end }}
+            {{- with $root.Values.model.speculativeNumSteps }}
+            - --speculative-num-steps
+            - {{ . | quote }}
+            {{- end }}
             {{- with include "swaserve.grpcServerTlsArgs" $root }}{{ . | nindent 12 }}{{- end }}
             {{- with include "swaserve.grpcClientTlsArgs" $root }}{{ . | nindent 12 }}{{- end }}
             {{- with .args }}
