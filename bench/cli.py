@@ -132,6 +132,32 @@ def bench_engine(
     main(str(json_path) if json_path is not None else None)
 
 
+@app.command("mtp")
+def bench_mtp(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    batch: Annotated[
+        list[int] | None, typer.Option(min=1, help="Batch sizes; repeatable (default: 1, 8, 32).")
+    ] = None,
+    k: Annotated[int, typer.Option(min=1, help="Draft tokens per step (MTP layers).")] = 3,
+    prompt_tokens: Annotated[
+        int, typer.Option(min=1, help="Prompt length (the trace prompt's last N tokens).")
+    ] = 512,
+    output_tokens: Annotated[int, typer.Option(min=2, help="Greedy tokens per request (EOS ignored).")] = 256,
+    cluster: Annotated[bool, typer.Option(help="Also through `swaserve up` (batch 1 and 8).")] = False,
+) -> None:
+    """MTP speculative decoding off vs on, default model: tok/s and ITL by output position, accept length."""
+    from bench.mtp import main
+
+    main(
+        str(json_path) if json_path else None,
+        tuple(batch or (1, 8, 32)),
+        k,
+        prompt_tokens,
+        output_tokens,
+        cluster,
+    )
+
+
 @app.command("pd-transfer")
 def bench_pd_transfer(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,

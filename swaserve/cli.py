@@ -219,14 +219,24 @@ def make_checkpoint(
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out directory.")] = False,
     mtp_layers: Annotated[
         int,
-        typer.Option(min=0, max=8, help="Random MTP (multi-token prediction) layers to add, hub key layout."),
+        typer.Option(
+            min=0,
+            max=8,
+            help="MTP (multi-token prediction) layers to add, hub key layout: random, or self-distilled "
+            "when the preset trains (default: 0 = random none / the trained preset's 3).",
+        ),
     ] = 0,
+    train: Annotated[
+        bool,
+        typer.Option(help="Run the preset's short CPU training (default preset: target + MTP layers)."),
+    ] = True,
 ) -> None:
-    """Write a randomly initialized MiMo-V2 checkpoint (config, tokenizer, safetensors)."""
+    """Write a MiMo-V2 checkpoint (config, tokenizer, safetensors): random weights; the default
+    preset then trains a few CPU minutes (swaserve.model.train; losses in training.json)."""
     from swaserve.model.checkpoint import make_checkpoint as write_checkpoint
 
     try:
-        write_checkpoint(preset, out, seed, overwrite=overwrite, mtp_layers=mtp_layers)
+        write_checkpoint(preset, out, seed, overwrite=overwrite, mtp_layers=mtp_layers, train=train)
     except FileExistsError as e:
         raise typer.BadParameter(f"{e} (pass --overwrite to replace it)", param_hint="--out") from e
     typer.echo(f"wrote {preset} checkpoint to {out}")

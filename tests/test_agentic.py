@@ -32,9 +32,9 @@ GZ_SHA256 = "360d5aa9558e081476f647eabb1c8ec8db3071a25e4ca4e1be2e1fc9b420d203"
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from swaserve.model.checkpoint import default_model_dir
+    from swaserve.model.checkpoint import tokenizer_dir
 
-    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir("default")))
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,12 @@ from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.kind import KindManager
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
-from swaserve.model.attention import KindMeta, SeqAttn
+from swaserve.model.attention import KindMeta, MultiAttn, SeqAttn
 from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM
 
+# Queries of at most this many rows (verify chunks, draft-layer rows) of several sequences are
+# attended in one batched call per length (``MultiAttn``) instead of one call per sequence.
+MULTI_MAX_ROWS = 16
 # Prompt-logprob rows whose logits are computed at once: bounds memory to rows x vocab x 4 bytes.
 PROMPT_LOGITS_ROWS = 512
 
@@ -151,6 +154,7 @@ def kind_meta(
     prefills: list[SeqAttn] = []
     dec_rows: list[int] = []
     dec_slots: list[torch.Tensor] = []
+    short: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # q_len -> (row, slots, mask)
     row = 0
     for rid, start, end in spans:
         n = end - start
@@ -166,9 +170,24 @@ def kind_meta(
             mask = kv_pos[None, :] <= q_pos[:, None]
             if window is not None:
                 mask &= kv_pos[None, :] >= q_pos[:, None] - window
-            prefills.append(SeqAttn(row, n, slots.to(dev), mask.to(dev)))
+            if n <= MULTI_MAX_ROWS:
+                short.setdefault(n, []).append((row, slots, mask))
+            else:
+                prefills.append(SeqAttn(row, n, slots.to(dev), mask.to(dev)))
         row += n
     meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills)
+    for n, group in short.items():
+        if len(group) == 1:  # alone: nothing to batch
+            r, slots, mask = group[0]
+            prefills.append(SeqAttn(r, n, slots.to(dev), mask.to(dev)))
+            continue
+        width = max(len(sl) for _, sl, _ in group)
+        masks = torch.zeros(len(group), n, width, dtype=torch.bool)
+        for i, (_, sl, mk) in enumerate(group):
+            masks[i, :, : len(sl)] = mk
+        rows = torch.tensor([r for r, _, _ in group], dtype=torch.int64)[:, None] + torch.arange(n)
+        padded = pad_sequence([sl for _, sl, _ in group], batch_first=True)
+        meta.multi.append(MultiAttn(rows.to(dev), padded.to(dev), masks.to(dev)))
     if dec_rows:
         lengths = torch.tensor([len(s) for s in dec_slots])
         slots_pad = pad_sequence(dec_slots, batch_first=True)

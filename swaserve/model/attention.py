@@ -38,6 +38,21 @@ class SeqAttn:
 
 
 @dataclass
+class MultiAttn:
+    """Short queries of B sequences, ``Lq`` rows each, attended in one batched call (verify chunks
+    of speculative decoding, the draft layers' rows).
+
+    Attributes:
+        rows: [B, Lq] int64 rows of the flat batch; kv_slots: [B, L] int64 key slots (padded);
+        mask: [B, Lq, L] bool, True where the query may attend (False on padding).
+    """
+
+    rows: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class KindMeta:
     """Per-step attention metadata for one attention kind.
 
@@ -46,10 +61,12 @@ class KindMeta:
         prefills: sequences handled one by one (q_len > 1).
         decode_rows: [B] rows of single-token queries batched together; decode_slots [B, L] their
             key slots (padded), decode_mask [B, L] bool validity.
+        multi: groups of short multi-row queries batched together (``MultiAttn``).
     """
 
     write_slots: torch.Tensor
     prefills: list[SeqAttn] = field(default_factory=list)
+    multi: list[MultiAttn] = field(default_factory=list)
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
@@ -121,6 +138,10 @@ class TorchPagedAttention(AttentionBackend):
             vs = at(v_cache, s.kv_slots).to(q.dtype).unsqueeze(0)
             m = None if s.mask is None else s.mask.unsqueeze(0)
             out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, m, sinks, scale)[0]
+        for m in meta.multi:
+            km = at(k_cache, m.kv_slots).to(q.dtype)  # [B, L, Hkv, Dk]
+            vm = at(v_cache, m.kv_slots).to(q.dtype)
+            out[m.rows] = _attend(q[m.rows], km, vm, m.mask, sinks, scale)
         if meta.decode_rows is not None:
             assert meta.decode_slots is not None and meta.decode_mask is not None
             qd = q[meta.decode_rows].unsqueeze(1)  # [B, 1, Hq, Dk]

@@ -16,15 +16,17 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from swaserve.model.train import DistillConfig, PretrainConfig, corpus_prompts, distill, pretrain
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -85,6 +87,19 @@ class Preset:
     gain: float = 1.0
     lm_head_gain: float = 3.0
     embed_std: float = 1.0
+    # Short CPU training after the random init (``model.train``; None: the random model as is)
+    # and the version of the cached checkpoint's directory name (bump when the weights change).
+    train: TrainPlan | None = None
+    version: int = CHECKPOINT_VERSION
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """Target pretraining, then ``mtp_layers`` MTP layers self-distilled (``swaserve.model.train``)."""
+
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    mtp_layers: int = 3
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 _COMMON: dict[str, Any] = {
@@ -137,6 +152,10 @@ PRESETS: dict[str, Preset] = {
             "max_position_embeddings": 32768,
         },
         partial_rotary_factor=11 / 32,
+        # a tiny language model (repetitive, text-like greedy output) with 3 self-distilled MTP
+        # layers: what speculative decoding needs to be worth it (docs/BENCHMARKS.md#mtp)
+        train=TrainPlan(),
+        version=2,
     ),
 }
 
@@ -241,7 +260,13 @@ def write_tokenizer(tok: Any, out_dir: Path, model_max_length: int) -> None:
 
 
 def make_checkpoint(
-    preset: str, out_dir: str | Path, seed: int = 0, *, overwrite: bool = False, mtp_layers: int = 0
+    preset: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    overwrite: bool = False,
+    mtp_layers: int = 0,
+    train: bool = True,
 ) -> Path:
     """Write a random MiMo-V2 checkpoint (weights, config, generation config, tokenizer).
 
@@ -250,9 +275,12 @@ def make_checkpoint(
         out_dir: Target directory; built in a temp dir next to it, then renamed into place.
         seed: RNG seed; the same preset and seed give byte-identical weights.
         overwrite: Replace an existing non-empty ``out_dir``.
-        mtp_layers: MTP layers to add (random, hub keys ``model.mtp.layers.N.*`` in
-            ``mtp.safetensors``, ``num_nextn_predict_layers`` in config.json); the target's
-            weights are the same as without them.
+        mtp_layers: MTP layers to add (hub keys ``model.mtp.layers.N.*`` in
+            ``mtp.safetensors``, ``num_nextn_predict_layers`` in config.json): random, the
+            target's weights the same as without them; with a trained preset, self-distilled
+            (0: the preset's own count).
+        train: run the preset's ``TrainPlan`` (``default``: a few CPU minutes); False: the
+            random model only.
 
     Returns:
         ``out_dir`` as a Path.
@@ -264,13 +292,43 @@ def make_checkpoint(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out = Path(out_dir)
+    plan = PRESETS[preset].train if train else None
     with _atomic_dir(out, overwrite) as tmp:
         model = build_model(preset, seed)
         model.save_pretrained(tmp)
         write_tokenizer(train_tokenizer(model.config.vocab_size), tmp, model.config.max_position_embeddings)
-        if mtp_layers:
+        if plan is not None:
+            train_checkpoint(tmp, preset, plan, seed, mtp_layers or plan.mtp_layers)
+        elif mtp_layers:
             write_mtp_layers(tmp, preset, mtp_layers, seed)
     return out
+
+
+def train_checkpoint(model_dir: Path, preset: str, plan: TrainPlan, seed: int, mtp_layers: int) -> None:
+    """Pretrain the target in ``model_dir`` and self-distil ``mtp_layers`` MTP layers for it
+    (``swaserve.model.train``), writing the weights back; the losses, held-out accuracies and
+    accept length go to ``training.json`` beside them."""
+    from tokenizers import Tokenizer
+
+    from swaserve.model.loader import load_model, save_weights
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    report: dict[str, Any] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = load_model(model_dir)
+        pc = plan.pretrain
+        windows = corpus_prompts(tok, CORPUS_PATH, pc.windows, pc.tokens + 1, pc.seed + seed)
+        report["pretrain"] = {"config": asdict(pc), "loss_every_10_steps": pretrain(model, windows, pc)}
+        save_weights(model, model_dir)
+        if mtp_layers:
+            write_mtp_layers(model_dir, preset, mtp_layers, seed)
+            model = load_model(model_dir)
+            dc = plan.distill
+            prompts = corpus_prompts(tok, CORPUS_PATH, dc.sequences, dc.prompt_tokens, dc.seed + seed + 1)
+            report["distill"] = asdict(distill(model, prompts, dc))
+            save_weights(model, model_dir)
+    (model_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def write_mtp_layers(model_dir: Path, preset: str, n: int, seed: int) -> None:
@@ -316,9 +374,9 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "swaserve"
 
 
-def cached_model_dir(preset: str) -> Path:
-    """The preset (seed 0) under ``<cache>/models``, created once under an fcntl lock."""
-    target = cache_dir() / "models" / f"mimo-v2-{preset}-v{CHECKPOINT_VERSION}"
+def _build_once(target: Path, build: Callable[[], object]) -> Path:
+    """``target`` (a directory with a config.json), made by ``build`` unless it exists, once
+    across processes (an fcntl lock beside it)."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -326,10 +384,31 @@ def cached_model_dir(preset: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not (target / "config.json").is_file():
-                make_checkpoint(preset, target, seed=0, overwrite=True)
+                build()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return target
+
+
+def cached_model_dir(preset: str) -> Path:
+    """The preset (seed 0) under ``<cache>/models``, created once under an fcntl lock."""
+    target = cache_dir() / "models" / f"mimo-v2-{preset}-v{PRESETS[preset].version}"
+    return _build_once(target, lambda: make_checkpoint(preset, target, seed=0, overwrite=True))
+
+
+def tokenizer_dir(preset: str) -> Path:
+    """The preset's config.json and tokenizer only, under ``<cache>/models`` (built once, in
+    seconds): for readers that need the tokenizer or the shape, not the weights (the agent-trace
+    tokenizer, the simulator's model config), so they never wait for a trained preset."""
+    target = cache_dir() / "models" / f"mimo-v2-{preset}-tokenizer-v{CHECKPOINT_VERSION}"
+
+    def build() -> None:
+        with _atomic_dir(target, True) as tmp:
+            config = mimo_config(preset)
+            config.save_pretrained(tmp)
+            write_tokenizer(train_tokenizer(config.vocab_size), tmp, config.max_position_embeddings)
+
+    return _build_once(target, build)
 
 
 def default_model_dir() -> Path:

@@ -200,3 +200,58 @@ def _load_moe(cfg, p, o, raw, take, params, missing, want):  # type: ignore[no-u
             missing.extend(absent)
             continue
         params[o + ours] = torch.stack([take(n) for n in names])
+
+
+def hub_tensor(model: MiMoV2ForCausalLM, name: str, like: torch.Tensor) -> torch.Tensor:
+    """The tensor the checkpoint key ``name`` holds for ``model``'s current weights, in ``like``'s
+    dtype and shape (the inverse of ``load_model``'s mapping, unquantized layouts).
+
+    Raises:
+        LoadError: a key ``load_model`` does not read, or a shape that differs."""
+    cfg = model.cfg
+    state = model.state_dict()
+    ours: torch.Tensor | None = None
+    m = re.match(r"^model\.(layers|mtp\.layers)\.(\d+)\.(.+)$", name)
+    if name in ("model.embed_tokens.weight", "model.norm.weight"):
+        ours = state[name.removeprefix("model.")]
+    elif name == "lm_head.weight":
+        ours = state["lm_head.weight"]
+    elif m is not None:
+        prefix = ("layers." if m[1] == "layers" else "mtp.") + m[2] + "."
+        rest = m[3]
+        rest = {"pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+                "self_attn.sinks": "self_attn.attention_sink_bias",
+                "mlp.gate.weight": "mlp.gate_weight",
+                "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias",
+                "mlp.experts.down_proj": "mlp.w_down"}.get(rest, rest)  # fmt: skip
+        e = re.match(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", rest)
+        if e is not None:
+            ours = state[prefix + f"mlp.w_{e[2]}"][int(e[1])]
+        elif rest == "mlp.experts.gate_up_proj":
+            ours = torch.cat((state[prefix + "mlp.w_gate"], state[prefix + "mlp.w_up"]), dim=1)
+        elif rest == "self_attn.qkv_proj.weight":
+            ours = torch.cat([state[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        else:
+            ours = state.get(prefix + rest)
+    if ours is None or tuple(ours.shape) != tuple(like.shape):
+        raise LoadError(
+            f"{name}: no weight of shape {tuple(like.shape)} in the model ({cfg.num_layers} layers)"
+        )
+    return ours.detach().to(like.dtype).contiguous()
+
+
+def save_weights(model: MiMoV2ForCausalLM, model_dir: str | Path) -> None:
+    """Write ``model``'s weights over the checkpoint in ``model_dir``: every tensor of its
+    safetensors files replaced by the model's (``hub_tensor``), same keys, dtypes and files.
+
+    Raises:
+        LoadError: as ``hub_tensor``; an FP8 checkpoint."""
+    from safetensors.torch import save_file
+
+    for f in _shard_files(Path(model_dir)):
+        with safe_open(str(f), framework="pt") as fh:
+            meta = fh.metadata()
+            old = {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118
+        if any(t.dtype == torch.float8_e4m3fn for t in old.values()):
+            raise LoadError(f"{f}: FP8 checkpoints are not written back")
+        save_file({n: hub_tensor(model, n, t) for n, t in old.items()}, str(f), metadata=meta)

@@ -103,6 +103,10 @@ class MiMoV2ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The decoder's output before its final norm, [T, hidden] (what the MTP layers read)."""
+        return self.hidden_states(batch)
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """``forward_hidden`` outside inference mode (training: ``model.train``)."""
         h = self.embed_tokens(batch.input_ids)
         cos_sin = {
             kind: cast(PartialRope, rope).cos_sin(batch.positions, h.dtype)

@@ -34,9 +34,9 @@ class Deployment:
 
     def model(self) -> ModelConfig:
         if self.name == "cpu-tiny":
-            from swaserve.model.checkpoint import default_model_dir
+            from swaserve.model.checkpoint import tokenizer_dir
 
-            return ModelConfig.from_pretrained(default_model_dir())
+            return ModelConfig.from_pretrained(tokenizer_dir("default"))
         from swaserve.shapes import model_config, shape
 
         return model_config(shape("MiMo-V2-Flash"))

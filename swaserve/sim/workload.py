@@ -86,10 +86,10 @@ def agent(path: str | Path, limit: int | None = None, copies: int = 1) -> Worklo
     from transformers import AutoTokenizer
 
     from swaserve.agentic import estimate_output_tokens, read_agent_sessions, tokenize_calls
-    from swaserve.model.checkpoint import default_model_dir
+    from swaserve.model.checkpoint import tokenizer_dir
 
     calls = read_agent_sessions(path, limit)
-    ids = tokenize_calls(calls, AutoTokenizer.from_pretrained(str(default_model_dir())))
+    ids = tokenize_calls(calls, AutoTokenizer.from_pretrained(str(tokenizer_dir("default"))))
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
     vocab = max(max(p) for p in ids) + 1

@@ -161,6 +161,8 @@ def test_drafts_from_cached_mtp_kv_equal_a_dense_recompute(
             if it.req.spec_drafts:
                 st = it.req.mtp
                 assert st is not None
+                # drafts follow the newest token: every token so far is committed
+                assert it.end == it.req.num_tokens
                 events.append((it.req.token_slice(0, it.end), st.base, list(it.req.spec_drafts)))
 
     monkeypatch.setattr(Drafter, "run", record)

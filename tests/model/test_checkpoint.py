@@ -317,7 +317,7 @@ def test_fp8_rejects_bad_input(tiny: Path, tmp_path: Path) -> None:
 
 def test_default_preset(tmp_path: Path) -> None:
     t0 = time.perf_counter()
-    d = ck.make_checkpoint("default", tmp_path / "default")
+    d = ck.make_checkpoint("default", tmp_path / "default", train=False)  # the shape; training: test_train.py
     elapsed = time.perf_counter() - t0
     assert elapsed < 30
     mc = ModelConfig.from_pretrained(d)

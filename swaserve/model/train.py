@@ -1,0 +1,346 @@
+"""Short CPU training of the bundled default model, so that it behaves like a (very small) language
+model and its MTP layers are worth using.
+
+1. **Target pretraining** (``pretrain``): next-token cross-entropy on windows of the bundled corpus.
+   A few hundred steps take a random MiMo-V2 to repetitive, text-like greedy output, as small
+   trained models write. The corpus has no EOS, so the model does not learn to stop (trace
+   replays keep their output lengths).
+2. **MTP self-distillation** (``distill``). The target is frozen. Data: corpus prompts continued
+   greedily by the target, and the label of every position is the target's argmax there (its own
+   next-token choice). Each MTP layer k is trained with teacher forcing exactly as the engine runs
+   it (``engine.drafter``): row j reads token j and the target's pre-final-norm hidden state at
+   j - 1 - k (zeros before 0), RoPE at j, the SWA window, and predicts the label at j. Loss:
+   cross-entropy through the shared ``lm_head``, summed over layers (DeepSeek-V3 §2.2 trains its
+   MTP modules the same way on data; MiMo-V2 drafts with its MTP layers).
+
+Evaluation on held-out sequences gives the greedy accept length the engine would see. At a step
+whose newest token is at L - 1, draft k is layer k's row L - 1 + k, with its earlier drafts right.
+A draft is accepted while it equals the label there; accept length = 1 + leading accepted drafts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from swaserve.config import FULL, SWA
+from swaserve.model.attention import KindMeta, SeqAttn
+from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """LM pretraining of the target: ``steps`` of ``batch`` corpus windows of ``tokens`` tokens."""
+
+    steps: int = 100
+    batch: int = 8
+    tokens: int = 128
+    windows: int = 1024
+    lr: float = 2e-3
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Data and optimizer settings (sequences: ``prompt_tokens`` + ``new_tokens`` tokens each)."""
+
+    sequences: int = 56
+    heldout: int = 8
+    prompt_tokens: int = 64
+    new_tokens: int = 192
+    steps: int = 200
+    batch: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+
+
+@dataclass
+class DistillLog:
+    """What a run did: the loss every ``every`` steps, per-layer held-out top-1 accuracy and the
+    held-out greedy accept length (mean, and the fraction of steps accepting each draft)."""
+
+    config: dict[str, object]
+    loss: list[float] = field(default_factory=list)
+    every: int = 25
+    accuracy: list[float] = field(default_factory=list)
+    accept_length: float = 0.0
+    accepted_per_pos: list[float] = field(default_factory=list)
+    accept_length_before: float = 0.0
+
+
+def _dense_meta(n_seq: int, length: int, start: int, end: int, window: int | None) -> KindMeta:
+    """Metadata for rows ``start .. end-1`` of ``n_seq`` equal-length sequences over a dense cache
+    (slot = sequence * length + position)."""
+    q = torch.arange(start, end)
+    if end - start == 1:
+        lo = 0 if window is None else max(0, start - window)
+        kv = torch.arange(lo, end)
+        slots = torch.arange(n_seq)[:, None] * length + kv[None, :]
+        return KindMeta(
+            write_slots=torch.arange(n_seq) * length + start,
+            decode_rows=torch.arange(n_seq),
+            decode_slots=slots,
+            decode_mask=torch.ones_like(slots, dtype=torch.bool),
+        )
+    kv = torch.arange(0, end)
+    mask = kv[None, :] <= q[:, None]
+    if window is not None:
+        mask &= kv[None, :] >= q[:, None] - window
+    n = end - start
+    return KindMeta(
+        write_slots=(torch.arange(n_seq)[:, None] * length + q[None, :]).reshape(-1),
+        prefills=[SeqAttn(b * n, n, b * length + kv, mask) for b in range(n_seq)],
+    )
+
+
+class DenseRunner:
+    """The target over ``n_seq`` equal-length sequences with dense per-sequence caches (no pages):
+    a prefill, then one token per sequence per step."""
+
+    def __init__(self, model: MiMoV2ForCausalLM, n_seq: int, length: int) -> None:
+        self.model, self.n, self.length = model, n_seq, length
+        cfg = model.cfg
+        dev = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for kind, shape in ((FULL, cfg.full), (SWA, cfg.swa)):
+            n = cfg.layer_types.count(kind)
+            rows = n_seq * length
+            self.kv[kind] = (
+                [
+                    torch.zeros(rows, 1, shape.num_kv_heads, shape.head_dim, device=dev, dtype=dtype)
+                    for _ in range(n)
+                ],
+                [
+                    torch.zeros(rows, 1, shape.num_kv_heads, shape.v_head_dim, device=dev, dtype=dtype)
+                    for _ in range(n)
+                ],
+            )
+        self.groups = {kind: [0] * len(self.kv[kind][0]) for kind in self.kv}
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids [n_seq, m]: tokens at positions ``start .. start+m-1`` -> pre-norm hidden [n_seq, m, H]."""
+        cfg = self.model.cfg
+        m = ids.shape[1]
+        meta = {
+            FULL: [_dense_meta(self.n, self.length, start, start + m, None)],
+            SWA: [_dense_meta(self.n, self.length, start, start + m, cfg.window)],
+        }
+        pos = torch.arange(start, start + m).repeat(self.n)
+        batch = ForwardBatch(ids.reshape(-1), pos.to(ids.device), meta, self.kv, self.groups)
+        return self.model.forward_hidden(batch).view(self.n, m, -1)
+
+
+def lm_logits(model: MiMoV2ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The target over ``ids`` [B, T] (positions 0..T-1) with autograd: fp32 logits [B, T, vocab]."""
+    b, t = ids.shape
+    runner = DenseRunner(model, b, t)
+    cfg = model.cfg
+    meta = {FULL: [_dense_meta(b, t, 0, t, None)], SWA: [_dense_meta(b, t, 0, t, cfg.window)]}
+    pos = torch.arange(t, device=ids.device).repeat(b)
+    batch = ForwardBatch(ids.reshape(-1), pos, meta, runner.kv, runner.groups)
+    return model.lm_head(model.norm(model.hidden_states(batch))).float().view(b, t, -1)
+
+
+def pretrain(model: MiMoV2ForCausalLM, windows: torch.Tensor, cfg: PretrainConfig) -> list[float]:
+    """Train the target (not its MTP layers) in place on corpus ``windows`` [N, tokens + 1] by
+    next-token cross-entropy; returns the mean loss of every 10 steps."""
+    params = [p for n, p in model.named_parameters() if not n.startswith("mtp.")]
+    rng = random.Random(cfg.seed)
+    losses: list[float] = []
+    with _training(model, params):
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        sched = _cosine(opt, cfg.steps)
+        running = 0.0
+        for step in range(cfg.steps):
+            x = windows[torch.tensor(rng.sample(range(windows.shape[0]), min(cfg.batch, windows.shape[0])))]
+            loss = F.cross_entropy(lm_logits(model, x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            running += float(loss.detach())
+            if (step + 1) % 10 == 0:
+                losses.append(round(running / 10, 4))
+                log.info("target pretraining step %d/%d: loss %.4f", step + 1, cfg.steps, running / 10)
+                running = 0.0
+    return losses
+
+
+@contextlib.contextmanager
+def _training(model: MiMoV2ForCausalLM, params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Gradients for ``params`` only, for the duration; everything frozen again after."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+def _cosine(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """20 warm-up steps, then a cosine decay to 0 at ``steps``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+
+
+def greedy_sequences(model: MiMoV2ForCausalLM, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + new_tokens]: each continued greedily by the target."""
+    b, p = prompts.shape
+    runner = DenseRunner(model, b, p + new_tokens)
+    seqs = [prompts]
+    h = runner.forward(prompts, 0)[:, -1]
+    for t in range(new_tokens):
+        nxt = model.logits(model.norm(h)).argmax(-1)[:, None]
+        seqs.append(nxt)
+        if t + 1 < new_tokens:
+            h = runner.forward(nxt, p + t)[:, -1]
+    return torch.cat(seqs, dim=1)
+
+
+@torch.inference_mode()
+def target_states(model: MiMoV2ForCausalLM, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """seqs [B, T] -> (pre-norm hidden [B, T, H], the target's argmax at every position [B, T])."""
+    b, t = seqs.shape
+    h = DenseRunner(model, b, t).forward(seqs, 0)
+    return h, model.logits(model.norm(h)).argmax(-1)
+
+
+def mtp_logits(model: MiMoV2ForCausalLM, k: int, seqs: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """MTP layer ``k`` over whole sequences with teacher forcing (module docstring): [B, T, vocab]
+    logits (differentiable in the MTP layer's weights)."""
+    from typing import cast
+
+    from swaserve.model.layers import PartialRope
+    from swaserve.model.mtp import MTPLayer
+
+    b, t = seqs.shape
+    cfg = model.cfg
+    shifted = torch.zeros_like(hidden)
+    if t > k + 1:
+        shifted[:, k + 1 :] = hidden[:, : t - k - 1]
+    shape = cfg.swa
+    dev, dtype = hidden.device, hidden.dtype
+    kc = torch.zeros(b * t, 1, shape.num_kv_heads, shape.head_dim, device=dev, dtype=dtype)
+    vc = torch.zeros(b * t, 1, shape.num_kv_heads, shape.v_head_dim, device=dev, dtype=dtype)
+    meta = _dense_meta(b, t, 0, t, cfg.window)
+    pos = torch.arange(t, device=dev).repeat(b)
+    cos_sin = cast(PartialRope, model.rope[SWA]).cos_sin(pos, dtype)
+    layer = cast(MTPLayer, model.mtp[k])
+    with torch.no_grad():
+        emb = model.embed_tokens(seqs.reshape(-1))
+    out = layer(emb, shifted.reshape(b * t, -1), cos_sin, kc, vc, meta, model.backend)
+    return model.lm_head(out).float().view(b, t, -1)
+
+
+def evaluate(
+    model: MiMoV2ForCausalLM, seqs: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, first: int
+) -> tuple[list[float], float, list[float]]:
+    """(per-layer top-1 accuracy, mean greedy accept length, fraction accepting each draft) over
+    steps whose newest token is at ``first .. T - K`` (module docstring)."""
+    K = len(model.mtp)
+    t = seqs.shape[1]
+    with torch.no_grad():
+        right = [mtp_logits(model, k, seqs, hidden).argmax(-1) == labels for k in range(K)]
+    acc = [float(r[:, first:].float().mean()) for r in right]
+    steps = range(first, t - K + 1)  # newest token at L - 1 = s
+    run = torch.ones(seqs.shape[0], len(steps), dtype=torch.bool)
+    per_pos: list[float] = []
+    total = torch.ones(seqs.shape[0], len(steps))
+    for k in range(K):
+        ok = torch.stack([right[k][:, s + k] for s in steps], dim=1)
+        run &= ok
+        per_pos.append(float(run.float().mean()))
+        total += run.float()
+    return acc, float(total.mean()), per_pos
+
+
+def distill(model: MiMoV2ForCausalLM, prompts: torch.Tensor, cfg: DistillConfig) -> DistillLog:
+    """Train ``model.mtp`` in place (the target frozen) on ``prompts`` [N, P] continued greedily;
+    the last ``cfg.heldout`` are held out for evaluation.
+
+    Raises:
+        ValueError: no MTP layers, or too few prompts."""
+    K = len(model.mtp)
+    if K == 0:
+        raise ValueError("the model has no MTP layers to train")
+    if prompts.shape[0] <= cfg.heldout:
+        raise ValueError(f"{prompts.shape[0]} prompts, {cfg.heldout} of them held out: none to train on")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    seqs = torch.cat([greedy_sequences(model, chunk, cfg.new_tokens) for chunk in prompts.split(16)])
+    parts = [target_states(model, chunk) for chunk in seqs.split(16)]
+    hidden = torch.cat([p[0] for p in parts])
+    labels = torch.cat([p[1] for p in parts])
+    n_train = seqs.shape[0] - cfg.heldout
+    p_len = prompts.shape[1]
+    out = DistillLog(config=asdict(cfg))
+    held = (seqs[n_train:], hidden[n_train:], labels[n_train:])
+    out.accept_length_before = evaluate(model, *held, first=p_len)[1]
+    params = list(model.mtp.parameters())
+    with _training(model, params):
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        sched = _cosine(opt, cfg.steps)
+        running = 0.0
+        for step in range(cfg.steps):
+            idx = torch.tensor(rng.sample(range(n_train), min(cfg.batch, n_train)))
+            loss = torch.stack([
+                F.cross_entropy(mtp_logits(model, k, seqs[idx], hidden[idx]).flatten(0, 1), labels[idx].flatten())
+                for k in range(K)
+            ]).sum()  # fmt: skip
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            running += float(loss.detach()) / K
+            if (step + 1) % out.every == 0:
+                out.loss.append(round(running / out.every, 4))
+                log.info("MTP distillation step %d/%d: loss %.4f", step + 1, cfg.steps, running / out.every)
+                running = 0.0
+    out.accuracy, out.accept_length, out.accepted_per_pos = evaluate(model, *held, first=p_len)
+    log.info(
+        "MTP distillation: held-out accept length %.2f (before %.2f), accuracy per layer %s",
+        out.accept_length,
+        out.accept_length_before,
+        [round(a, 3) for a in out.accuracy],
+    )
+    return out
+
+
+def corpus_prompts(tokenizer: object, corpus: Path, n: int, length: int, seed: int) -> torch.Tensor:
+    """[n, length] token windows cut at random from the corpus's messages (JSON lines, "content")."""
+    with open(corpus, encoding="utf-8") as f:
+        texts = [json.loads(line)["content"] for line in f]
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 100 * n:
+            raise ValueError(f"corpus {corpus} has too few messages of {length} tokens")
+        ids = encode(rng.choice(texts))
+        ids = ids.ids if hasattr(ids, "ids") else ids
+        if len(ids) < length:
+            continue
+        s = rng.randrange(len(ids) - length + 1)
+        out.append(list(ids[s : s + length]))
+    return torch.tensor(out, dtype=torch.int64)
