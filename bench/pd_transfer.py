@@ -91,11 +91,11 @@ async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, An
 
     from services.convert import PAGES_PER_MESSAGE, transfer_messages
     from services.worker import KVTransferService, WorkerMetrics
-    from swaserve.model.checkpoint import default_model_dir
+    from swaserve.model.checkpoint import tokenizer_dir
     from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
     from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
-    cfg = ModelConfig.from_pretrained(default_model_dir())
+    cfg = ModelConfig.from_pretrained(tokenizer_dir("default"))
     layers = {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)}
     shapes = {
         FULL: LayerShape(cfg.full.num_kv_heads, cfg.full.head_dim, cfg.full.v_head_dim),

@@ -133,9 +133,9 @@ def agent_workload(path: Path, limit: int | None) -> Workload:
     from transformers import AutoTokenizer
 
     from swaserve.agentic import read_agent_sessions, tokenize_calls
-    from swaserve.model.checkpoint import default_model_dir
+    from swaserve.model.checkpoint import tokenizer_dir
 
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir("default")))
     ids = tokenize_calls(read_agent_sessions(path, limit), tok)
     ideal, unique = ideal_of(ids)
     total = sum(len(p) for p in ids)

@@ -61,7 +61,7 @@ def agent_sessions(sessions: int, calls: int) -> list[list[list[int]]]:
     from transformers import AutoTokenizer
 
     from swaserve.agentic import DEFAULT_AGENT_TRACE, read_agent_sessions, tokenize_calls
-    from swaserve.model.checkpoint import default_model_dir
+    from swaserve.model.checkpoint import tokenizer_dir
 
     all_calls = read_agent_sessions(DEFAULT_AGENT_TRACE, None)
     order: list[str] = []
@@ -70,7 +70,7 @@ def agent_sessions(sessions: int, calls: int) -> list[list[list[int]]]:
             order.append(c.session_id)
     keep = set(order[:sessions])
     picked = [c for c in all_calls if c.session_id in keep and c.turn < calls]
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir("default")))
     by: dict[str, list[list[int]]] = {sid: [] for sid in order[:sessions]}
     for c, ids in zip(picked, tokenize_calls(picked, tok), strict=True):
         by[c.session_id].append(ids)

@@ -255,7 +255,7 @@ def tokenize_calls(calls: Sequence[AgentCall], tokenizer: PreTrainedTokenizerBas
     Args:
         calls: The calls, e.g. from ``read_agent_sessions``.
         tokenizer: A Hugging Face tokenizer whose ``<|im_start|>``/``<|im_end|>`` are added tokens,
-            e.g. ``AutoTokenizer.from_pretrained(default_model_dir())``. Its own chat template is not
+            e.g. ``AutoTokenizer.from_pretrained(tokenizer_dir("default"))``. Its own chat template is not
             used: for a checkpoint whose template is not ChatML the ids would differ from its
             ``apply_chat_template``.
 
