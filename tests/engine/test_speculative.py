@@ -327,3 +327,14 @@ def test_pd_carries_mtp_kv_hidden_states_and_first_drafts(mtp_dir: Path, refs) -
                 got += o.new_token_ids
         assert got == ref
         assert dec.core.spec.stats.drafts > before  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_greedy_with_mtp_on_cuda_equals_cpu_without_it(mtp_dir: Path, refs) -> None:  # type: ignore[no-untyped-def]
+    """On a device (untested here: no GPU): MTP on CUDA gives the reference greedy tokens, the
+    drafter and verify running on the device (its counters move)."""
+    ps = [p for p, _ in refs]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    eng = _engine(mtp_dir, K, device="cuda")
+    assert eng.generate(ps, params) == [r for _, r in refs]
+    assert eng.core.spec is not None and eng.core.spec.stats.drafts > 0
