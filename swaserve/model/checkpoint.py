@@ -153,7 +153,7 @@ PRESETS: dict[str, Preset] = {
         },
         partial_rotary_factor=11 / 32,
         # a tiny language model (repetitive, text-like greedy output) with 3 self-distilled MTP
-        # layers: what speculative decoding needs to be worth it (docs/BENCHMARKS.md#mtp)
+        # layers: what speculative decoding needs to be worth it (docs/BENCHMARKS.md#mtp-speculative-decoding-swaserve-bench-mtp)
         train=TrainPlan(),
         version=2,
     ),
