@@ -30,6 +30,14 @@ from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 
 BUCKETS = ((0, 128), (128, 256))
+TARGET_ACCEPT = 2.5  # mean accept length (issue 16)
+TARGET_SPEEDUP_B1 = 1.8  # decode tok/s MTP on / off at batch 1; at batch 8: faster (> 1)
+
+
+def _met(batch: int, speedup: float, accept: float) -> bool:
+    """Whether a row meets the issue's targets (batch 32: accept length only)."""
+    need = TARGET_SPEEDUP_B1 if batch == 1 else 1.0 if batch == 8 else 0.0
+    return accept >= TARGET_ACCEPT and (speedup >= need if batch != 8 else speedup > need)
 
 
 def prompts(model_dir: Path, n: int, tokens: int) -> list[list[int]]:
@@ -124,13 +132,19 @@ def main(
     model_dir = default_model_dir()
     work = prompts(model_dir, max(batches), prompt_tokens)
     report: dict[str, Any] = {"model_dir": str(model_dir), "k": k, "prompt_tokens": prompt_tokens,
-                              "output_tokens": output_tokens, "batches": {}}  # fmt: skip
+                              "output_tokens": output_tokens, "batches": {},
+                              "targets": {"accept_length": TARGET_ACCEPT, "speedup_batch_1": TARGET_SPEEDUP_B1,
+                                          "speedup_batch_8": "> 1"}}  # fmt: skip
     training = model_dir / "training.json"
     if training.is_file():
         report["distill_accept_length"] = json.loads(training.read_text())["distill"]["accept_length"]
     print(f"MTP bench: default model, K={k}, prompts {prompt_tokens} tokens, {output_tokens} new tokens")
+    print(
+        f"targets: accept length >= {TARGET_ACCEPT}; batch 1 speedup >= {TARGET_SPEEDUP_B1}x, "
+        "batch 8 > 1x (MTP on / off, this run)"
+    )
     print(f"{'batch':>5} {'positions':>9} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} "
-          f"{'off ITL ms':>10} {'on ITL ms':>10} {'accept':>7}")  # fmt: skip
+          f"{'off ITL ms':>10} {'on ITL ms':>10} {'accept':>7} {'targets':>8}")  # fmt: skip
     for b in batches:
         off = run_engine(model_dir, work, output_tokens, 0, b)
         on = run_engine(model_dir, work, output_tokens, k, b)
@@ -141,9 +155,11 @@ def main(
             row["speedup"][pos] = f_on["tokens_per_s"] / f_off["tokens_per_s"]
             print(f"{b:>5} {pos:>9} {f_off['tokens_per_s']:>10.1f} {f_on['tokens_per_s']:>10.1f} "
                   f"{row['speedup'][pos]:>7.2f}x {1e3 * f_off['itl_mean_s']:>10.2f} "
-                  f"{1e3 * f_on['itl_mean_s']:>10.2f} {on['accept_length']:>7.2f}")  # fmt: skip
+                  f"{1e3 * f_on['itl_mean_s']:>10.2f} {on['accept_length']:>7.2f} "
+                  f"{'met' if _met(b, row['speedup'][pos], on['accept_length']) else 'missed':>8}")  # fmt: skip
         if not equal:
             print(f"  batch {b}: greedy outputs differ between MTP off and on")
+        row["targets_met"] = {pos: _met(b, sp, on["accept_length"]) for pos, sp in row["speedup"].items()}
         report["batches"][str(b)] = row
     if cluster:
         report["cluster"] = run_cluster(model_dir, work, output_tokens, k)
@@ -224,6 +240,7 @@ def run_cluster(model_dir: Path, work: list[list[int]], new: int, k: int) -> dic
             if pos in row["on"]["by_position"]
         }
         for pos, s in row["speedup"].items():
-            print(f"cluster batch {b} {pos}: {s:.2f}x (accept {row['on'].get('accept_length', 0):.2f})")
+            acc = row["on"].get("accept_length", 0.0)
+            print(f"cluster batch {b} {pos}: {s:.2f}x (accept {acc:.2f}) {'met' if _met(b, s, acc) else 'missed'}")
         report[str(b)] = row
     return report

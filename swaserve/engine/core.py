@@ -349,8 +349,7 @@ class EngineCore:
         return self._output(req, [], [])
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> CoreOutput:
-        out = self._append_tokens(req, [token], [logprob], now)
-        return out
+        return self._append_tokens(req, [token], [logprob], now)
 
     def _append_tokens(
         self,

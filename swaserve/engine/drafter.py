@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from swaserve.config import SWA, ModelConfig
-from swaserve.engine.model_runner import kind_meta
 from swaserve.engine.mtp_state import MTPState
 from swaserve.engine.request import Request
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
+from swaserve.model.attention import kind_meta
 from swaserve.model.mimo_v2 import MiMoV2ForCausalLM
 
 

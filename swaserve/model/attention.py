@@ -11,10 +11,12 @@ Design notes: docs/DESIGN.md#modelattentionpy"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from swaserve.config import FULL, ModelConfig
 from swaserve.model.layers import PartialRope
@@ -70,6 +72,71 @@ class KindMeta:
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+
+
+# Queries of at most this many rows (verify chunks, draft-layer rows) of several sequences are
+# attended in one batched call per length (``MultiAttn``) instead of one call per sequence.
+MULTI_MAX_ROWS = 16
+
+
+def kind_meta(
+    spans: Sequence[tuple[str, int, int]],
+    slots_of: Callable[[str, int, int], torch.Tensor],
+    window: int | None,
+    locate: Callable[[torch.Tensor], torch.Tensor],
+    dev: torch.device,
+) -> KindMeta:
+    """Attention metadata of one kind (one unit group) for query spans ``(request id, start, end)``
+    laid out back to back: each span writes its positions' K/V and reads ``[start - window, end)``
+    (``[0, end)`` for full attention) under the causal window mask; a 1-row span takes the batched
+    decode path. ``slots_of(rid, lo, end)``: pool slots of positions ``lo .. end-1``; ``locate``:
+    pool slots -> row slots of the group."""
+    writes: list[torch.Tensor] = []
+    prefills: list[SeqAttn] = []
+    dec_rows: list[int] = []
+    dec_slots: list[torch.Tensor] = []
+    short: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # q_len -> (row, slots, mask)
+    row = 0
+    for rid, start, end in spans:
+        n = end - start
+        writes.append(locate(slots_of(rid, start, end)))
+        lo = 0 if window is None else max(0, start - window)
+        slots = locate(slots_of(rid, lo, end))
+        if n == 1:
+            dec_rows.append(row)
+            dec_slots.append(slots)
+        else:
+            kv_pos = torch.arange(lo, end, dtype=torch.int64)
+            q_pos = torch.arange(start, end, dtype=torch.int64)
+            mask = kv_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                mask &= kv_pos[None, :] >= q_pos[:, None] - window
+            if n <= MULTI_MAX_ROWS:
+                short.setdefault(n, []).append((row, slots, mask))
+            else:
+                prefills.append(SeqAttn(row, n, slots.to(dev), mask.to(dev)))
+        row += n
+    meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills)
+    for n, group in short.items():
+        if len(group) == 1:  # alone: nothing to batch
+            r, slots, mask = group[0]
+            prefills.append(SeqAttn(r, n, slots.to(dev), mask.to(dev)))
+            continue
+        width = max(len(sl) for _, sl, _ in group)
+        masks = torch.zeros(len(group), n, width, dtype=torch.bool)
+        for i, (_, sl, mk) in enumerate(group):
+            masks[i, :, : len(sl)] = mk
+        rows = torch.tensor([r for r, _, _ in group], dtype=torch.int64)[:, None] + torch.arange(n)
+        padded = pad_sequence([sl for _, sl, _ in group], batch_first=True)
+        meta.multi.append(MultiAttn(rows.to(dev), padded.to(dev), masks.to(dev)))
+    if dec_rows:
+        lengths = torch.tensor([len(s) for s in dec_slots])
+        slots_pad = pad_sequence(dec_slots, batch_first=True)
+        valid = torch.arange(slots_pad.shape[1])[None, :] < lengths[:, None]
+        meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
+        meta.decode_slots = slots_pad.to(dev)
+        meta.decode_mask = valid.to(dev)
+    return meta
 
 
 class AttentionBackend(ABC):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from swaserve.config import FULL, SWA
-from swaserve.model.attention import KindMeta, SeqAttn
+from swaserve.model.attention import KindMeta, kind_meta
 from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -79,28 +79,17 @@ class DistillLog:
     accept_length_before: float = 0.0
 
 
-def _dense_meta(n_seq: int, length: int, start: int, end: int, window: int | None) -> KindMeta:
-    """Metadata for rows ``start .. end-1`` of ``n_seq`` equal-length sequences over a dense cache
-    (slot = sequence * length + position)."""
-    q = torch.arange(start, end)
-    if end - start == 1:
-        lo = 0 if window is None else max(0, start - window)
-        kv = torch.arange(lo, end)
-        slots = torch.arange(n_seq)[:, None] * length + kv[None, :]
-        return KindMeta(
-            write_slots=torch.arange(n_seq) * length + start,
-            decode_rows=torch.arange(n_seq),
-            decode_slots=slots,
-            decode_mask=torch.ones_like(slots, dtype=torch.bool),
-        )
-    kv = torch.arange(0, end)
-    mask = kv[None, :] <= q[:, None]
-    if window is not None:
-        mask &= kv[None, :] >= q[:, None] - window
-    n = end - start
-    return KindMeta(
-        write_slots=(torch.arange(n_seq)[:, None] * length + q[None, :]).reshape(-1),
-        prefills=[SeqAttn(b * n, n, b * length + kv, mask) for b in range(n_seq)],
+def _dense_meta(
+    n_seq: int, length: int, start: int, end: int, window: int | None, dev: torch.device | None = None
+) -> KindMeta:
+    """``kind_meta`` for rows ``start .. end-1`` of ``n_seq`` equal-length sequences over a dense
+    cache (slot = sequence * length + position; one row per page)."""
+
+    def slots(rid: str, lo: int, e: int) -> torch.Tensor:
+        return int(rid) * length + torch.arange(lo, e)
+
+    return kind_meta(
+        [(str(b), start, end) for b in range(n_seq)], slots, window, lambda s: s, torch.device("cpu")
     )
 
 
@@ -135,8 +124,8 @@ class DenseRunner:
         cfg = self.model.cfg
         m = ids.shape[1]
         meta = {
-            FULL: [_dense_meta(self.n, self.length, start, start + m, None)],
-            SWA: [_dense_meta(self.n, self.length, start, start + m, cfg.window)],
+            FULL: [_dense_meta(self.n, self.length, start, start + m, None, ids.device)],
+            SWA: [_dense_meta(self.n, self.length, start, start + m, cfg.window, ids.device)],
         }
         pos = torch.arange(start, start + m).repeat(self.n)
         batch = ForwardBatch(ids.reshape(-1), pos.to(ids.device), meta, self.kv, self.groups)
@@ -148,7 +137,10 @@ def lm_logits(model: MiMoV2ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     b, t = ids.shape
     runner = DenseRunner(model, b, t)
     cfg = model.cfg
-    meta = {FULL: [_dense_meta(b, t, 0, t, None)], SWA: [_dense_meta(b, t, 0, t, cfg.window)]}
+    meta = {
+        FULL: [_dense_meta(b, t, 0, t, None, ids.device)],
+        SWA: [_dense_meta(b, t, 0, t, cfg.window, ids.device)],
+    }
     pos = torch.arange(t, device=ids.device).repeat(b)
     batch = ForwardBatch(ids.reshape(-1), pos, meta, runner.kv, runner.groups)
     return model.lm_head(model.norm(model.hidden_states(batch))).float().view(b, t, -1)
@@ -240,7 +232,7 @@ def mtp_logits(model: MiMoV2ForCausalLM, k: int, seqs: torch.Tensor, hidden: tor
     dev, dtype = hidden.device, hidden.dtype
     kc = torch.zeros(b * t, 1, shape.num_kv_heads, shape.head_dim, device=dev, dtype=dtype)
     vc = torch.zeros(b * t, 1, shape.num_kv_heads, shape.v_head_dim, device=dev, dtype=dtype)
-    meta = _dense_meta(b, t, 0, t, cfg.window)
+    meta = _dense_meta(b, t, 0, t, cfg.window, dev)
     pos = torch.arange(t, device=dev).repeat(b)
     cos_sin = cast(PartialRope, model.rope[SWA]).cos_sin(pos, dtype)
     layer = cast(MTPLayer, model.mtp[k])
