@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, islice
 
 from swaserve.engine.request import Request, RequestStatus
@@ -28,10 +28,11 @@ class ScheduledChunk:
     start: int
     n: int
     draft: int = 0  # of the n rows, the last ``draft`` are draft tokens to verify (``req.spec_drafts``)
+    # whether it reaches the request's end as scheduled (fixed here: the step appends tokens later)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        return self.start + self.n - self.draft == self.req.num_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.n - self.draft == self.req.num_tokens)
 
 
 _Entry = tuple[float, int, Request]  # (sort key, sequence number of add: unique, breaks ties, request)

@@ -70,11 +70,10 @@ class SpeculativeStep:
         ``logits``: the runner's sampled rows (``1 + draft`` per sampling chunk); ``hidden``: the
         pre-final-norm states of every row."""
         core = self.core
-        samples = [c.samples for c in chunks]  # before tokens are appended (it reads num_tokens)
         first: dict[int, int] = {}  # chunk index -> its first sampled row
         off = 0
         for i, c in enumerate(chunks):
-            if samples[i]:
+            if c.samples:
                 first[i] = off
                 off += 1 + c.draft
         ends = [i for i in first if chunks[i].req.params.max_tokens > 0]
@@ -101,7 +100,7 @@ class SpeculativeStep:
             self.drafter.absorb(req, c.start, hidden[row : row + committed])
             row += c.n
             req.num_computed = c.start + committed
-            if samples[i] and req.params.max_tokens == 0:
+            if c.samples and req.params.max_tokens == 0:
                 req.finish_reason = FinishReason.LENGTH  # the prompt only
                 finishing.append(req)
                 outputs.append(core._output(req, [], []))
@@ -110,8 +109,8 @@ class SpeculativeStep:
                 outputs.append(out)
                 if out.error:  # aborted (a broken grammar): its pages are gone
                     continue
-            end = req.num_tokens if samples[i] else req.num_computed
-            drafts = self._drafts(req, end, req in finishing) if samples[i] else 0  # mid-prompt: none
+            end = req.num_tokens if c.samples else req.num_computed
+            drafts = self._drafts(req, end, req in finishing) if c.samples else 0  # mid-prompt: none
             items.append(DraftItem(req, end, drafts))
         self.drafter.run(items)
         for c in chunks:  # as without MTP: running prefills share their whole pages at once
