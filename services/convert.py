@@ -118,7 +118,12 @@ def _logprobs_from_proto(lps: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
 
 
 def chunk_message(o: RequestOutput) -> pb.GenerateResponse:
-    chunk = pb.Chunk(token_ids=o.new_token_ids, text=o.new_text, logprobs=_logprobs_to_proto(o.new_logprobs))
+    chunk = pb.Chunk(
+        token_ids=o.new_token_ids,
+        text=o.new_text,
+        logprobs=_logprobs_to_proto(o.new_logprobs),
+        token_text_starts=o.token_text_starts,
+    )
     if o.prompt_logprobs is not None:
         chunk.prompt_logprobs.extend(_logprobs_to_proto(o.prompt_logprobs))
         chunk.has_prompt_logprobs = True
@@ -133,6 +138,7 @@ def output_from_chunk(request_id: str, m: pb.GenerateResponse) -> RequestOutput:
         new_token_ids=list(c.token_ids),
         new_text=c.text,
         new_logprobs=_logprobs_from_proto(c.logprobs),
+        token_text_starts=list(c.token_text_starts),
         prompt_logprobs=_logprobs_from_proto(c.prompt_logprobs) if c.has_prompt_logprobs else None,
         prompt_tokens=m.usage.prompt_tokens,
         completion_tokens=m.usage.completion_tokens,

@@ -375,19 +375,23 @@ class Progress:
         # the resumed request has no stop strings: STOP is a stop token, which is not text
         skip_last = reason == FinishReason.STOP
         text = ""
+        starts: list[int] = []  # per token, where its text starts in the delta's text
         for i, t in enumerate(ids):
             if skip_last and i == len(ids) - 1:
                 break
+            starts.append(len(text))
             text += self._emit(self._detok.add([t]))
             if self._detok.stopped:  # a stop string over the whole output: cut after this token
                 ids, lps = ids[: i + 1], lps[: i + 1]
                 self.cut, reason = not out.finished, FinishReason.STOP
                 break
+        starts += [len(text)] * (len(ids) - len(starts))
         if reason is not None and not self._detok.stopped:
             text += self._emit(self._detok.flush())
         self.tokens += ids
         return dataclasses.replace(
-            out, new_token_ids=ids, new_text=text, new_logprobs=lps, finished=reason is not None,
+            out, new_token_ids=ids, new_text=text, new_logprobs=lps, token_text_starts=starts[: len(ids)],
+            finished=reason is not None,
             finish_reason=reason, prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens),
             cached_tokens=self.cached,
         )  # fmt: skip

@@ -79,7 +79,8 @@ class Choice:
     streamed: int = 0  # characters streamed so far (echo included)
 
     def add(self, out: RequestOutput) -> None:
-        self.text_offsets.extend([self.text_len] * len(out.new_logprobs))
+        starts = out.token_text_starts or [0] * len(out.new_logprobs)
+        self.text_offsets.extend(self.text_len + s for s in starts[: len(out.new_logprobs)])
         self.text_len += len(out.new_text)
         self.text.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)

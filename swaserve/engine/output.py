@@ -99,6 +99,7 @@ class OutputProcessor:
         reason = o.finish_reason
         text = ""
         ids, lps = list(o.new_token_ids), list(o.new_logprobs)
+        starts: list[int] = []  # per token, where its text starts in this delta's text
         completion = o.completion_tokens
         if ids:
             # a stop token (EOS...) has no text; several tokens (a speculative step): token by
@@ -106,12 +107,14 @@ class OutputProcessor:
             stop_token = reason == FinishReason.STOP and not o.structured_end
             texted = ids[:-1] if stop_token else ids
             for i in range(len(texted)):
+                starts.append(len(text))
                 text += detok.add(texted[i : i + 1] if len(texted) > 1 else texted)
                 if detok.stopped:
                     reason = FinishReason.STOP
                     completion -= len(ids) - (i + 1)
                     ids, lps = ids[: i + 1], lps[: i + 1]
                     break
+            starts += [len(text)] * (len(ids) - len(starts))  # the stop token: no text of its own
             self.generation_tokens_total += len(ids)
         if reason in (FinishReason.STOP, FinishReason.LENGTH) and not detok.stopped:
             text += detok.flush()  # HANDOFF: text held back stays with the decoder
@@ -121,6 +124,7 @@ class OutputProcessor:
             new_token_ids=ids,
             new_text=text,
             new_logprobs=lps,
+            token_text_starts=starts,
             prompt_logprobs=o.prompt_logprobs,
             finished=finished,
             finish_reason=reason,

@@ -104,20 +104,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_logprobs", "has_prompt_logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_logprobs", "has_prompt_logprobs", "token_text_starts")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXT_STARTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     has_prompt_logprobs: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    token_text_starts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ..., token_text_starts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "kv_bytes_sent")

@@ -223,23 +223,26 @@ def test_more_steps_than_mtp_layers_is_refused(mtp_dir: Path, tiny_dir: Path) ->
         _engine(tiny_dir, 1)
 
 
-def test_a_stop_string_inside_an_accepted_run_cuts_tokens_text_and_usage(
+def test_a_stop_string_inside_an_accepted_run_cuts_tokens_text_usage_and_offsets(
     mtp_dir: Path, refs, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     _oracle(monkeypatch, {tuple(p): r for p, r in refs}, right=True)
 
-    def run(k: int, stop: list[str]) -> tuple[list[int], str, int, str | None]:
+    def run(k: int, stop: list[str]) -> tuple[list[int], str, int, str | None, list[int]]:
         eng = _engine(mtp_dir, k)
         eng.add_request("s", refs[1][0], SamplingParams(max_tokens=NEW, temperature=0.0, stop=stop))
-        ids, text, usage, reason = [], "", 0, None
+        ids, text, usage, reason, offsets = [], "", 0, None, []  # offsets: where each token's text starts
         while eng.has_unfinished():
             for o in eng.step():
+                starts = o.token_text_starts or [0] * len(o.new_token_ids)
+                offsets += [len(text) + s for s in starts]
                 ids += o.new_token_ids
                 text += o.new_text
                 usage, reason = o.completion_tokens, o.finish_reason
-        return ids, text, usage, reason
+        return ids, text, usage, reason, offsets
 
-    full_ids, full_text, _, _ = run(0, [])
+    full_ids, full_text, _, _, full_offsets = run(0, [])
+    assert run(K, []) == (full_ids, full_text, NEW, "length", full_offsets)  # several tokens per delta
     stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
     off = run(0, [stop])
     assert off[3] == "stop" and len(off[0]) < len(full_ids) and stop not in off[1]
