@@ -19,6 +19,7 @@ PACKAGES = ("swaserve", "services", "bench")
 # the sans-IO core: these packages reach none of BLOCKING_IO, directly or through other modules
 SANS_IO = (
     "swaserve.kvcache",
+    "swaserve.gcache",
     "swaserve.sched",
     "swaserve.transfer",
     "swaserve.routing",

@@ -1,0 +1,223 @@
+"""``L3Store``: how an engine reads and writes GCache pages, whatever the transport.
+
+Implementations: ``LocalL3`` (a ``PageStore`` in this process: tests, a single-process server),
+``services.gcache.client.GCacheClient`` (one node over gRPC control + UCX or gRPC data) and
+``ShardedL3`` (several nodes: each page's owner by rendezvous hashing over the live nodes, as
+Dynamo KVBM's G3PB plan; a dead node costs only misses). Objects are returned unverified: the
+caller checks each with ``codec.verify`` against its own chain. Transport failures raise
+``L3Error``; callers turn every failure into a miss. Design: docs/DESIGN.md#gcache"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from swaserve.gcache.store import PageId, PageStore
+
+
+class L3Error(Exception):
+    """The L3 store could not answer (node down, deadline, protocol error)."""
+
+
+SEGMENT_PAGES = 16  # pages placed together on one node (ShardedL3)
+
+
+@dataclass
+class PutPage:
+    """A page object to store: ``obj`` from ``codec.encode``. ``place``: its placement key
+    (``placements``); ``parent_elsewhere``: its parent may live on another node."""
+
+    pid: PageId
+    parent: bytes
+    index: int
+    obj: bytes
+    place: bytes = b""
+    parent_elsewhere: bool = False
+
+
+def placements(keys: Sequence[bytes], first_index: int, head: bytes | None = None) -> list[bytes]:
+    """Placement keys of consecutive pages ``first_index, first_index + 1, ...`` with chain keys
+    ``keys``: the key of the first page of their ``SEGMENT_PAGES``-page segment (``head``: that
+    key when the segment starts before ``keys``). A segment lives on one node, so parents are
+    local but at segment starts, and one conversation spreads over nodes segment by segment."""
+    out, cur = [], head
+    for j, k in enumerate(keys):
+        if (first_index + j) % SEGMENT_PAGES == 0 or cur is None:
+            cur = k
+        out.append(cur)
+    return out
+
+
+@dataclass
+class Found:
+    """A lookup's answer: per page whether it is stored; ``lease`` is the store's read lease
+    (opaque; ``get`` ends it)."""
+
+    present: list[bool]
+    lease: Any = None
+
+
+class L3Store(Protocol):
+    """``places``: each page's placement key (``placements``; used by ``ShardedL3``, ignored by a
+    single node)."""
+
+    async def lookup(self, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> Found: ...
+
+    async def get(
+        self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
+    ) -> list[bytes | None]:
+        """The objects of ``pids`` (None: gone since the lookup); ends ``found``'s lease."""
+        ...
+
+    async def put(self, pages: Sequence[PutPage]) -> list[bool]:
+        """Store pages (parents first); per page whether it is stored now (new or already)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def put_into(store: PageStore, pages: Sequence[PutPage]) -> list[bool]:
+    """Two-phase put of ``pages`` into a local store: reserve all, then commit in order."""
+    from swaserve.gcache.store import EXISTS
+
+    res = [store.reserve(p.pid, p.parent, p.index, len(p.obj), p.parent_elsewhere) for p in pages]
+    out = []
+    for p, r in zip(pages, res, strict=True):
+        if isinstance(r, int):
+            try:
+                store.commit(r, p.obj)
+                out.append(True)
+            except (KeyError, ValueError):
+                out.append(False)
+        else:
+            out.append(r == EXISTS)
+    return out
+
+
+class LocalL3:
+    """``L3Store`` over a ``PageStore`` in this process."""
+
+    def __init__(self, store: PageStore) -> None:
+        self.store = store
+
+    async def lookup(self, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> Found:
+        present, lease = self.store.lookup(pids)
+        return Found(present, lease)
+
+    async def get(
+        self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
+    ) -> list[bytes | None]:
+        try:
+            return [self.store.read(p) for p in pids]
+        finally:
+            if found.lease:
+                self.store.release(found.lease)
+
+    async def put(self, pages: Sequence[PutPage]) -> list[bool]:
+        return put_into(self.store, pages)
+
+    async def close(self) -> None:
+        return None
+
+
+def owner(place: bytes, nodes: Sequence[str]) -> str:
+    """Rendezvous (highest random weight) hashing: the node with the largest
+    ``BLAKE2b(node, place)``; adding or losing a node moves only its share of the pages."""
+
+    def weight(n: str) -> bytes:
+        return hashlib.blake2b(n.encode() + b"\0" + place, digest_size=8).digest()
+
+    return max(nodes, key=weight)
+
+
+@dataclass
+class _Leases:
+    by_node: dict[str, Found] = field(default_factory=dict)
+
+
+class ShardedL3:
+    """``L3Store`` over several nodes. ``live()``: the node ids usable now (e.g. from the Redis
+    registry); ``connect(node_id)``: its ``L3Store``. A node that fails answers "absent"."""
+
+    def __init__(self, live: Callable[[], Sequence[str]], connect: Callable[[str], L3Store]) -> None:
+        self.live, self.connect = live, connect
+        self._stores: dict[str, L3Store] = {}
+
+    def _store(self, node: str) -> L3Store:
+        s = self._stores.get(node)
+        if s is None:
+            s = self._stores[node] = self.connect(node)
+        return s
+
+    def _split(self, pids: Sequence[PageId], places: Sequence[bytes] | None) -> dict[str, list[int]]:
+        nodes = sorted(self.live())
+        groups: dict[str, list[int]] = {}
+        if nodes:
+            for i, p in enumerate(pids):
+                groups.setdefault(owner(places[i] if places else p[0], nodes), []).append(i)
+        return groups
+
+    async def lookup(self, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> Found:
+        groups = self._split(pids, places)
+        present = [False] * len(pids)
+        leases = _Leases()
+
+        async def one(node: str, idx: list[int]) -> None:
+            try:
+                f = await self._store(node).lookup([pids[i] for i in idx])
+            except L3Error:
+                return
+            leases.by_node[node] = f
+            for i, ok in zip(idx, f.present, strict=True):
+                present[i] = ok
+
+        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()))
+        return Found(present, leases)
+
+    async def get(
+        self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
+    ) -> list[bytes | None]:
+        groups = self._split(pids, places)
+        out: list[bytes | None] = [None] * len(pids)
+        leases: _Leases = found.lease if isinstance(found.lease, _Leases) else _Leases()
+
+        async def one(node: str, idx: list[int]) -> None:
+            f = leases.by_node.get(node, Found([True] * len(idx)))
+            try:
+                objs = await self._store(node).get(f, [pids[i] for i in idx])
+            except L3Error:
+                return
+            for i, o in zip(idx, objs, strict=True):
+                out[i] = o
+
+        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()))
+        return out
+
+    async def put(self, pages: Sequence[PutPage]) -> list[bool]:
+        # a segment's first page has its parent on another node (or none): stored without it
+        pages = [
+            dataclasses.replace(p, parent_elsewhere=p.parent_elsewhere or p.index % SEGMENT_PAGES == 0)
+            for p in pages
+        ]
+        groups = self._split([p.pid for p in pages], [p.place or p.pid[0] for p in pages])
+        out = [False] * len(pages)
+
+        async def one(node: str, idx: list[int]) -> None:
+            try:
+                oks = await self._store(node).put([pages[i] for i in idx])
+            except L3Error:
+                return
+            for i, ok in zip(idx, oks, strict=True):
+                out[i] = ok
+
+        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()))
+        return out
+
+    async def close(self) -> None:
+        for s in self._stores.values():
+            await s.close()
+        self._stores.clear()

@@ -1,0 +1,495 @@
+"""``PageStore``: one GCache node's index over its DRAM and NVMe tiers (sans IO apart from the
+NVMe tier's file reads and writes; injected clock).
+
+- Pages are immutable and write-once: ``reserve`` (a slot; an existing key is a touch, a key being
+  written is ``busy``), ``commit`` (the object checked against its reservation, written, then
+  visible), ``abort``; reservations not committed within ``put_timeout_s`` are reclaimed.
+- ``lookup`` grants a read lease: a leased page is neither evicted nor moved until the lease ends
+  (``lease_s``) or is released. ``read`` checks the payload CRC of an NVMe copy; a bad page is
+  deleted (with its descendants) and counted, never returned.
+- Heat = exponentially decayed access count (``half_life_s``), kept as the time-invariant score
+  ``log2(count) + t / half_life`` so heats compare at any time; a touch raises the ancestors'
+  score to at least the page's (a hot prefix outlives its sessions).
+- Placement: new pages go to DRAM; above the high watermark (and when a DRAM slot is needed) the
+  coldest DRAM pages move to NVMe; an NVMe page read ``promote_reads`` times moves back when DRAM
+  has room or holds a colder page. Eviction takes the coldest page with no resident child of its
+  kind (prefix-closed: never a parent before its children).
+- ``recover``: a restarted node rebuilds its index from the NVMe slots (header and payload CRC);
+  torn or bad slots are dropped.
+
+Design and sources (Mooncake Store leases / two-phase put, SGLang HiCache): docs/DESIGN.md#gcache"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from swaserve.gcache import codec
+from swaserve.gcache.codec import KIND_NAMES, CorruptPage
+from swaserve.gcache.tiers import DramTier, NvmeTier, Slot, Tier
+
+PageId = tuple[bytes, int]  # (key, kind)
+EXISTS, BUSY, FULL, NO_PARENT = "exists", "busy", "full", "no_parent"
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    key: bytes
+    kind: int
+    parent: bytes
+    index: int
+    size: int  # object bytes (header + payload)
+    tier: Tier
+    slot: Slot
+    committed: bool = False
+    score: float = -math.inf
+    token: int = 0  # the heap item that is current
+    leased: int = 0
+    nvme_reads: int = 0
+    deadline: float = 0.0  # uncommitted: reclaimed after
+    needs_parent: bool = False  # a full page whose parent must be on this node
+
+    @property
+    def pid(self) -> PageId:
+        return self.key, self.kind
+
+    @property
+    def parent_pid(self) -> PageId:
+        return self.parent, self.kind
+
+
+@dataclass
+class _Lease:
+    until: float
+    pids: list[PageId] = field(default_factory=list)
+
+
+class PageStore:
+    """Args:
+    dram: the DRAM tier. nvme: the NVMe tier (None: DRAM only).
+    clock: seconds, monotonic. half_life_s: heat half-life. lease_s: default read lease.
+    put_timeout_s: an uncommitted reservation is reclaimed after it.
+    promote_reads: NVMe reads that move a page to DRAM. high, low: DRAM watermarks (fractions of
+    capacity) between which ``maintain`` demotes."""
+
+    def __init__(
+        self,
+        dram: DramTier,
+        nvme: NvmeTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        half_life_s: float = 600.0,
+        lease_s: float = 5.0,
+        put_timeout_s: float = 30.0,
+        promote_reads: int = 2,
+        high: float = 0.95,
+        low: float = 0.90,
+    ) -> None:
+        if not 0 < low <= high <= 1:
+            raise ValueError(f"watermarks need 0 < low <= high <= 1, got {low}, {high}")
+        self.dram, self.nvme, self.clock = dram, nvme, clock
+        self.half_life, self.lease_s, self.put_timeout = half_life_s, lease_s, put_timeout_s
+        self.promote_reads, self.high, self.low = promote_reads, high, low
+        self.index: dict[PageId, Entry] = {}
+        self.children: dict[PageId, set[PageId]] = {}  # resident pages by their parent's id
+        self.pending: dict[int, Entry] = {}  # reservation id -> uncommitted entry
+        self._pending_ids: dict[PageId, int] = {}
+        self._pinned: Counter[PageId] = Counter()  # parents of pending reservations
+        self.leases: dict[int, _Lease] = {}
+        self._lease_heap: list[tuple[float, int]] = []
+        self._heaps: dict[tuple[str, int], list[tuple[float, int, int, Entry]]] = {}
+        self._ids = itertools.count(1)
+        self.stats: Counter[tuple[str, str, str]] = Counter()  # (what, tier, kind) -> count
+        self.recovered = {"pages": 0, "dropped": 0}
+        if nvme is not None:
+            self.recover()
+
+    # -- heat -------------------------------------------------------------------------------------
+    def _heat_up(self, e: Entry, now: float) -> None:
+        t = now / self.half_life
+        count = 2.0 ** (e.score - t) if e.score > -math.inf else 0.0
+        self._set_score(e, math.log2(count + 1.0) + t)
+        p = self.index.get(e.parent_pid)
+        while p is not None and p.score < e.score:  # heat(parent) >= heat(child)
+            self._set_score(p, e.score)
+            p = self.index.get(p.parent_pid)
+
+    def _set_score(self, e: Entry, score: float) -> None:
+        e.score, e.token = score, next(self._ids)
+        heapq.heappush(self._heap(e.tier, e.slot[0]), (score, -e.index, e.token, e))
+
+    def _heap(self, tier: Tier, size: int) -> list[tuple[float, int, int, Entry]]:
+        return self._heaps.setdefault((tier.name, size), [])
+
+    def _coldest(self, tier: Tier, size: int, ok: Callable[[Entry], bool]) -> Entry | None:
+        """The coldest current page of ``tier``'s class ``size`` passing ``ok`` (stale heap items
+        dropped; current ones that fail ``ok`` kept)."""
+        heap, keep = self._heap(tier, size), []
+        found = None
+        while heap:
+            item = heapq.heappop(heap)
+            e = item[3]
+            if e.token != item[2] or e.tier is not tier or self.index.get(e.pid) is not e:
+                continue  # stale
+            keep.append(item)
+            if ok(e):
+                found = e
+                break
+        for item in keep:
+            heapq.heappush(heap, item)
+        return found
+
+    def _evictable(self, e: Entry) -> bool:
+        return e.leased == 0 and not self.children.get(e.pid) and e.pid not in self._pinned
+
+    # -- maintenance -----------------------------------------------------------------------------
+    def maintain(self) -> None:
+        """Expire leases, reclaim uncommitted reservations past their deadline, demote DRAM pages
+        above the high watermark down to the low one."""
+        now = self.clock()
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            _, lid = heapq.heappop(self._lease_heap)
+            if lid in self.leases:
+                self._count("lease_expired", self.dram, -1)
+                self.release(lid)
+        for rid, e in list(self.pending.items()):
+            if e.deadline <= now:
+                self._count("put_zombies", e.tier, e.kind)
+                self.abort(rid)
+        cap = self.dram.capacity
+        if self.nvme is not None and cap and self.dram.used > self.high * cap:
+            while self.dram.used > self.low * cap and self._demote_any():
+                pass
+
+    def _demote_any(self) -> bool:
+        best = None
+        for size in list(self.dram.classes):
+            e = self._coldest(self.dram, size, lambda x: x.leased == 0)
+            if e is not None and (best is None or e.score < best.score):
+                best = e
+        return best is not None and self._move(best, self.nvme)  # type: ignore[arg-type]
+
+    # -- puts -------------------------------------------------------------------------------------
+    def reserve(
+        self, pid: PageId, parent: bytes, index: int, size: int, parent_elsewhere: bool = False
+    ) -> str | int:
+        """Room for a new page object of ``size`` bytes: a reservation id, or ``EXISTS`` (the page
+        is there: touched), ``BUSY`` (another put of it is in progress), ``NO_PARENT`` (a full
+        page after the first whose parent is neither stored nor being put: unreachable, and
+        storing it would break prefix closure; ``parent_elsewhere``: the parent lives on another
+        node, as at a placement segment's start) or ``FULL`` (no slot without evicting leased or
+        parent pages). The parent is kept until the reservation ends. Raises ValueError on a bad
+        kind, key or size."""
+        key, kind = pid
+        if kind not in KIND_NAMES or len(key) != 16 or len(parent) != 16 or size <= 0 or index < 0:
+            raise ValueError("bad page id, parent, index or size")
+        self.maintain()
+        now = self.clock()
+        e = self.index.get(pid)
+        if e is not None:
+            self._heat_up(e, now)
+            return EXISTS
+        if pid in self._pending_ids:
+            return BUSY
+        ppid = (parent, kind)
+        local = kind == codec.FULL_KIND and index > 0 and not parent_elsewhere
+        if local and ppid not in self.index and ppid not in self._pending_ids:
+            self._count("put_no_parent", self.dram, kind)
+            return NO_PARENT
+        self._pinned[ppid] += 1
+        placed = self._place(size)
+        if placed is None:
+            self._unpin(ppid)
+            self._count("put_refused", self.dram, kind)
+            return FULL
+        tier, slot = placed
+        rid = next(self._ids)
+        self.pending[rid] = Entry(
+            key, kind, parent, index, size, tier, slot, deadline=now + self.put_timeout, needs_parent=local
+        )
+        self._pending_ids[pid] = rid
+        return rid
+
+    def commit(self, rid: int, obj: bytes | memoryview) -> None:
+        """Write a reserved page's object and make it visible. Raises KeyError (unknown or
+        reclaimed reservation) or ``CorruptPage`` (the object does not match its reservation:
+        the reservation is aborted)."""
+        e = self.pending.get(rid)
+        if e is None:
+            raise KeyError(f"no reservation {rid} (unknown, committed, aborted or expired)")
+        try:
+            if e.needs_parent and e.parent_pid not in self.index:
+                raise CorruptPage("its parent page was not stored")
+            h = codec.decode_header(obj)
+            if (h.key, h.kind, h.parent, h.index) != (e.key, e.kind, e.parent, e.index):
+                raise CorruptPage("object header does not match its reservation")
+            if len(obj) != e.size or h.object_size != e.size:
+                raise CorruptPage(f"object of {len(obj)} bytes, reserved {e.size}")
+            codec.verify(obj, kind=e.kind, salt=h.salt, key=e.key)
+        except CorruptPage:
+            self.abort(rid)
+            raise
+        e.tier.write(e.slot, obj)
+        del self.pending[rid], self._pending_ids[e.pid]
+        self._unpin(e.parent_pid)
+        e.committed = True
+        self.index[e.pid] = e
+        self.children.setdefault(e.parent_pid, set()).add(e.pid)
+        self._heat_up(e, self.clock())
+        self._count("bytes_written", e.tier, e.kind, e.size)
+        self._count("puts", e.tier, e.kind)
+
+    def abort(self, rid: int) -> None:
+        e = self.pending.pop(rid, None)
+        if e is not None:
+            del self._pending_ids[e.pid]
+            self._unpin(e.parent_pid)
+            e.tier.release(e.slot)
+
+    def _unpin(self, pid: PageId) -> None:
+        self._pinned[pid] -= 1
+        if self._pinned[pid] <= 0:
+            del self._pinned[pid]
+
+    def _place(self, size: int) -> tuple[Tier, Slot] | None:
+        """A slot for a new object: DRAM, making room by demotion, then by evicting a DRAM leaf;
+        NVMe directly when DRAM cannot hold the class at all."""
+        dram, nvme = self.dram, self.nvme
+        dsize = dram.slot_size(size)
+        if dram.capacity >= dsize:
+            slot = dram.alloc(size)
+            while slot is None and nvme is not None and self._demote(dsize):
+                slot = dram.alloc(size)
+            while slot is None and (self._evict(dram, dsize) or self._reassign(dram, dsize)):
+                slot = dram.alloc(size)
+            if slot is not None:
+                return dram, slot
+        if nvme is not None:
+            slot = self._nvme_slot(size)
+            if slot is not None:
+                return nvme, slot
+        return None
+
+    def _nvme_slot(self, size: int) -> Slot | None:
+        assert self.nvme is not None
+        nvme, nsize = self.nvme, self.nvme.slot_size(size)
+        slot = nvme.alloc(size)
+        while slot is None and (self._evict(nvme, nsize) or self._reassign(nvme, nsize)):
+            slot = nvme.alloc(size)
+        return slot
+
+    def _reassign(self, tier: Tier, size: int) -> bool:
+        """Class ``size`` has nothing to evict and the tier no capacity left: give it room by
+        emptying another class's last chunk (that class's coldest leaves evicted until its pages
+        in the chunk can move to its other slots) and handing the bytes back (memcached's slab
+        reassignment). False if no class can give."""
+        if tier.capacity - tier.given >= size:
+            return False
+        for other in sorted(tier.classes):
+            span = tier.last_chunk(other)
+            if other == size or not span:
+                continue
+            if any(
+                e.tier is tier and e.slot[0] == other and e.slot[1] in span for e in self.pending.values()
+            ):
+                continue
+            while True:
+                inside = [
+                    e
+                    for e in self.index.values()
+                    if e.tier is tier and e.slot[0] == other and e.slot[1] in span
+                ]
+                spare = [i for i in tier.classes[other].free if i < span.start]
+                if len(spare) >= len(inside) or any(e.leased for e in inside) or not self._evict(tier, other):
+                    break
+            if len(spare) < len(inside) or any(e.leased for e in inside):
+                continue
+            for e in inside:
+                dst = (other, spare.pop())
+                tier.classes[other].free.remove(dst[1])
+                tier.used += other
+                tier.write(dst, tier.read(e.slot, e.size))
+                tier.release(e.slot)
+                e.slot = dst
+                self._set_score(e, e.score)
+            tier.shrink(other)
+            return True
+        return False
+
+    def _demote(self, dsize: int) -> bool:
+        e = self._coldest(self.dram, dsize, lambda x: x.leased == 0)
+        return e is not None and self._move(e, self.nvme)  # type: ignore[arg-type]
+
+    def _move(self, e: Entry, to: Tier) -> bool:
+        """Move a committed page to another tier; False when that tier has no room for it."""
+        slot = self._nvme_slot(e.size) if to is self.nvme else to.alloc(e.size)
+        if slot is None:
+            return False
+        to.write(slot, e.tier.read(e.slot, e.size))
+        self._count("demotions" if to is self.nvme else "promotions", e.tier, e.kind)
+        e.tier.release(e.slot)
+        e.tier, e.slot, e.nvme_reads = to, slot, 0
+        self._set_score(e, e.score)  # into the new tier's heap
+        return True
+
+    def _evict(self, tier: Tier, size: int) -> bool:
+        e = self._coldest(tier, size, self._evictable)
+        if e is None:
+            return False
+        self._count("evictions", tier, e.kind)
+        self._drop(e)
+        return True
+
+    def _drop(self, e: Entry) -> None:
+        del self.index[e.pid]
+        sib = self.children.get(e.parent_pid)
+        if sib is not None:
+            sib.discard(e.pid)
+            if not sib:
+                del self.children[e.parent_pid]
+        e.tier.release(e.slot)
+
+    # -- reads ------------------------------------------------------------------------------------
+    def lookup(self, pids: Sequence[PageId], lease_s: float | None = None) -> tuple[list[bool], int]:
+        """Which pages are present, and a lease on those that are (0 = none granted)."""
+        self.maintain()
+        present = [p in self.index for p in pids]
+        for p, ok in zip(pids, present, strict=True):
+            kind = KIND_NAMES.get(p[1], "?")
+            self.stats[("hits" if ok else "misses", "any", kind)] += 1
+        got = [p for p, ok in zip(pids, present, strict=True) if ok]
+        if not got:
+            return present, 0
+        lid = next(self._ids)
+        until = self.clock() + (self.lease_s if lease_s is None else lease_s)
+        self.leases[lid] = _Lease(until, got)
+        heapq.heappush(self._lease_heap, (until, lid))
+        for p in got:
+            self.index[p].leased += 1
+        return present, lid
+
+    def release(self, lease: int) -> None:
+        """End a lease early (unknown or expired ids are ignored)."""
+        ls = self.leases.pop(lease, None)
+        for p in ls.pids if ls else ():
+            e = self.index.get(p)
+            if e is not None and e.leased > 0:
+                e.leased -= 1
+
+    def read(self, pid: PageId) -> bytes | None:
+        """A committed page's object, or None (absent, or corrupt: then deleted and counted)."""
+        e = self.index.get(pid)
+        if e is None:
+            return None
+        tier = e.tier
+        obj = tier.read(e.slot, e.size)
+        if tier is self.nvme:
+            try:
+                codec.verify(obj, kind=e.kind, salt=codec.decode_header(obj).salt, key=e.key)
+            except CorruptPage:
+                self._count("corrupt_pages", tier, e.kind)
+                self.remove([pid])
+                return None
+        self._heat_up(e, self.clock())
+        self._count("reads", tier, e.kind)
+        self._count("bytes_read", tier, e.kind, e.size)
+        if tier is self.nvme:
+            e.nvme_reads += 1
+            if e.nvme_reads >= self.promote_reads:
+                self._promote(e)
+        return obj
+
+    def _promote(self, e: Entry) -> None:
+        dram = self.dram
+        if dram.capacity < dram.slot_size(e.size) or e.leased:
+            return
+        if dram.free_slots(dram.slot_size(e.size)) == 0:
+            cold = self._coldest(dram, dram.slot_size(e.size), lambda x: x.leased == 0)
+            if cold is None or cold.score >= e.score or not self._move(cold, self.nvme):  # type: ignore[arg-type]
+                return
+        self._move(e, dram)
+
+    def touch(self, pids: Iterable[PageId]) -> None:
+        now = self.clock()
+        for p in pids:
+            e = self.index.get(p)
+            if e is not None:
+                self._heat_up(e, now)
+
+    def remove(self, pids: Iterable[PageId]) -> int:
+        """Delete pages with their resident descendants, leases or not (admin, corrupt pages).
+        Returns how many were deleted."""
+        n = 0
+        stack = [p for p in pids if p in self.index]
+        while stack:
+            p = stack.pop()
+            e = self.index.get(p)
+            if e is None:
+                continue
+            stack.extend(self.children.get(p, ()))
+            self._drop(e)
+            n += 1
+        return n
+
+    # -- recovery and accounting ------------------------------------------------------------------
+    def recover(self) -> None:
+        """Rebuild the index from the NVMe slots: valid objects come back (a key seen twice keeps
+        one copy); torn, bad or duplicate slots are freed and counted in ``recovered``."""
+        nvme = self.nvme
+        assert nvme is not None
+        used: dict[int, set[int]] = {s: set() for s in nvme.classes}
+        now = self.clock()
+        for slot, size in nvme.scan():
+            raw = nvme.read(slot, size)
+            try:
+                h = codec.decode_header(raw)
+                if h.object_size > size:
+                    raise CorruptPage("object larger than its slot")
+                obj = raw[: h.object_size]
+                codec.verify(obj, kind=h.kind, salt=h.salt, key=h.key)
+            except CorruptPage:
+                if any(raw[:4]):
+                    self.recovered["dropped"] += 1
+                continue
+            pid = (h.key, h.kind)
+            if pid in self.index:
+                self.recovered["dropped"] += 1
+                continue
+            e = Entry(h.key, h.kind, h.parent, h.index, h.object_size, nvme, slot, committed=True)
+            self.index[pid] = e
+            self.children.setdefault(e.parent_pid, set()).add(pid)
+            used[slot[0]].add(slot[1])
+            self.recovered["pages"] += 1
+        for size, ids in used.items():
+            nvme.claim(size, ids)
+        for e in sorted(self.index.values(), key=lambda x: -x.index):  # children first: parents end hotter
+            self._heat_up(e, now)
+
+    def _count(self, what: str, tier: Tier, kind: int, n: int = 1) -> None:
+        self.stats[(what, tier.name, KIND_NAMES.get(kind, "any"))] += n
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tier: capacity, bytes given to slot classes, bytes used, pages, pages leased."""
+        out: dict[str, dict[str, int]] = {}
+        for t in (self.dram, self.nvme):
+            if t is None:
+                continue
+            pages = [e for e in self.index.values() if e.tier is t]
+            out[t.name] = {
+                "capacity": t.capacity,
+                "given": t.given,
+                "used": t.used,
+                "pages": len(pages),
+                "leased": sum(e.leased > 0 for e in pages),
+                "writing": sum(e.tier is t for e in self.pending.values()),
+            }
+        return out
+
+    def close(self) -> None:
+        self.dram.close()
+        if self.nvme is not None:
+            self.nvme.close()
