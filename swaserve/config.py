@@ -306,6 +306,12 @@ class EngineConfig:
         speculative_num_steps: MTP speculative decoding: draft tokens per step, one per MTP layer
             (0 = off; at most the checkpoint's ``num_nextn_predict_layers``). Their KV: extra SWA
             layers (``kv_config``).
+        l3_url: the L3 KV cache (GCache) the host tier reads from and writes back to
+            (``gcache.l3.connect``: ``gcache://host:port``, ``redis://...`` for the nodes a Redis
+            registry lists, ``local://name``); None = no L3. Needs a host tier.
+        l3_min_tokens: the least hit extension worth an L3 fetch (at least the window).
+        l3_timeout_s, l3_timeout_per_ki_token_s: a fetch's deadline, base + per 1024 tokens.
+        weights_id: the weights' identity in L3 keys (None: a digest of the weight files).
     """
 
     page_size: int = 16
@@ -329,3 +335,8 @@ class EngineConfig:
     engine_process: str = "auto"
     engine_step_timeout: float = 120.0
     speculative_num_steps: int = 0
+    l3_url: str | None = None
+    l3_min_tokens: int = 256
+    l3_timeout_s: float = 2.0
+    l3_timeout_per_ki_token_s: float = 0.1
+    weights_id: str | None = None

@@ -233,11 +233,12 @@ class EngineStatsCollector(Collector):
         queries.add_metric(m, pc.queries if pc is not None else 0)
         hits = CounterMetricFamily(
             PREFIX + "prefix_cache_hits",
-            "Prompt tokens served from the prefix cache, by tier (device; host: what the host tier added).",
+            "Prompt tokens served from the prefix cache, by tier (device; host: what the host tier added; l3: what GCache added).",
             labels=["model_name", "tier"],
         )
         hits.add_metric([self._model, "device"], pc.hits_device if pc is not None else 0)
         hits.add_metric([self._model, "host"], pc.hits_host if pc is not None else 0)
+        hits.add_metric([self._model, "l3"], pc.hits_l3 if pc is not None else 0)
         cached = GaugeMetricFamily(
             PREFIX + "prefix_cache_pages",
             "Pages the prefix cache holds, by pool (full, swa, host_full, host_swa; router: each "

@@ -195,6 +195,51 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         0,
     ),
     EngineOption(
+        "l3_url",
+        Annotated[
+            str | None,
+            typer.Option(
+                help="L3 KV cache (GCache) behind the host tier: gcache://HOST:PORT (one node), "
+                "redis://... (the nodes registered there), local://NAME (in this process). Needs "
+                "--host-cache-memory. Default: none.",
+            ),
+        ],
+        None,
+    ),
+    EngineOption(
+        "l3_min_tokens",
+        Annotated[int, typer.Option(min=1, help="L3: the least hit extension worth a fetch (tokens).")],
+        256,
+    ),
+    EngineOption(
+        "l3_timeout_s",
+        Annotated[
+            float,
+            typer.Option(
+                min=0.0, help="L3: a fetch's deadline (s), plus --l3-timeout-per-ki-token-s per 1024 tokens."
+            ),
+        ],
+        2.0,
+    ),
+    EngineOption(
+        "l3_timeout_per_ki_token_s",
+        Annotated[
+            float, typer.Option(min=0.0, help="L3: seconds added to a fetch's deadline per 1024 tokens.")
+        ],
+        0.1,
+    ),
+    EngineOption(
+        "weights_id",
+        Annotated[
+            str | None,
+            typer.Option(
+                help="L3: the weights' identity in page keys (default: a digest of the *.safetensors "
+                "files, read once at start). Another model's or fine-tune's pages are never read.",
+            ),
+        ],
+        None,
+    ),
+    EngineOption(
         "engine_process",
         Annotated[
             Literal["auto", "inline", "separate"],

@@ -22,6 +22,7 @@ from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
 from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.detokenizer import check_stop_token
 from swaserve.engine.drafter import Drafter
+from swaserve.engine.l3_tier import build_l3
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.engine.sampler import Sampler, SamplingState
@@ -165,6 +166,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.steps = 0  # forwards run (stats: the engine's progress)
         self.computed_tokens = 0  # tokens those forwards computed
+        self.l3 = build_l3(
+            config, model_dir, cfg, self.kv.cache, self.host.store if self.host else None, self.storage, clock
+        )
         self.limits = EngineLimits(
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
@@ -207,7 +211,8 @@ class EngineCore:
             req.export_kv = True  # (and with MTP the positions of the first drafts' rows)
             req.max_total_tokens = len(prompt_token_ids) + 1 + (self.drafter.k if self.drafter else 0)
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if self.l3 is None or req.params.prompt_logprobs is not None or not self.l3.begin(req):
+            self.scheduler.add(req)  # else it waits for its L3 fetch (``step`` polls it)
 
     def add_prefilled(
         self,
@@ -280,7 +285,10 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.scheduler.finish(req)
+        if self.l3 is not None and self.l3.cancel(request_id):
+            req.status = RequestStatus.FINISHED
+        else:
+            self.scheduler.finish(req)
         req.finish_reason = FinishReason.ABORT
         return self._output(req, [], [])
 
@@ -297,7 +305,7 @@ class EngineCore:
         return rids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.l3 is not None and self.l3.pending())
 
     def is_running(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -307,8 +315,14 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Run one engine step; returns one output per request that sampled a token."""
         now = self.clock()
+        if self.l3 is not None:
+            for req in self.l3.poll():
+                if req.status == RequestStatus.WAITING:
+                    self.scheduler.add(req)
         chunks = self.scheduler.schedule(now)
         if not chunks:
+            if self.l3 is not None and self.l3.pending():
+                self.l3.wait(0.005)  # nothing to compute: wait for a fetch rather than spin
             return []
         logits, prompt_lps, hidden = self.runner.run(chunks, keep_hidden=self.spec is not None)
         self.steps += 1

@@ -269,7 +269,7 @@ class Scheduler:
             imported = req.kv_payload is not None and not req.export_kv
             # no cache lookup for imported KV, nor where every prompt position must be computed
             prompt = None if imported or req.params.prompt_logprobs is not None else req.prompt_token_ids
-            adm = self.kv.admit(req.request_id, req.max_total_tokens, prompt)
+            adm = self.kv.admit(req.request_id, req.max_total_tokens, prompt, req.l3_tokens)
             if adm is None:
                 i += 1  # a request that fits may go ahead of one that does not (yet)
                 continue

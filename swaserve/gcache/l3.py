@@ -77,6 +77,10 @@ class L3Store(Protocol):
         """Store pages (parents first); per page whether it is stored now (new or already)."""
         ...
 
+    async def remove(self, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> None:
+        """Delete pages a reader found bad (with their descendants)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -120,8 +124,45 @@ class LocalL3:
     async def put(self, pages: Sequence[PutPage]) -> list[bool]:
         return put_into(self.store, pages)
 
+    async def remove(self, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> None:
+        self.store.remove(pids)
+
     async def close(self) -> None:
         return None
+
+
+_LOCAL: dict[str, PageStore] = {}
+
+
+def local_store(name: str, dram_bytes: int = 256 << 20) -> PageStore:
+    """The process-wide in-memory store called ``name`` (``local://name`` L3 URLs): engines of one
+    process that name the same store share it (tests; a single-process server)."""
+    from swaserve.gcache.tiers import DramTier
+
+    st = _LOCAL.get(name)
+    if st is None:
+        st = _LOCAL[name] = PageStore(DramTier(dram_bytes))
+    return st
+
+
+def connect(url: str) -> L3Store:
+    """The ``L3Store`` an L3 URL names (create it inside the event loop that will use it).
+
+    ``local://NAME``: ``LocalL3`` over ``local_store(NAME)``. Other schemes come from the
+    ``swaserve.l3`` entry point group (``gcache://host:port``, ``redis://...`` for the nodes a
+    Redis registry lists: services/gcache/client.py). Raises ValueError for an unknown scheme."""
+    from importlib.metadata import entry_points
+
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"an L3 URL looks like scheme://..., got {url!r}")
+    if scheme == "local":
+        return LocalL3(local_store(rest or "default"))
+    for ep in entry_points(group="swaserve.l3"):
+        if ep.name == scheme:
+            factory: Callable[[str], L3Store] = ep.load()
+            return factory(url)
+    raise ValueError(f"no L3 store for {scheme!r} URLs (known: local, and the swaserve.l3 entry points)")
 
 
 def owner(place: bytes, nodes: Sequence[str]) -> str:
@@ -216,6 +257,14 @@ class ShardedL3:
 
         await asyncio.gather(*(one(n, idx) for n, idx in groups.items()))
         return out
+
+    async def remove(self, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> None:
+        groups = self._split(pids, places)
+        for node, idx in groups.items():
+            try:
+                await self._store(node).remove([pids[i] for i in idx])
+            except L3Error:
+                continue
 
     async def close(self) -> None:
         for s in self._stores.values():

@@ -37,6 +37,10 @@ class HostTier:
     # set by PrefixCache (its methods): annotations only, no fallback body
     _lost_pages: Callable[..., None]
     _detach: Callable[[RadixNode], None]
+    # L3 write-back (engine.l3_tier): called with a node whose host copies are about to be freed
+    # (``swa_only``: only its host SWA pages); it copies what it wants before returning
+    l3_sink: Callable[[RadixNode, bool], None] | None = None
+    staged: dict[str, set[int]]  # host pages reserved for L3 fetches, not yet in the tree
 
     def _host_swa_slice(self, x: RadixNode) -> int:
         """Index of the first page of ``x`` whose SWA KV gets a host copy."""
@@ -116,13 +120,15 @@ class HostTier:
                 got += len(y.host_full or []) * side.page_bytes
         for y in victims:
             if side is self.host_swa:
+                if self.l3_sink is not None:
+                    self.l3_sink(y, True)
                 self._free_host_swa(y)
             elif y.full is not None:
                 self._drop_host(y)
             else:
                 self._lost_pages(y, len(y.host_full or []) * side.page_bytes)
+                self._drop_host(y)  # first: the L3 sink reads y's path
                 self._detach(y)
-                self._drop_host(y)
         return bool(victims)
 
     def _free_host_swa(self, y: RadixNode) -> None:
@@ -133,6 +139,8 @@ class HostTier:
         y.host_swa = None
 
     def _drop_host(self, y: RadixNode) -> None:
+        if self.l3_sink is not None and (y.host_full is not None or y.host_swa is not None):
+            self.l3_sink(y, False)
         if y.host_swa is not None:
             self._free_host_swa(y)
         if y.host_full is not None:
@@ -140,3 +148,75 @@ class HostTier:
             self.host_full.free(y.host_full)
             y.host_full = None
             del self.tree.host_lru[y]
+
+    # -- L3 (engine.l3_tier) --------------------------------------------------------------------
+    def reserve_host(
+        self, tokens: list[int], d: int, n_full: int, n_swa: int
+    ) -> tuple[list[int], list[int]] | None:
+        """Host pages for KV fetched from L3 to extend the cached path of ``tokens`` at page ``d``:
+        ``n_full`` full and ``n_swa`` SWA pages, evicting other host copies (never those of that
+        path). None: the host tier cannot hold them (nothing is taken)."""
+        hf, hs = self.host_full, self.host_swa
+        if hf is None or (n_swa and hs is None):
+            return None
+        path = {pg.node for pg in self.tree.walk(tokens, d)}
+        keep = next(iter(path), self.tree.root)
+        self._pinned = path
+        try:
+            if not self._host_room(hf, n_full, keep):
+                return None
+            full = hf.allocate(n_full)
+            if full is None:
+                return None
+            if n_swa:
+                assert hs is not None
+                swa = hs.allocate(n_swa) if self._host_room(hs, n_swa, keep) else None
+                if swa is None:
+                    hf.free(full)
+                    return None
+            else:
+                swa = []
+        finally:
+            self._pinned = set()
+        self.staged["host_full"].update(full)
+        self.staged["host_swa"].update(swa)
+        return full, swa
+
+    def free_host(self, full: list[int], swa: list[int]) -> None:
+        """Give back pages ``reserve_host`` took (a fetch that failed or came too late)."""
+        self.staged["host_full"].difference_update(full)
+        self.staged["host_swa"].difference_update(swa)
+        if full:
+            assert self.host_full is not None
+            self.host_full.free(full)
+        if swa:
+            assert self.host_swa is not None
+            self.host_swa.free(swa)
+
+    def insert_host(
+        self, tokens: list[int], d: int, host_full: list[int], host_swa: list[int | None]
+    ) -> RadixNode | None:
+        """Add host-resident KV (fetched from L3) for pages ``d .. d + len(host_full)`` of ``tokens``
+        as a new node under the node ending at page ``d`` (split there if needed). The tree must
+        still hold full KV for exactly pages ``0 .. d`` of ``tokens``; None (nothing changed) when
+        it no longer does. The pages become the tree's."""
+        tree, P = self.tree, self.page_size
+        n = len(host_full)
+        if n == 0 or len(host_swa) != n or len(tokens) < (d + n) * P:
+            raise ValueError("insert_host needs one full and one SWA slot per page")
+        pages = tree.walk(tokens, d + 1)
+        if len(pages) != d:
+            return None
+        parent = tree.node_at(pages, d)
+        self.staged["host_full"].difference_update(host_full)
+        self.staged["host_swa"].difference_update(p for p in host_swa if p is not None)
+        key = tokens[d * P : (d + n) * P]
+        x = RadixNode(key, parent)
+        parent.children[tuple(key[:P])] = x
+        x.host_full = host_full
+        x.host_swa = host_swa if any(p is not None for p in host_swa) else None
+        tree.host_lru[x] = None
+        tree.requeue(x, parent)
+        if tree.events is not None:
+            tree.events.stored(tokens[: (d + n) * P], d * P)
+        return x

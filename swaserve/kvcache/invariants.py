@@ -79,6 +79,8 @@ def check(kv: KVCacheManager) -> None:
         _claim(owners["host_full"], x.host_full or [], f"node {x.id}", "host_full")
         _claim(owners["host_swa"], [p for p in x.host_swa or [] if p is not None], f"node {x.id}", "host_swa")
     if cache is not None:
+        for name, pages in cache.staged.items():  # host pages an L3 fetch holds
+            _claim(owners[name], sorted(pages), "L3 staging", name)
         expect_lock: Counter[int] = Counter()
         expect_swa: Counter[int] = Counter()
         for h in cache.tree.handles():

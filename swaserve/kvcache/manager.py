@@ -157,8 +157,11 @@ class KVCacheManager:
             )
         return all(k.can_admit(max_total_tokens) for k in self._kinds())
 
-    def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None = None) -> Admission | None:
+    def admit(
+        self, rid: str, max_total_tokens: int, prompt: list[int] | None = None, l3_tokens: int = 0
+    ) -> Admission | None:
         """Reserve the request's guaranteed pages in both pools, or nothing (None: no room now).
+        ``l3_tokens``: tokens an L3 fetch put in the host tier for it (hit accounting).
 
         With a prefix cache and ``prompt``, the longest window-safe cached prefix (page-aligned, at
         most ``len(prompt) - 1`` tokens) is locked and becomes the start of the request's page
@@ -195,7 +198,7 @@ class KVCacheManager:
                     raise RuntimeError("prefix hit without live SWA in its window (internal error)")
                 self.swa.admit(rid, max_total_tokens, base, shared, n)  # type: ignore[arg-type]
         if acq is not None and self.cache is not None:
-            self.cache.record(len(prompt or []), acq)
+            self.cache.record(len(prompt or []), acq, l3_tokens)
         adm = Admission()
         if acq is not None:
             adm.hit_tokens, adm.host_tokens, adm.lock = acq.length, acq.host_tokens, acq.lock
@@ -443,8 +446,10 @@ class KVCacheManager:
             "host_swa": 0,
         }
         if self.cache is not None and self.cache.host_full is not None:
-            out["host_full"] = self.cache.host_full.num_used
-            out["host_swa"] = self.cache.host_swa.num_used if self.cache.host_swa is not None else 0
+            staged = self.cache.staged  # L3 fetches' host pages are not the tree's yet
+            out["host_full"] = self.cache.host_full.num_used - len(staged["host_full"])
+            hs = self.cache.host_swa
+            out["host_swa"] = hs.num_used - len(staged["host_swa"]) if hs is not None else 0
         return out
 
     def held_bytes(self, rid: str) -> int:

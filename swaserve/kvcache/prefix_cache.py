@@ -71,6 +71,7 @@ class PrefixCache(HostTier):
         self.write_policy = write_policy
         self.stats = CacheStats()
         self._pinned: set[RadixNode] = set()
+        self.staged: dict[str, set[int]] = {"host_full": set(), "host_swa": set()}
         self._suspects: set[RadixNode] = set()  # nodes that may have become dead leaves
         self.events: BlockEventLog | None = None  # the block event log (``enable_events``)
         self.split, self.host_split = split, host_split
@@ -217,11 +218,14 @@ class PrefixCache(HostTier):
             self.tree.requeue(x, x.parent)
         return True
 
-    def record(self, prompt_tokens: int, acq: Acquired) -> None:
-        """Count one admitted request's lookup in ``stats`` (tokens)."""
+    def record(self, prompt_tokens: int, acq: Acquired, l3_tokens: int = 0) -> None:
+        """Count one admitted request's lookup in ``stats`` (tokens); ``l3_tokens`` of its host
+        hit came from L3 for it."""
+        l3 = min(l3_tokens, acq.host_tokens)
         self.stats.queries += prompt_tokens
         self.stats.hits_device += acq.length - acq.host_tokens
-        self.stats.hits_host += acq.host_tokens
+        self.stats.hits_host += acq.host_tokens - l3
+        self.stats.hits_l3 += l3
 
     def release(self, lock: CacheLock | None) -> None:
         """Drop a request's locks; a node left as an unlocked tombstone leaf is evicted."""
@@ -458,8 +462,8 @@ class PrefixCache(HostTier):
             if y.parent is None:
                 continue  # already deleted with an ancestor
             if y.full is None and not y.children and y.lock == 0:
+                self._drop_host(y)  # first: the L3 sink reads y's path
                 self._detach(y)
-                self._drop_host(y)
             elif y.full is not None:
                 self._drop_host(y)
         self._reap()

@@ -416,7 +416,7 @@ class RadixTree:
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
                 node = self._new_leaves(node, tokens, pos, n, full, swa, live_from)
-                if self.events is not None:  # the only place tokens enter the tree
+                if self.events is not None:  # tokens enter the tree here (and in insert_host)
                     self.events.stored(tokens[: n * P], pos * P)
                 pos = n
                 break

@@ -58,5 +58,6 @@ class CacheStats:
     queries: int = 0
     hits_device: int = 0
     hits_host: int = 0
+    hits_l3: int = 0  # loaded from host pages an L3 fetch filled for the request
     loaded_pages: int = 0  # host -> device page copies (both kinds)
     saved_pages: int = 0  # device -> host page copies (both kinds)

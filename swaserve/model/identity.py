@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from swaserve.config import ModelConfig
@@ -56,6 +57,29 @@ def _tokenizer_digest(tokenizer: Any) -> str:
         "pad": tokenizer.pad_token_id,
     }
     h.update(json.dumps(special, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def config_digest(config: ModelConfig) -> str:
+    """SHA-256 (hex) of the config fields the fingerprint compares (no tokenizer: KV depends on
+    token ids, config and weights only)."""
+    return hashlib.sha256(json.dumps(_config_fields(config), sort_keys=True).encode()).hexdigest()
+
+
+def weights_digest(model_dir: str | Path, chunk: int = 8 << 20) -> str:
+    """BLAKE2b-128 (hex) over the names, sizes and bytes of a checkpoint's ``*.safetensors``
+    files: what tells a fine-tune from its base. Reads every weight byte (about 1 GB/s here);
+    operators of large checkpoints pass a revision they vouch for instead (``--weights-id``).
+    Raises FileNotFoundError when there are no weight files."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            while block := fh.read(chunk):
+                h.update(block)
     return h.hexdigest()
 
 

@@ -156,7 +156,9 @@ class FakeKV:
         self.cache = FakeCache() if cache else None
         self.held: dict[str, int] = {}
 
-    def admit(self, rid: str, max_total_tokens: int, prompt: list[int] | None) -> Admission | None:
+    def admit(
+        self, rid: str, max_total_tokens: int, prompt: list[int] | None, l3_tokens: int = 0
+    ) -> Admission | None:
         if sum(self.held.values()) + max_total_tokens > self.capacity:
             return None
         self.held[rid] = max_total_tokens

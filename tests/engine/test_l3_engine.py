@@ -1,0 +1,72 @@
+"""Exactness of prefix hits from L3 (GCache) in the real engine (tiny checkpoint, W = 8).
+
+Engine A runs the multi-turn workload with a host tier and an L3 store, then flushes its device
+and host caches (every host copy is written back to L3). Engine B, a fresh engine on the same L3
+store, runs the workload again: its first turns hit L3, and greedy outputs and log-probabilities
+equal the cache-off run's (tests/engine/test_prefix_cache_engine.py's workload and tolerances).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+from swaserve.config import EngineConfig
+from swaserve.engine.llm_engine import LLMEngine
+from swaserve.gcache.l3 import local_store
+from swaserve.kvcache import invariants
+from tests.engine.test_prefix_cache_engine import CONFIGS, workload
+
+_names = itertools.count()
+
+
+def l3_config(**kw) -> EngineConfig:  # type: ignore[no-untyped-def]
+    url = f"local://l3-engine-{next(_names)}"
+    return dataclasses.replace(CONFIGS["host-tier"], l3_url=url, l3_min_tokens=8, weights_id="tiny", **kw)
+
+
+def assert_same(got, base) -> None:  # type: ignore[no-untyped-def]
+    for rid, r in got.items():
+        b = base[rid]
+        assert r.tokens == b.tokens, f"{rid} differs with L3"
+        for (lp, top), (blp, btop) in zip(r.logprobs, b.logprobs, strict=True):
+            assert abs(lp - blp) <= 1e-4
+            assert [t for t, _ in top] == [t for t, _ in btop]
+
+
+def test_engine_b_hits_what_engine_a_wrote(tiny_dir: Path) -> None:
+    base = workload(LLMEngine(tiny_dir, EngineConfig(page_size=4, enable_prefix_caching=False)), seed=7)
+    cfg = l3_config()
+    a = LLMEngine(tiny_dir, cfg)
+    assert a.core.l3 is not None
+    assert_same(workload(a, seed=7), base)
+    a.kv.flush_cache()
+    a.core.l3.flush_puts()
+    assert a.core.l3.stats["put_pages"] > 0
+    store = local_store(cfg.l3_url.split("://")[1])  # type: ignore[union-attr]
+    assert store.usage()["dram"]["pages"] > 0
+    b = LLMEngine(tiny_dir, cfg)
+    got = workload(b, seed=7)
+    assert_same(got, base)
+    st = b.kv.cache.stats  # type: ignore[union-attr]
+    assert st.hits_l3 > 0, f"no L3 hit: {dict(b.core.l3.stats)}"  # type: ignore[union-attr]
+    assert sum(r.cached for r in got.values()) == st.hits_device + st.hits_host + st.hits_l3
+    invariants.check(b.kv)
+    b.kv.flush_cache()
+    invariants.check(b.kv)
+    for p in b.stats().pools.values():
+        assert p.used_pages == 0
+
+
+def test_another_salt_never_hits(tiny_dir: Path) -> None:
+    """A different weights identity (a fine-tune) shares the store but never reads its pages."""
+    cfg = l3_config()
+    a = LLMEngine(tiny_dir, cfg)
+    workload(a, seed=3)
+    a.kv.flush_cache()
+    a.core.l3.flush_puts()  # type: ignore[union-attr]
+    b = LLMEngine(tiny_dir, dataclasses.replace(cfg, weights_id="tiny-finetune"))
+    workload(b, seed=3)
+    assert b.kv.cache.stats.hits_l3 == 0  # type: ignore[union-attr]
+    assert b.core.l3.stats["lookup_misses"] > 0  # type: ignore[union-attr]
