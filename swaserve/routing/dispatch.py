@@ -69,6 +69,7 @@ class Dispatcher:
         hashes: Sequence[int],
         instances: Collection[str],
         record: bool = True,
+        l3_nodes: Collection[str] = (),
     ) -> Route:
         """Choose a prefill instance among ``instances`` (live ones) and reserve its work.
 
@@ -77,6 +78,8 @@ class Dispatcher:
             prompt_tokens: prompt length. hashes: its block chain (``block_tokens`` per block).
             record: record the chain on the chosen instance (approximate index mode; in precise
                 mode the workers' events fill the index).
+            l3_nodes: the index names of the L3 (GCache) nodes whose events fill the index: the
+                leading blocks they hold together are credited to every instance.
 
         Raises:
             NoInstanceError: ``instances`` is empty.
@@ -87,9 +90,10 @@ class Dispatcher:
             raise NoInstanceError("no prefill instance is available")
         matched = self.index.match(hashes, now, names)
         cap = max(prompt_tokens - 1, 0)  # the last prompt token is always computed
+        l3 = min(self.l3_blocks(hashes, now, l3_nodes) * self.block_tokens, cap)
         for attempt in range(self.max_conflicts + 1):
             loads = self.book.loads(names, now)
-            cands = [Candidate(i, min(matched.get(i, 0) * self.block_tokens, cap), loads[i]) for i in names]
+            cands = [Candidate(i, min(matched.get(i, 0) * self.block_tokens, cap), loads[i], l3) for i in names]
             d = self.policy.choose(prompt_tokens, cands, self.cost)
             uncached = prompt_tokens - d.cached_tokens
             lease = Lease(
@@ -106,6 +110,20 @@ class Dispatcher:
         if record:
             self.index.record(d.instance, hashes, now)
         return Route(replace(d, fallback=fallback), lease)
+
+    def l3_blocks(self, hashes: Sequence[int], now: float, nodes: Collection[str], max_rounds: int = 64) -> int:
+        """Leading blocks of ``hashes`` the L3 nodes hold together (a chain is spread over nodes
+        segment by segment: each round asks for the longest run one node holds from where the
+        last one stopped)."""
+        k = 0
+        for _ in range(max_rounds if nodes else 0):
+            if k >= len(hashes):
+                break
+            got = max(self.index.match(hashes[k:], now, nodes).values(), default=0)
+            if got == 0:
+                break
+            k += got
+        return k
 
     def route_decode(self, request_id: str, tokens: int, instances: Collection[str]) -> Lease:
         """Choose a decode instance and reserve ``tokens`` (prompt + max output) of KV on it.

@@ -21,18 +21,26 @@ DEFAULT_BALANCE_REL = 1.5
 
 @dataclass(frozen=True)
 class Candidate:
-    """One instance as a policy sees it: ``cached_tokens`` of this prompt it holds, its load."""
+    """One instance as a policy sees it: ``cached_tokens`` of this prompt it holds, its load, and
+    ``l3_tokens`` of the prompt any instance can fetch from L3 (GCache)."""
 
     instance: str
     cached_tokens: int
     load: InstanceLoad
+    l3_tokens: int = 0
+
+    def reuse(self) -> int:
+        """Tokens this instance would not compute: its own cache, or L3 when that holds more."""
+        return max(self.cached_tokens, self.l3_tokens)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen instance, the cached tokens expected there, the TTFT estimate (s), and why:
-    ``affinity`` (cache hit chosen), ``balance`` (guard overrode the cache), ``load`` (least load /
-    no hit anywhere), ``round_robin``; ``fallback`` when no instance's bucket held the prompt."""
+    """The chosen instance, the reused tokens expected there (its cache, or L3 when that holds
+    more), the TTFT estimate (s), and why: ``affinity`` (cache hit chosen), ``l3`` (no instance
+    holds the prompt, L3 does: least estimated TTFT), ``balance`` (guard overrode the cache),
+    ``load`` (least load / no hit anywhere), ``round_robin``; ``fallback`` when no instance's
+    bucket held the prompt."""
 
     instance: str
     cached_tokens: int
@@ -70,7 +78,7 @@ class Policy(ABC):
         """Pick one of ``candidates`` (non-empty, any order) for a prompt of ``prompt_tokens``."""
 
     def estimate(self, prompt_tokens: int, c: Candidate, cost: CostModel) -> float:
-        return queue_s(c.load, cost) + cost.prefill_s(prompt_tokens - c.cached_tokens, c.cached_tokens)
+        return queue_s(c.load, cost) + cost.prefill_with_l3_s(prompt_tokens, c.cached_tokens, c.l3_tokens)
 
 
 class RoundRobin(Policy):
@@ -83,7 +91,7 @@ class RoundRobin(Policy):
         ordered = sorted(candidates, key=lambda c: c.instance)
         c = ordered[self._next % len(ordered)]
         self._next += 1
-        return Decision(c.instance, c.cached_tokens, self.estimate(prompt_tokens, c, cost), "round_robin")
+        return Decision(c.instance, c.reuse(), self.estimate(prompt_tokens, c, cost), "round_robin")
 
 
 class LeastLoad(Policy):
@@ -91,7 +99,7 @@ class LeastLoad(Policy):
 
     def choose(self, prompt_tokens: int, candidates: list[Candidate], cost: CostModel) -> Decision:
         c = min(candidates, key=lambda c: (queue_s(c.load, cost), c.load.leases, c.instance))
-        return Decision(c.instance, c.cached_tokens, self.estimate(prompt_tokens, c, cost), "load")
+        return Decision(c.instance, c.reuse(), self.estimate(prompt_tokens, c, cost), "load")
 
 
 class CacheAware(Policy):
@@ -112,7 +120,7 @@ class CacheAware(Policy):
         self.balance_abs_s, self.balance_rel, self.queue_order = balance_abs_s, balance_rel, queue_order
 
     def estimate(self, prompt_tokens: int, c: Candidate, cost: CostModel) -> float:
-        own = cost.prefill_s(prompt_tokens - c.cached_tokens, c.cached_tokens)
+        own = cost.prefill_with_l3_s(prompt_tokens, c.cached_tokens, c.l3_tokens)
         return wait_s(c.load, cost, own, self.queue_order) + own
 
     def choose(self, prompt_tokens: int, candidates: list[Candidate], cost: CostModel) -> Decision:
@@ -122,9 +130,9 @@ class CacheAware(Policy):
         idle = min(candidates, key=lambda c: (queue_s(c.load, cost), -c.cached_tokens, c.instance))
         q_min = queue_s(idle.load, cost)
         if q_best > q_min + self.balance_abs_s and q_best > self.balance_rel * q_min:
-            return Decision(idle.instance, idle.cached_tokens, est[idle.instance], "balance")
-        reason = "affinity" if best.cached_tokens > 0 else "load"
-        return Decision(best.instance, best.cached_tokens, est[best.instance], reason)
+            return Decision(idle.instance, idle.reuse(), est[idle.instance], "balance")
+        reason = "affinity" if best.cached_tokens > 0 else "l3" if best.l3_tokens > 0 else "load"
+        return Decision(best.instance, best.reuse(), est[best.instance], reason)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoad, CacheAware)}

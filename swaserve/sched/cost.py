@@ -28,6 +28,8 @@ class CostModel:
     window: int = 128
     link_bytes_per_s: float = 0.0  # 0: transfers are free (same host, not modelled)
     source: str = ""
+    l3_bytes_per_s: float = 0.0  # L3 (GCache) fetch bandwidth; 0: as ``link_bytes_per_s``
+    l3_latency_s: float = 0.0  # per fetch (lookup + get round trips)
 
     def prefill_s(self, uncached: int, cached: int = 0) -> float:
         """Seconds to prefill ``uncached`` tokens after ``cached`` ones (>= 0 each)."""
@@ -57,6 +59,23 @@ class CostModel:
     def transfer_s(self, tokens: int) -> float:
         return 0.0 if self.link_bytes_per_s <= 0 else self.transfer_bytes(tokens) / self.link_bytes_per_s
 
+    def l3_fetch_s(self, tokens: int) -> float:
+        """Seconds to fetch ``tokens`` tokens' KV from L3 into a prefill worker: their full KV and
+        one SWA window, at ``l3_bytes_per_s``, plus ``l3_latency_s``; 0 for none."""
+        if tokens <= 0:
+            return 0.0
+        bw = self.l3_bytes_per_s or self.link_bytes_per_s
+        return self.l3_latency_s + (self.transfer_bytes(tokens) / bw if bw > 0 else 0.0)
+
+    def prefill_with_l3_s(self, prompt: int, cached: int, l3: int) -> float:
+        """Prefill seconds of a ``prompt``-token request with ``cached`` tokens on the worker and
+        ``l3`` tokens fetchable from L3: the cheaper of computing past ``cached`` and fetching up
+        to ``l3`` then computing the rest (the engine fetches when L3 holds more)."""
+        own = self.prefill_s(prompt - cached, cached)
+        if l3 <= cached:
+            return own
+        return min(own, self.l3_fetch_s(l3 - cached) + self.prefill_s(prompt - l3, l3))
+
 
 MIMO_V2_FLASH_H200 = CostModel(
     name="mimo-v2-flash-h200",
@@ -71,6 +90,8 @@ MIMO_V2_FLASH_H200 = CostModel(
     window=128,
     link_bytes_per_s=50e9,
     source="derived from FLOPs and HBM bandwidth (module docstring)",
+    l3_bytes_per_s=20e9,  # GCache over RDMA, well below the production system's 170 GB/s reads
+    l3_latency_s=300e-6,  # its reported 280 us
 )
 
 # Fitted by `python -m bench.cost_calibrate` on the 2-core CPU machine, 2026-11-30, float32, 2 torch
@@ -90,6 +111,8 @@ CPU_TINY = CostModel(
     window=128,
     link_bytes_per_s=140e6,
     source="measured: bench/cost_calibrate.py, 2-core CPU, 2026-11-30",
+    l3_bytes_per_s=140e6,  # GCache over loopback: TCP-class, as the KV push (bench gcache)
+    l3_latency_s=5e-3,
 )
 
 PRESETS: dict[str, CostModel] = {m.name: m for m in (CPU_TINY, MIMO_V2_FLASH_H200)}

@@ -47,8 +47,14 @@ def test_round_trip_and_verify() -> None:
     pages = chain(list(range(12)))
     p = pages[1]
     body = codec.verify(
-        p["obj"], kind=codec.FULL_KIND, salt=SALT, key=p["pid"][0], parent=pages[0]["pid"][0],
-        tokens=list(range(4, 8)), index=1, payload_len=100,
+        p["obj"],
+        kind=codec.FULL_KIND,
+        salt=SALT,
+        key=p["pid"][0],
+        parent=pages[0]["pid"][0],
+        tokens=list(range(4, 8)),
+        index=1,
+        payload_len=100,
     )
     assert bytes(body) == p["body"]
     h = codec.decode_header(p["obj"])
@@ -70,8 +76,15 @@ def test_round_trip_and_verify() -> None:
 def test_verify_refuses_what_the_reader_does_not_expect(field: str, value, message: str) -> None:
     pages = chain(list(range(12)))
     p = pages[1]
-    want = dict(kind=codec.FULL_KIND, salt=SALT, key=p["pid"][0], parent=pages[0]["pid"][0],
-                tokens=list(range(4, 8)), index=1, payload_len=100)
+    want = dict(
+        kind=codec.FULL_KIND,
+        salt=SALT,
+        key=p["pid"][0],
+        parent=pages[0]["pid"][0],
+        tokens=list(range(4, 8)),
+        index=1,
+        payload_len=100,
+    )
     want[field] = value
     with pytest.raises(codec.CorruptPage, match=message):
         codec.verify(p["obj"], **want)

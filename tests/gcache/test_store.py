@@ -38,8 +38,12 @@ def check(store: PageStore) -> None:
         want = sum(e.slot[0] for e in store.index.values() if e.tier is tier)
         want += sum(e.slot[0] for e in store.pending.values() if e.tier is tier)
         assert tier.used == want
-        slots = {(e.slot) for e in list(store.index.values()) + list(store.pending.values()) if e.tier is tier}
-        assert len(slots) == sum(e.tier is tier for e in list(store.index.values()) + list(store.pending.values()))
+        slots = {
+            (e.slot) for e in list(store.index.values()) + list(store.pending.values()) if e.tier is tier
+        }
+        assert len(slots) == sum(
+            e.tier is tier for e in list(store.index.values()) + list(store.pending.values())
+        )
         for size, c in tier.classes.items():
             assert len(c.free) + sum(s[0] == size for s in slots) == c.slots
         assert tier.given <= tier.capacity
@@ -105,7 +109,14 @@ def test_eviction_is_coldest_leaf_first_and_hot_prefix_stays() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "touch", "read", "lease", "tick", "remove"]), st.integers(0, 10**6)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "touch", "read", "lease", "tick", "remove"]), st.integers(0, 10**6)
+        ),
+        max_size=60,
+    )
+)
 def test_prefix_closure_under_random_operations(ops) -> None:
     clock = Clock()
     rng = random.Random(len(ops))

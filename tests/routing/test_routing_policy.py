@@ -188,3 +188,38 @@ def test_leases_of_a_dead_router_expire() -> None:
     assert d.route_prefill("b", 10, [], ["p0", "p1"]).decision.instance != first
     t[0] = 31.0
     assert book.loads([first], t[0])[first].leases == 0
+
+
+def test_dispatcher_credits_what_the_l3_nodes_hold_together(dispatcher_parts) -> None:  # type: ignore[no-untyped-def]
+    """GCache nodes' blocks (segments spread over two nodes) count for every prefill instance: a
+    prompt nobody holds goes by load, with the L3 hit credited; an instance's own longer hit
+    still wins."""
+    index, book = dispatcher_parts
+    t = [0.0]
+    cost = CostModel("unit", 0.0, 1e-3, 0.0, 0.01, 1e-3, 0.0, 10, 0, 128, 1e6)  # 10 B/token at 1 MB/s
+    d = Dispatcher(index, book, CacheAware(balance_abs_s=100.0), cost, block_tokens=100, clock=lambda: t[0])
+    chain = chain_ids(range(10))  # a 1000-token prefix
+    index.record("l3:a", chain[:4], 0.0)  # segments: blocks 0-3 on one node, 4-7 on the other
+    index.record("l3:b", chain[4:8], 0.0, depth=4, parent=chain[3])
+    assert d.l3_blocks(chain, 0.0, ["l3:a", "l3:b"]) == 8
+    assert d.l3_blocks(chain, 0.0, ["l3:a"]) == 4
+    assert d.l3_blocks(chain, 0.0, []) == 0
+    r = d.route_prefill("r1", 1050, chain, ["p0", "p1"], record=False, l3_nodes=["l3:a", "l3:b"])
+    # 800 tokens fetched (8 ms) instead of computed (0.8 s)
+    assert (r.decision.reason, r.decision.cached_tokens) == ("l3", 800)
+    assert r.decision.est_ttft_s == pytest.approx(cost.l3_fetch_s(800) + 0.25)
+    assert r.lease.tokens == 250
+    d.release(r.lease)
+    index.record("p1", chain[:9], 0.0)  # p1's own cache holds more than L3
+    r = d.route_prefill("r2", 1050, chain, ["p0", "p1"], record=False, l3_nodes=["l3:a", "l3:b"])
+    assert (r.decision.instance, r.decision.reason, r.decision.cached_tokens) == ("p1", "affinity", 900)
+    d.release(r.lease)
+
+
+def test_l3_fetch_is_used_only_when_cheaper() -> None:
+    slow = CostModel("slow-l3", 0.0, 1e-3, 0.0, 0.01, 1e-3, 0.0, 10, 0, 128, 1e6, l3_bytes_per_s=1e3)
+    # 10 B/token at 1 kB/s: fetching 100 tokens takes 1 s, computing them 0.1 s
+    assert slow.prefill_with_l3_s(200, 0, 100) == pytest.approx(slow.prefill_s(200))
+    fast = CostModel("fast-l3", 0.0, 1e-3, 0.0, 0.01, 1e-3, 0.0, 10, 0, 128, 1e6, l3_latency_s=0.002)
+    assert fast.prefill_with_l3_s(200, 0, 100) == pytest.approx(0.002 + 1e-3 + 0.1)
+    assert fast.prefill_with_l3_s(200, 150, 100) == pytest.approx(fast.prefill_s(50, 150))
