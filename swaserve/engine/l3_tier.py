@@ -38,6 +38,8 @@ from swaserve.gcache import codec
 from swaserve.gcache.codec import FULL_KIND, SWA_KIND
 from swaserve.gcache.keys import Salt, page_keys
 from swaserve.gcache.l3 import Found, PutPage, placements
+from swaserve.gcache.store import Block
+from swaserve.kvcache.hashing import block_hashes
 from swaserve.kvcache.prefix_cache import PrefixCache
 from swaserve.kvcache.radix import RadixNode
 from swaserve.kvcache.storage import PagedKV
@@ -353,6 +355,7 @@ class L3Tier:
             for (i, _), b in zip(lst, blobs, strict=True):
                 payload[(kind, i)] = b
         places = placements(keys, 0)
+        blocks = self._blocks(tokens)
         out = []
         for kind, i, _, _ in items:
             k = KINDS[kind]
@@ -360,8 +363,19 @@ class L3Tier:
             obj = codec.encode(
                 k, i, self.seed, keys[i], parent, tokens[i * P : (i + 1) * P], payload[(kind, i)]
             )
-            out.append(PutPage((keys[i], k), parent, i, obj, places[i]))
+            block = blocks.get(i) if kind == FULL else None
+            out.append(PutPage((keys[i], k), parent, i, obj, places[i], block=block))
         return out
+
+    def _blocks(self, tokens: list[int]) -> dict[int, Block]:
+        """Page index -> the routers' index block that page completes, when this engine logs
+        cache events (the node publishes the L3 copies' events for the routers)."""
+        ev = self.cache.events
+        if ev is None:
+            return {}
+        B = ev.block_tokens
+        hs = block_hashes(tokens, B, ev.salt)
+        return {(b + 1) * B // self.P - 1: Block(h, b, hs[b - 1] if b else None) for b, h in enumerate(hs)}
 
     def _reap_puts(self) -> None:
         keep = []

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from swaserve.gcache.store import PageId, PageStore
+from swaserve.gcache.store import Block, PageId, PageStore
 
 
 class L3Error(Exception):
@@ -29,7 +29,8 @@ SEGMENT_PAGES = 16  # pages placed together on one node (ShardedL3)
 @dataclass
 class PutPage:
     """A page object to store: ``obj`` from ``codec.encode``. ``place``: its placement key
-    (``placements``); ``parent_elsewhere``: its parent may live on another node."""
+    (``placements``); ``parent_elsewhere``: its parent may live on another node; ``block``: the
+    routers' index block it completes (the node publishes its stored / removed events)."""
 
     pid: PageId
     parent: bytes
@@ -37,6 +38,7 @@ class PutPage:
     obj: bytes
     place: bytes = b""
     parent_elsewhere: bool = False
+    block: Block | None = None  # the routers' index block this page completes
 
 
 def placements(keys: Sequence[bytes], first_index: int, head: bytes | None = None) -> list[bytes]:
@@ -88,7 +90,7 @@ def put_into(store: PageStore, pages: Sequence[PutPage]) -> list[bool]:
     """Two-phase put of ``pages`` into a local store: reserve all, then commit in order."""
     from swaserve.gcache.store import EXISTS
 
-    res = [store.reserve(p.pid, p.parent, p.index, len(p.obj), p.parent_elsewhere) for p in pages]
+    res = [store.reserve(p.pid, p.parent, p.index, len(p.obj), p.parent_elsewhere, p.block) for p in pages]
     out = []
     for p, r in zip(pages, res, strict=True):
         if isinstance(r, int):

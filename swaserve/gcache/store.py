@@ -34,6 +34,18 @@ from swaserve.gcache.codec import KIND_NAMES, CorruptPage
 from swaserve.gcache.tiers import DramTier, NvmeTier, Slot, Tier
 
 PageId = tuple[bytes, int]  # (key, kind)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A router prefix-index block a full page completes: its key, position in its chain and the
+    previous block's key (None at depth 0) (``kvcache.hashing``)."""
+
+    key: int
+    depth: int
+    parent: int | None
+
+
 EXISTS, BUSY, FULL, NO_PARENT = "exists", "busy", "full", "no_parent"
 
 
@@ -53,6 +65,7 @@ class Entry:
     nvme_reads: int = 0
     deadline: float = 0.0  # uncommitted: reclaimed after
     needs_parent: bool = False  # a full page whose parent must be on this node
+    block: Block | None = None  # the routers' index block this page completes
 
     @property
     def pid(self) -> PageId:
@@ -105,6 +118,8 @@ class PageStore:
         self._ids = itertools.count(1)
         self.stats: Counter[tuple[str, str, str]] = Counter()  # (what, tier, kind) -> count
         self.recovered = {"pages": 0, "dropped": 0}
+        # index blocks stored / removed since the last drain (the node publishes them)
+        self.events: list[tuple[str, Block]] = []
         if nvme is not None:
             self.recover()
 
@@ -175,7 +190,13 @@ class PageStore:
 
     # -- puts -------------------------------------------------------------------------------------
     def reserve(
-        self, pid: PageId, parent: bytes, index: int, size: int, parent_elsewhere: bool = False
+        self,
+        pid: PageId,
+        parent: bytes,
+        index: int,
+        size: int,
+        parent_elsewhere: bool = False,
+        block: Block | None = None,
     ) -> str | int:
         """Room for a new page object of ``size`` bytes: a reservation id, or ``EXISTS`` (the page
         is there: touched), ``BUSY`` (another put of it is in progress), ``NO_PARENT`` (a full
@@ -209,8 +230,9 @@ class PageStore:
         tier, slot = placed
         rid = next(self._ids)
         self.pending[rid] = Entry(
-            key, kind, parent, index, size, tier, slot, deadline=now + self.put_timeout, needs_parent=local
-        )
+            key, kind, parent, index, size, tier, slot, deadline=now + self.put_timeout, needs_parent=local,
+            block=block if kind == codec.FULL_KIND else None,
+        )  # fmt: skip
         self._pending_ids[pid] = rid
         return rid
 
@@ -239,6 +261,8 @@ class PageStore:
         e.committed = True
         self.index[e.pid] = e
         self.children.setdefault(e.parent_pid, set()).add(e.pid)
+        if e.block is not None:
+            self.events.append(("stored", e.block))
         self._heat_up(e, self.clock())
         self._count("bytes_written", e.tier, e.kind, e.size)
         self._count("puts", e.tier, e.kind)
@@ -346,6 +370,8 @@ class PageStore:
 
     def _drop(self, e: Entry) -> None:
         del self.index[e.pid]
+        if e.block is not None:
+            self.events.append(("removed", e.block))
         sib = self.children.get(e.parent_pid)
         if sib is not None:
             sib.discard(e.pid)
@@ -468,6 +494,10 @@ class PageStore:
             nvme.claim(size, ids)
         for e in sorted(self.index.values(), key=lambda x: -x.index):  # children first: parents end hotter
             self._heat_up(e, now)
+
+    def blocks(self) -> list[Block]:
+        """The index blocks of every stored page (a snapshot for the routers)."""
+        return [e.block for e in self.index.values() if e.block is not None]
 
     def _count(self, what: str, tier: Tier, kind: int, n: int = 1) -> None:
         self.stats[(what, tier.name, KIND_NAMES.get(kind, "any"))] += n

@@ -93,7 +93,9 @@ class Dispatcher:
         l3 = min(self.l3_blocks(hashes, now, l3_nodes) * self.block_tokens, cap)
         for attempt in range(self.max_conflicts + 1):
             loads = self.book.loads(names, now)
-            cands = [Candidate(i, min(matched.get(i, 0) * self.block_tokens, cap), loads[i], l3) for i in names]
+            cands = [
+                Candidate(i, min(matched.get(i, 0) * self.block_tokens, cap), loads[i], l3) for i in names
+            ]
             d = self.policy.choose(prompt_tokens, cands, self.cost)
             uncached = prompt_tokens - d.cached_tokens
             lease = Lease(
@@ -111,7 +113,9 @@ class Dispatcher:
             self.index.record(d.instance, hashes, now)
         return Route(replace(d, fallback=fallback), lease)
 
-    def l3_blocks(self, hashes: Sequence[int], now: float, nodes: Collection[str], max_rounds: int = 64) -> int:
+    def l3_blocks(
+        self, hashes: Sequence[int], now: float, nodes: Collection[str], max_rounds: int = 64
+    ) -> int:
         """Leading blocks of ``hashes`` the L3 nodes hold together (a chain is spread over nodes
         segment by segment: each round asks for the longest run one node holds from where the
         last one stopped)."""

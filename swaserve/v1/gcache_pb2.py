@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swaserve/v1/gcache.proto\x12\x0bswaserve.v1\"$\n\x07PageRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\r\"E\n\rLookupRequest\x12#\n\x05pages\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PageRef\x12\x0f\n\x07lease_s\x18\x02 \x01(\x02\"-\n\x0bLookupReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\r\n\x05lease\x18\x02 \x01(\x04\"t\n\x07PutItem\x12\"\n\x04page\x18\x01 \x01(\x0b\x32\x14.swaserve.v1.PageRef\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x18\n\x10parent_elsewhere\x18\x05 \x01(\x08\"6\n\x0fPutStartRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PutItem\"\x92\x01\n\x07PutSlot\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.swaserve.v1.PutSlot.Status\x12\x13\n\x0breservation\x18\x02 \x01(\x04\"E\n\x06Status\x12\x0c\n\x08RESERVED\x10\x00\x12\n\n\x06\x45XISTS\x10\x01\x12\x08\n\x04\x42USY\x10\x02\x12\x08\n\x04\x46ULL\x10\x03\x12\r\n\tNO_PARENT\x10\x04\"4\n\rPutStartReply\x12#\n\x05slots\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PutSlot\"&\n\x0ePutDataRequest\x12\x14\n\x0creservations\x18\x01 \x03(\x04\"/\n\x08PutChunk\x12\x13\n\x0breservation\x18\x01 \x01(\x04\x12\x0e\n\x06object\x18\x02 \x01(\x0c\"1\n\x0cPutDataReply\x12\x11\n\tcommitted\x18\x01 \x03(\x08\x12\x0e\n\x06\x65rrors\x18\x02 \x03(\t\"@\n\nGetRequest\x12#\n\x05pages\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PageRef\x12\r\n\x05lease\x18\x02 \x01(\x04\"\x19\n\x08GetReply\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\"%\n\x08GetChunk\x12\t\n\x01i\x18\x01 \x01(\r\x12\x0e\n\x06object\x18\x02 \x01(\x0c\"\x1f\n\x0eReleaseRequest\x12\r\n\x05lease\x18\x01 \x01(\x04\"4\n\rRemoveRequest\x12#\n\x05pages\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PageRef\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"X\n\tTierUsage\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x0c\n\x04used\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0e\n\x06leased\x18\x05 \x01(\x04\"z\n\tInfoReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08ucx_port\x18\x02 \x01(\r\x12%\n\x05tiers\x18\x03 \x03(\x0b\x32\x16.swaserve.v1.TierUsage\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x11\n\tdirect_io\x18\x05 \x01(\x08\"\x07\n\x05\x45mpty2\xed\x03\n\x06GCache\x12\x38\n\x04Info\x12\x18.swaserve.v1.InfoRequest\x1a\x16.swaserve.v1.InfoReply\x12>\n\x06Lookup\x12\x1a.swaserve.v1.LookupRequest\x1a\x18.swaserve.v1.LookupReply\x12:\n\x07Release\x12\x1b.swaserve.v1.ReleaseRequest\x1a\x12.swaserve.v1.Empty\x12\x44\n\x08PutStart\x12\x1c.swaserve.v1.PutStartRequest\x1a\x1a.swaserve.v1.PutStartReply\x12=\n\x07PutData\x12\x15.swaserve.v1.PutChunk\x1a\x19.swaserve.v1.PutDataReply(\x01\x12\x37\n\x03Get\x12\x17.swaserve.v1.GetRequest\x1a\x15.swaserve.v1.GetChunk0\x01\x12>\n\x06Remove\x12\x1a.swaserve.v1.RemoveRequest\x1a\x18.swaserve.v1.RemoveReply\x12/\n\x05\x44rain\x12\x12.swaserve.v1.Empty\x1a\x12.swaserve.v1.Emptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swaserve/v1/gcache.proto\x12\x0bswaserve.v1\"$\n\x07PageRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\r\"E\n\rLookupRequest\x12#\n\x05pages\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PageRef\x12\x0f\n\x07lease_s\x18\x02 \x01(\x02\"-\n\x0bLookupReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\r\n\x05lease\x18\x02 \x01(\x04\"\xdb\x01\n\x07PutItem\x12\"\n\x04page\x18\x01 \x01(\x0b\x32\x14.swaserve.v1.PageRef\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x18\n\x10parent_elsewhere\x18\x05 \x01(\x08\x12\x11\n\thas_block\x18\x06 \x01(\x08\x12\r\n\x05\x62lock\x18\x07 \x01(\x04\x12\x13\n\x0b\x62lock_depth\x18\x08 \x01(\r\x12\x18\n\x10has_block_parent\x18\t \x01(\x08\x12\x14\n\x0c\x62lock_parent\x18\n \x01(\x04\"6\n\x0fPutStartRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PutItem\"\x92\x01\n\x07PutSlot\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.swaserve.v1.PutSlot.Status\x12\x13\n\x0breservation\x18\x02 \x01(\x04\"E\n\x06Status\x12\x0c\n\x08RESERVED\x10\x00\x12\n\n\x06\x45XISTS\x10\x01\x12\x08\n\x04\x42USY\x10\x02\x12\x08\n\x04\x46ULL\x10\x03\x12\r\n\tNO_PARENT\x10\x04\"4\n\rPutStartReply\x12#\n\x05slots\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PutSlot\"&\n\x0ePutDataRequest\x12\x14\n\x0creservations\x18\x01 \x03(\x04\"/\n\x08PutChunk\x12\x13\n\x0breservation\x18\x01 \x01(\x04\x12\x0e\n\x06object\x18\x02 \x01(\x0c\"1\n\x0cPutDataReply\x12\x11\n\tcommitted\x18\x01 \x03(\x08\x12\x0e\n\x06\x65rrors\x18\x02 \x03(\t\"@\n\nGetRequest\x12#\n\x05pages\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PageRef\x12\r\n\x05lease\x18\x02 \x01(\x04\"\x19\n\x08GetReply\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\"%\n\x08GetChunk\x12\t\n\x01i\x18\x01 \x01(\r\x12\x0e\n\x06object\x18\x02 \x01(\x0c\"\x1f\n\x0eReleaseRequest\x12\r\n\x05lease\x18\x01 \x01(\x04\"4\n\rRemoveRequest\x12#\n\x05pages\x18\x01 \x03(\x0b\x32\x14.swaserve.v1.PageRef\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"X\n\tTierUsage\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x0c\n\x04used\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0e\n\x06leased\x18\x05 \x01(\x04\"z\n\tInfoReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08ucx_port\x18\x02 \x01(\r\x12%\n\x05tiers\x18\x03 \x03(\x0b\x32\x16.swaserve.v1.TierUsage\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x11\n\tdirect_io\x18\x05 \x01(\x08\"\x07\n\x05\x45mpty2\xed\x03\n\x06GCache\x12\x38\n\x04Info\x12\x18.swaserve.v1.InfoRequest\x1a\x16.swaserve.v1.InfoReply\x12>\n\x06Lookup\x12\x1a.swaserve.v1.LookupRequest\x1a\x18.swaserve.v1.LookupReply\x12:\n\x07Release\x12\x1b.swaserve.v1.ReleaseRequest\x1a\x12.swaserve.v1.Empty\x12\x44\n\x08PutStart\x12\x1c.swaserve.v1.PutStartRequest\x1a\x1a.swaserve.v1.PutStartReply\x12=\n\x07PutData\x12\x15.swaserve.v1.PutChunk\x1a\x19.swaserve.v1.PutDataReply(\x01\x12\x37\n\x03Get\x12\x17.swaserve.v1.GetRequest\x1a\x15.swaserve.v1.GetChunk0\x01\x12>\n\x06Remove\x12\x1a.swaserve.v1.RemoveRequest\x1a\x18.swaserve.v1.RemoveReply\x12/\n\x05\x44rain\x12\x12.swaserve.v1.Empty\x1a\x12.swaserve.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,42 +37,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_end=148
   _globals['_LOOKUPREPLY']._serialized_start=150
   _globals['_LOOKUPREPLY']._serialized_end=195
-  _globals['_PUTITEM']._serialized_start=197
-  _globals['_PUTITEM']._serialized_end=313
-  _globals['_PUTSTARTREQUEST']._serialized_start=315
-  _globals['_PUTSTARTREQUEST']._serialized_end=369
-  _globals['_PUTSLOT']._serialized_start=372
-  _globals['_PUTSLOT']._serialized_end=518
-  _globals['_PUTSLOT_STATUS']._serialized_start=449
-  _globals['_PUTSLOT_STATUS']._serialized_end=518
-  _globals['_PUTSTARTREPLY']._serialized_start=520
-  _globals['_PUTSTARTREPLY']._serialized_end=572
-  _globals['_PUTDATAREQUEST']._serialized_start=574
-  _globals['_PUTDATAREQUEST']._serialized_end=612
-  _globals['_PUTCHUNK']._serialized_start=614
-  _globals['_PUTCHUNK']._serialized_end=661
-  _globals['_PUTDATAREPLY']._serialized_start=663
-  _globals['_PUTDATAREPLY']._serialized_end=712
-  _globals['_GETREQUEST']._serialized_start=714
-  _globals['_GETREQUEST']._serialized_end=778
-  _globals['_GETREPLY']._serialized_start=780
-  _globals['_GETREPLY']._serialized_end=805
-  _globals['_GETCHUNK']._serialized_start=807
-  _globals['_GETCHUNK']._serialized_end=844
-  _globals['_RELEASEREQUEST']._serialized_start=846
-  _globals['_RELEASEREQUEST']._serialized_end=877
-  _globals['_REMOVEREQUEST']._serialized_start=879
-  _globals['_REMOVEREQUEST']._serialized_end=931
-  _globals['_REMOVEREPLY']._serialized_start=933
-  _globals['_REMOVEREPLY']._serialized_end=963
-  _globals['_INFOREQUEST']._serialized_start=965
-  _globals['_INFOREQUEST']._serialized_end=978
-  _globals['_TIERUSAGE']._serialized_start=980
-  _globals['_TIERUSAGE']._serialized_end=1068
-  _globals['_INFOREPLY']._serialized_start=1070
-  _globals['_INFOREPLY']._serialized_end=1192
-  _globals['_EMPTY']._serialized_start=1194
-  _globals['_EMPTY']._serialized_end=1201
-  _globals['_GCACHE']._serialized_start=1204
-  _globals['_GCACHE']._serialized_end=1697
+  _globals['_PUTITEM']._serialized_start=198
+  _globals['_PUTITEM']._serialized_end=417
+  _globals['_PUTSTARTREQUEST']._serialized_start=419
+  _globals['_PUTSTARTREQUEST']._serialized_end=473
+  _globals['_PUTSLOT']._serialized_start=476
+  _globals['_PUTSLOT']._serialized_end=622
+  _globals['_PUTSLOT_STATUS']._serialized_start=553
+  _globals['_PUTSLOT_STATUS']._serialized_end=622
+  _globals['_PUTSTARTREPLY']._serialized_start=624
+  _globals['_PUTSTARTREPLY']._serialized_end=676
+  _globals['_PUTDATAREQUEST']._serialized_start=678
+  _globals['_PUTDATAREQUEST']._serialized_end=716
+  _globals['_PUTCHUNK']._serialized_start=718
+  _globals['_PUTCHUNK']._serialized_end=765
+  _globals['_PUTDATAREPLY']._serialized_start=767
+  _globals['_PUTDATAREPLY']._serialized_end=816
+  _globals['_GETREQUEST']._serialized_start=818
+  _globals['_GETREQUEST']._serialized_end=882
+  _globals['_GETREPLY']._serialized_start=884
+  _globals['_GETREPLY']._serialized_end=909
+  _globals['_GETCHUNK']._serialized_start=911
+  _globals['_GETCHUNK']._serialized_end=948
+  _globals['_RELEASEREQUEST']._serialized_start=950
+  _globals['_RELEASEREQUEST']._serialized_end=981
+  _globals['_REMOVEREQUEST']._serialized_start=983
+  _globals['_REMOVEREQUEST']._serialized_end=1035
+  _globals['_REMOVEREPLY']._serialized_start=1037
+  _globals['_REMOVEREPLY']._serialized_end=1067
+  _globals['_INFOREQUEST']._serialized_start=1069
+  _globals['_INFOREQUEST']._serialized_end=1082
+  _globals['_TIERUSAGE']._serialized_start=1084
+  _globals['_TIERUSAGE']._serialized_end=1172
+  _globals['_INFOREPLY']._serialized_start=1174
+  _globals['_INFOREPLY']._serialized_end=1296
+  _globals['_EMPTY']._serialized_start=1298
+  _globals['_EMPTY']._serialized_end=1305
+  _globals['_GCACHE']._serialized_start=1308
+  _globals['_GCACHE']._serialized_end=1801
 # @@protoc_insertion_point(module_scope)

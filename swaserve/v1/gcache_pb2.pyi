@@ -32,18 +32,28 @@ class LookupReply(_message.Message):
     def __init__(self, present: _Optional[_Iterable[bool]] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("page", "parent", "index", "size", "parent_elsewhere")
+    __slots__ = ("page", "parent", "index", "size", "parent_elsewhere", "has_block", "block", "block_depth", "has_block_parent", "block_parent")
     PAGE_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PARENT_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
+    HAS_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    HAS_BLOCK_PARENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_PARENT_FIELD_NUMBER: _ClassVar[int]
     page: PageRef
     parent: bytes
     index: int
     size: int
     parent_elsewhere: bool
-    def __init__(self, page: _Optional[_Union[PageRef, _Mapping]] = ..., parent: _Optional[bytes] = ..., index: _Optional[int] = ..., size: _Optional[int] = ..., parent_elsewhere: _Optional[bool] = ...) -> None: ...
+    has_block: bool
+    block: int
+    block_depth: int
+    has_block_parent: bool
+    block_parent: int
+    def __init__(self, page: _Optional[_Union[PageRef, _Mapping]] = ..., parent: _Optional[bytes] = ..., index: _Optional[int] = ..., size: _Optional[int] = ..., parent_elsewhere: _Optional[bool] = ..., has_block: _Optional[bool] = ..., block: _Optional[int] = ..., block_depth: _Optional[int] = ..., has_block_parent: _Optional[bool] = ..., block_parent: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("items",)

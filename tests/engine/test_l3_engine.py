@@ -70,3 +70,28 @@ def test_another_salt_never_hits(tiny_dir: Path) -> None:
     workload(b, seed=3)
     assert b.kv.cache.stats.hits_l3 == 0  # type: ignore[union-attr]
     assert b.core.l3.stats["lookup_misses"] > 0  # type: ignore[union-attr]
+
+
+def test_puts_carry_the_routers_index_blocks(tiny_dir: Path) -> None:
+    """With cache events on, each full page that completes an index block carries its key, so the
+    node can publish the L3 copies for the routers (and removes them when it drops the page): the
+    keys and depths are those of the engine's own cache events."""
+    cfg = l3_config(index_block_tokens=8)
+    a = LLMEngine(tiny_dir, cfg)
+    workload(a, seed=5)
+    depth: dict[int, int] = {}
+    for ev in a.kv.drain_cache_events(0.0, resync=True):
+        if ev.op == "stored":
+            depth.update({h: ev.depth + j for j, h in enumerate(ev.hashes)})
+    a.kv.flush_cache()
+    a.core.l3.flush_puts()  # type: ignore[union-attr]
+    store = local_store(cfg.l3_url.split("://")[1])  # type: ignore[union-attr]
+    stored = {b.key: b for op, b in store.events if op == "stored"}
+    assert len(stored) > 5 and {b.key for b in store.blocks()} == set(stored)
+    for b in stored.values():
+        assert depth[b.key] == b.depth
+        assert (b.parent is None) == (b.depth == 0)
+        if b.parent is not None:
+            assert depth[b.parent] == b.depth - 1
+    store.remove([next(pid for pid, e in store.index.items() if e.block is not None and e.block.depth == 0)])
+    assert any(op == "removed" for op, _ in store.events)
