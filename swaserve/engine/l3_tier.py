@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from swaserve.gcache.codec import FULL_KIND, SWA_KIND
 from swaserve.gcache.keys import Salt, page_keys
 from swaserve.gcache.l3 import Found, PutPage, placements
 from swaserve.gcache.store import Block
+from swaserve.kvcache.block_events import BlockEvent, BlockEventLog
 from swaserve.kvcache.hashing import block_hashes
 from swaserve.kvcache.prefix_cache import PrefixCache
 from swaserve.kvcache.radix import RadixNode
@@ -98,6 +99,76 @@ class PageBytes:
                 part = mat[:, off : off + nb].contiguous().view(self.dtype).view(n, P, *shape)
                 t[r] = part.to(t.device)
                 off += nb
+
+
+def best_stop(present: list[bool], d: int, wp: int, min_pages: int) -> int:
+    """The best stop point of a lookup of full pages ``d .. d + n`` then their SWA pages
+    (``present``: 2n flags): the largest ``p`` with every full page ``d .. p`` and the SWA window
+    ``p - wp .. p`` present, ``p - wp >= d`` and ``p - d >= min_pages``; 0 when none."""
+    n = len(present) // 2
+    full, swa = present[:n], present[n:]
+    run, best = 0, 0
+    for j in range(n):
+        if not full[j]:
+            break
+        run = run + 1 if swa[j] else 0
+        p = d + j + 1
+        if run >= wp and p - d >= min_pages:
+            best = p
+    return best
+
+
+def writeback(
+    y: RadixNode, swa_only: bool, page_size: int, wp: int, seed: bytes, known: Collection[bytes]
+) -> tuple[list[int], list[bytes], list[tuple[str, int, str, int]]]:
+    """What to put when ``y``'s host copies go: ``(path tokens, page keys, items)``, items
+    ``(kind, page index, "host" | "device", page id)``: ``y``'s full pages and its ancestors' not
+    in ``known`` (parents first; nothing when a page of the path has no copy), then the SWA window
+    at ``y``'s end when every page of it has a copy (``swa_only``: that window alone)."""
+    path: list[RadixNode] = []
+    x: RadixNode | None = y
+    while x is not None and x.parent is not None:
+        path.append(x)
+        x = x.parent
+    path.reverse()
+    tokens = [t for n in path for t in n.key]
+    keys = page_keys(tokens, page_size, seed)
+    end = len(keys)
+    start = end - len(y.key) // page_size
+    loc = [(n, i) for n in path for i in range(len(n.key) // page_size)]
+    items: list[tuple[str, int, str, int]] = []
+    if not swa_only:
+        for i in range(end):
+            if i < start and keys[i] in known:
+                continue
+            n, j = loc[i]
+            if n.host_full is not None:
+                items.append((FULL, i, "host", n.host_full[j]))
+            elif n.full is not None:
+                items.append((FULL, i, "device", n.full[j]))
+            else:  # a page with no copy: nothing after it can be stored
+                return tokens, keys, []
+    window: list[tuple[str, int, str, int]] = []
+    for i in range(max(0, end - wp), end):
+        n, j = loc[i]
+        hp = n.host_swa[j] if n.host_swa is not None else None
+        if hp is not None:
+            window.append((SWA, i, "host", hp))
+        elif n.swa is not None:
+            window.append((SWA, i, "device", n.swa[j]))
+    if len(window) == min(wp, end):
+        items += window
+    return tokens, keys, items
+
+
+def router_blocks(tokens: list[int], page_size: int, events: BlockEventLog | None) -> dict[int, Block]:
+    """Page index -> the routers' index block that page completes (``events``: the cache's event
+    log, whose block size and salt the routers use; None: no blocks)."""
+    if events is None:
+        return {}
+    B = events.block_tokens
+    hs = block_hashes(tokens, B, events.salt)
+    return {(b + 1) * B // page_size - 1: Block(h, b, hs[b - 1] if b else None) for b, h in enumerate(hs)}
 
 
 @dataclass
@@ -217,16 +288,7 @@ class L3Tier:
         return done
 
     def _plan(self, f: _Fetch, found: Found) -> bool:
-        n = len(f.keys) - f.d
-        full, swa = found.present[:n], found.present[n:]
-        run, best = 0, 0
-        for j in range(n):
-            if not full[j]:
-                break
-            run = run + 1 if swa[j] else 0
-            p = f.d + j + 1
-            if run >= self.wp and p - f.d >= self.min_pages:
-                best = p
+        best = best_stop(found.present, f.d, self.wp, self.min_pages)
         if not best:
             self.stats["lookup_misses"] += 1
             self.io.run(self.io.store.get, found, [])  # ends the lease
@@ -298,40 +360,10 @@ class L3Tier:
         if self.backlog >= self.max_backlog:
             self.stats["puts_dropped"] += 1
             return
-        path: list[RadixNode] = []
-        x: RadixNode | None = y
-        while x is not None and x.parent is not None:
-            path.append(x)
-            x = x.parent
-        path.reverse()
-        tokens = [t for n in path for t in n.key]
-        keys = page_keys(tokens, self.P, self.seed)
-        end = len(keys)
-        start = end - len(y.key) // self.P
-        loc: list[tuple[RadixNode, int]] = [(n, i) for n in path for i in range(len(n.key) // self.P)]
         self.cache.mover.sync()  # host copies still in flight (CUDA)
-        items: list[tuple[str, int, PagedKV, int]] = []  # (kind, page index, storage, page id)
-        if not swa_only:
-            for i in range(end):
-                if i < start and keys[i] in self.known:
-                    continue
-                n, j = loc[i]
-                if n.host_full is not None:
-                    items.append((FULL, i, self.host, n.host_full[j]))
-                elif n.full is not None:
-                    items.append((FULL, i, self.device, n.full[j]))
-                else:  # a page with no copy: nothing after it can be stored
-                    return
-        window: list[tuple[str, int, PagedKV, int]] = []
-        for i in range(max(0, end - self.wp), end):
-            n, j = loc[i]
-            hp = n.host_swa[j] if n.host_swa is not None else None
-            if hp is not None:
-                window.append((SWA, i, self.host, hp))
-            elif n.swa is not None:
-                window.append((SWA, i, self.device, n.swa[j]))
-        if len(window) == min(self.wp, end):
-            items += window
+        tokens, keys, picked = writeback(y, swa_only, self.P, self.wp, self.seed, self.known)
+        stores = {"host": self.host, "device": self.device}
+        items = [(kind, i, stores[tier], page) for kind, i, tier, page in picked]
         if not items:
             return
         pages = self._encode(items, tokens, keys)
@@ -355,7 +387,7 @@ class L3Tier:
             for (i, _), b in zip(lst, blobs, strict=True):
                 payload[(kind, i)] = b
         places = placements(keys, 0)
-        blocks = self._blocks(tokens)
+        blocks = router_blocks(tokens, self.P, self.cache.events)
         out = []
         for kind, i, _, _ in items:
             k = KINDS[kind]
@@ -366,16 +398,6 @@ class L3Tier:
             block = blocks.get(i) if kind == FULL else None
             out.append(PutPage((keys[i], k), parent, i, obj, places[i], block=block))
         return out
-
-    def _blocks(self, tokens: list[int]) -> dict[int, Block]:
-        """Page index -> the routers' index block that page completes, when this engine logs
-        cache events (the node publishes the L3 copies' events for the routers)."""
-        ev = self.cache.events
-        if ev is None:
-            return {}
-        B = ev.block_tokens
-        hs = block_hashes(tokens, B, ev.salt)
-        return {(b + 1) * B // self.P - 1: Block(h, b, hs[b - 1] if b else None) for b, h in enumerate(hs)}
 
     def _reap_puts(self) -> None:
         keep = []
@@ -426,3 +448,14 @@ def build_l3(
         cache, host, device, salt.seed(), io, config.l3_min_tokens, config.l3_timeout_s,
         config.l3_timeout_per_ki_token_s, clock,
     )  # fmt: skip
+
+
+def as_block_events(events: list[tuple[str, Block]]) -> list[BlockEvent]:
+    """A store's index-block log (``PageStore.events``) as the routers' ``BlockEvent``s."""
+    out = []
+    for op, b in events:
+        if op == "stored":
+            out.append(BlockEvent("stored", (b.key,), b.parent, b.depth))
+        else:
+            out.append(BlockEvent("removed", (b.key,)))
+    return out

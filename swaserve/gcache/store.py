@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from swaserve.gcache import codec
 from swaserve.gcache.codec import KIND_NAMES, CorruptPage
-from swaserve.gcache.tiers import DramTier, NvmeTier, Slot, Tier
+from swaserve.gcache.tiers import NvmeTier, Slot, Tier
 
 PageId = tuple[bytes, int]  # (key, kind)
 
@@ -92,7 +92,7 @@ class PageStore:
 
     def __init__(
         self,
-        dram: DramTier,
+        dram: Tier,
         nvme: NvmeTier | None = None,
         clock: Callable[[], float] = time.monotonic,
         half_life_s: float = 600.0,
