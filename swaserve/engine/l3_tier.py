@@ -23,6 +23,7 @@ Design, sources and the bugs this avoids (SGLang HiCache #31108, #40193): docs/D
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
@@ -118,8 +119,47 @@ def best_stop(present: list[bool], d: int, wp: int, min_pages: int) -> int:
     return best
 
 
+class ChainKeys:
+    """Page chain keys (``gcache.keys.page_keys``) of radix nodes' own pages, kept per node and
+    checked by the identity of its key and parent (a split node is hashed again); at most ``cap``
+    nodes, least recently used dropped. Args: page_size: tokens per page; seed: the salt's
+    ``K_{-1}`` (16 bytes)."""
+
+    def __init__(self, page_size: int, seed: bytes, cap: int = 1 << 15) -> None:
+        self.P, self.seed, self.cap = page_size, seed, cap
+        self.memo: OrderedDict[int, tuple[object, object, list[bytes]]] = OrderedDict()
+
+    def _cached(self, x: RadixNode) -> list[bytes] | None:
+        m = self.memo.get(x.id)
+        if m is None or m[0] is not x.key or m[1] is not x.parent:
+            return None
+        self.memo.move_to_end(x.id)
+        return m[2]
+
+    def of(self, node: RadixNode) -> list[bytes]:
+        """Keys of ``node``'s own pages (``len(node.key) // page_size``); the root has none."""
+        todo: list[RadixNode] = []
+        x: RadixNode | None = node
+        prev = self.seed
+        while x is not None and x.parent is not None:
+            ks = self._cached(x)
+            if ks is not None:
+                prev = ks[-1] if ks else prev
+                break
+            todo.append(x)
+            x = x.parent
+        out: list[bytes] = self._cached(node) or []
+        for x in reversed(todo):
+            out = page_keys(x.key, self.P, prev)
+            self.memo[x.id] = (x.key, x.parent, out)
+            prev = out[-1] if out else prev
+        while len(self.memo) > self.cap:
+            self.memo.popitem(last=False)
+        return out
+
+
 def writeback(
-    y: RadixNode, swa_only: bool, page_size: int, wp: int, seed: bytes, known: Collection[bytes]
+    y: RadixNode, swa_only: bool, wp: int, chain: ChainKeys, known: Collection[bytes]
 ) -> tuple[list[int], list[bytes], list[tuple[str, int, str, int]]]:
     """What to put when ``y``'s host copies go: ``(path tokens, page keys, items)``, items
     ``(kind, page index, "host" | "device", page id)``: ``y``'s full pages and its ancestors' not
@@ -131,33 +171,42 @@ def writeback(
         path.append(x)
         x = x.parent
     path.reverse()
-    tokens = [t for n in path for t in n.key]
-    keys = page_keys(tokens, page_size, seed)
+    chain.of(y)
+    node_keys = [chain.of(n) for n in path]
+    tokens = list(itertools.chain.from_iterable(n.key for n in path))
+    keys = list(itertools.chain.from_iterable(node_keys))
     end = len(keys)
-    start = end - len(y.key) // page_size
-    loc = [(n, i) for n in path for i in range(len(n.key) // page_size)]
     items: list[tuple[str, int, str, int]] = []
     if not swa_only:
-        for i in range(end):
-            if i < start and keys[i] in known:
-                continue
-            n, j = loc[i]
-            if n.host_full is not None:
-                items.append((FULL, i, "host", n.host_full[j]))
-            elif n.full is not None:
-                items.append((FULL, i, "device", n.full[j]))
-            else:  # a page with no copy: nothing after it can be stored
-                return tokens, keys, []
+        off = 0
+        for n, ks in zip(path, node_keys, strict=True):
+            mine = n is y
+            for j, k in enumerate(ks):
+                if not mine and k in known:
+                    continue
+                if n.host_full is not None:
+                    items.append((FULL, off + j, "host", n.host_full[j]))
+                elif n.full is not None:
+                    items.append((FULL, off + j, "device", n.full[j]))
+                else:  # a page with no copy: nothing after it can be stored
+                    return tokens, keys, []
+            off += len(ks)
     window: list[tuple[str, int, str, int]] = []
-    for i in range(max(0, end - wp), end):
-        n, j = loc[i]
-        hp = n.host_swa[j] if n.host_swa is not None else None
-        if hp is not None:
-            window.append((SWA, i, "host", hp))
-        elif n.swa is not None:
-            window.append((SWA, i, "device", n.swa[j]))
+    i = end
+    for n, ks in zip(reversed(path), reversed(node_keys), strict=True):
+        for j in range(len(ks) - 1, -1, -1):
+            if end - i >= wp:
+                break
+            i -= 1
+            hp = n.host_swa[j] if n.host_swa is not None else None
+            if hp is not None:
+                window.append((SWA, i, "host", hp))
+            elif n.swa is not None:
+                window.append((SWA, i, "device", n.swa[j]))
+        if end - i >= wp:
+            break
     if len(window) == min(wp, end):
-        items += window
+        items += reversed(window)
     return tokens, keys, items
 
 
@@ -222,6 +271,7 @@ class L3Tier:
         self.backlog, self.max_backlog = 0, max_backlog
         self.close = io.close
         self.known: OrderedDict[bytes, None] = OrderedDict()
+        self.chain = ChainKeys(self.P, self.seed)
         self.stats: Counter[str] = Counter()
         cache.l3_sink = self.sink
 
@@ -361,7 +411,7 @@ class L3Tier:
             self.stats["puts_dropped"] += 1
             return
         self.cache.mover.sync()  # host copies still in flight (CUDA)
-        tokens, keys, picked = writeback(y, swa_only, self.P, self.wp, self.seed, self.known)
+        tokens, keys, picked = writeback(y, swa_only, self.wp, self.chain, self.known)
         stores = {"host": self.host, "device": self.device}
         items = [(kind, i, stores[tier], page) for kind, i, tier, page in picked]
         if not items:

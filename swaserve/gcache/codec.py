@@ -110,7 +110,7 @@ def decode_header(obj: bytes | bytearray | memoryview) -> Header:
     if bool(flags & FIRST_PAGE) != (index == 0):
         raise CorruptPage("first-page flag disagrees with the page index")
     toks = np.frombuffer(bytes(view[_FIXED.size : _FIXED.size + 4 * ps]), dtype="<u4")
-    return Header(kind, index, salt, key, parent, tuple(int(t) for t in toks), plen, pcrc)
+    return Header(kind, index, salt, key, parent, tuple(toks.tolist()), plen, pcrc)
 
 
 def verify(
@@ -123,12 +123,14 @@ def verify(
     tokens: Sequence[int] | None = None,
     index: int | None = None,
     payload_len: int | None = None,
+    header: Header | None = None,
 ) -> memoryview:
     """Check a whole object against what the reader expects; returns the payload view.
+    ``header``: ``decode_header(obj)`` when the caller has it already.
 
     Raises ``CorruptPage`` naming the first mismatch (header, kind, salt, key, parent, index,
     tokens, length, payload CRC)."""
-    h = decode_header(obj)
+    h = header or decode_header(obj)
     view = memoryview(obj)
     if h.kind != kind:
         raise CorruptPage(f"kind {KIND_NAMES[h.kind]}, expected {KIND_NAMES.get(kind, kind)}")
@@ -140,7 +142,7 @@ def verify(
         raise CorruptPage("parent key mismatch")
     if index is not None and h.index != index:
         raise CorruptPage(f"page index {h.index}, expected {index}")
-    if tokens is not None and tuple(int(t) for t in tokens) != h.tokens:
+    if tokens is not None and tuple(map(int, tokens)) != h.tokens:
         raise CorruptPage("token ids mismatch")
     if payload_len is not None and h.payload_len != payload_len:
         raise CorruptPage(f"payload of {h.payload_len} bytes, expected {payload_len}")

@@ -124,10 +124,14 @@ class PageStore:
             self.recover()
 
     # -- heat -------------------------------------------------------------------------------------
-    def _heat_up(self, e: Entry, now: float) -> None:
+    def _heat_up(self, e: Entry, now: float, propagate: bool = True) -> None:
         t = now / self.half_life
         count = 2.0 ** (e.score - t) if e.score > -math.inf else 0.0
         self._set_score(e, math.log2(count + 1.0) + t)
+        if propagate:
+            self._propagate(e)
+
+    def _propagate(self, e: Entry) -> None:
         p = self.index.get(e.parent_pid)
         while p is not None and p.score < e.score:  # heat(parent) >= heat(child)
             self._set_score(p, e.score)
@@ -171,10 +175,13 @@ class PageStore:
             if lid in self.leases:
                 self._count("lease_expired", self.dram, -1)
                 self.release(lid)
-        for rid, e in list(self.pending.items()):
-            if e.deadline <= now:
-                self._count("put_zombies", e.tier, e.kind)
-                self.abort(rid)
+        # Deadlines are reserve time + a constant, so insertion order is deadline order.
+        while self.pending:
+            rid, e = next(iter(self.pending.items()))
+            if e.deadline > now:
+                break
+            self._count("put_zombies", e.tier, e.kind)
+            self.abort(rid)
         cap = self.dram.capacity
         if self.nvme is not None and cap and self.dram.used > self.high * cap:
             while self.dram.used > self.low * cap and self._demote_any():
@@ -251,7 +258,7 @@ class PageStore:
                 raise CorruptPage("object header does not match its reservation")
             if len(obj) != e.size or h.object_size != e.size:
                 raise CorruptPage(f"object of {len(obj)} bytes, reserved {e.size}")
-            codec.verify(obj, kind=e.kind, salt=h.salt, key=e.key)
+            codec.verify(obj, kind=e.kind, salt=h.salt, key=e.key, header=h)
         except CorruptPage:
             self.abort(rid)
             raise
@@ -440,11 +447,14 @@ class PageStore:
         self._move(e, dram)
 
     def touch(self, pids: Iterable[PageId]) -> None:
+        """Count an access to each resident page of ``pids``; ancestors are lifted once, deepest
+        first, so touching a whole chain is linear in its length."""
         now = self.clock()
-        for p in pids:
-            e = self.index.get(p)
-            if e is not None:
-                self._heat_up(e, now)
+        hit = [e for p in pids if (e := self.index.get(p)) is not None]
+        for e in hit:
+            self._heat_up(e, now, propagate=False)
+        for e in sorted(hit, key=lambda x: -x.index):
+            self._propagate(e)
 
     def remove(self, pids: Iterable[PageId]) -> int:
         """Delete pages with their resident descendants, leases or not (admin, corrupt pages).

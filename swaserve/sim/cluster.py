@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from swaserve.config import ModelConfig
+from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.kvcache.hashing import block_hashes
 from swaserve.routing.buckets import LengthBuckets
 from swaserve.routing.dispatch import Dispatcher
@@ -31,7 +31,10 @@ from swaserve.routing.policy import make_policy
 from swaserve.sched.cost import CostModel
 from swaserve.sched.priority import ComputeAwarePriority
 from swaserve.sim.instances import DecodeSim, Job, PrefillSim
+from swaserve.sim.l3 import SimL3
 from swaserve.sim.workload import SimRequest, Workload
+
+L3_NODE = "l3:sim"  # the simulated GCache node's name in the routers' index
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class SimConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     max_model_len: int | None = None  # longer requests (prompt + output) are refused, as the API does
     index_mode: str = "approximate"  # or "precise": the index follows the prefill caches' block events
+    l3_bytes: int = 0  # a GCache (L3) tier shared by the prefill instances (needs host_bytes); 0: none
+    l3_min_tokens: int = 256
 
 
 @dataclass
@@ -88,6 +93,7 @@ class SimResult:
     wall_s: float
     rejected: int
     too_long: int = 0  # refused: prompt + output over the deployment's max_model_len
+    l3_tokens: int = 0  # of cached_tokens, fetched from L3
 
     def summary(self) -> dict[str, object]:
         def pct(xs: list[float], q: float) -> float:
@@ -101,6 +107,7 @@ class SimResult:
             "requests": self.requests,
             "hit_rate": round(self.cached_tokens / t, 4),
             "host_hit_rate": round(self.host_tokens / t, 4),
+            "l3_hit_rate": round(self.l3_tokens / t, 4),
             "ttft_mean": round(float(np.mean(self.ttft_s)), 4) if self.ttft_s else 0.0,
             "ttft_p50": pct(self.ttft_s, 50),
             "ttft_p90": pct(self.ttft_s, 90),
@@ -120,6 +127,7 @@ class SimResult:
 class Simulator:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
+        self.now: float = 0.0
         prio = (
             ComputeAwarePriority(cfg.cost, cfg.max_wait_s, cfg.wait_weight)
             if cfg.priority == "compute"
@@ -130,9 +138,30 @@ class Simulator:
         if cfg.index_mode not in ("approximate", "precise"):
             raise ValueError(f"index mode must be 'approximate' or 'precise', got {cfg.index_mode!r}")
         self.precise = cfg.index_mode == "precise"
+        self.l3: SimL3 | None = None
+        if cfg.l3_bytes:
+            probe = PrefillSim(
+                "probe", cfg.model, cfg.cost, cfg.device_bytes, 0, None, cfg.page_size, cfg.chunk
+            )
+            plan, wp = (
+                probe.kv.plan,
+                cfg.model.window // cfg.page_size + (cfg.model.window % cfg.page_size > 0),
+            )
+            self.l3 = SimL3(
+                cfg.l3_bytes, cfg.page_size, wp, {FULL: plan.full_page_bytes, SWA: plan.swa_page_bytes},
+                cfg.l3_min_tokens, lambda: self.now,
+            )  # fmt: skip
         self.prefill = {
             f"p{i}": PrefillSim(
-                f"p{i}", cfg.model, cfg.cost, cfg.device_bytes, cfg.host_bytes, prio, cfg.page_size, cfg.chunk
+                f"p{i}",
+                cfg.model,
+                cfg.cost,
+                cfg.device_bytes,
+                cfg.host_bytes,
+                prio,
+                cfg.page_size,
+                cfg.chunk,
+                l3=self.l3,
             )
             for i in range(cfg.prefill)
         }
@@ -193,6 +222,7 @@ class Simulator:
             [j.first_token - j.arrival for j in jobs], [s for d in self.decode.values() for s in d.steps],
             [j.done - j.arrival for j in jobs], dict(self.decisions), busy, span,
             time.perf_counter() - wall, sum(p.rejected for p in self.prefill.values()), self.too_long,
+            sum(j.from_l3 for j in jobs),
         )  # fmt: skip
 
     # -- events -----------------------------------------------------------------------------------
@@ -212,8 +242,9 @@ class Simulator:
         # precise: the keys the workers' events carry (chains of the real tokens); approximate:
         # the workload's own chains (trace hash ids: the same identity, no hashing of tokens)
         hashes = block_hashes(job.prompt, self.dispatcher.block_tokens) if self.precise else r.hashes
+        l3_nodes = [L3_NODE] if self.precise and self.l3 is not None else []
         route = self.dispatcher.route_prefill(
-            r.rid, r.prompt_len, hashes, self.prefill.keys(), record=not self.precise
+            r.rid, r.prompt_len, hashes, self.prefill.keys(), record=not self.precise, l3_nodes=l3_nodes
         )
         d = route.decision
         self.decisions[d.reason + ("+fallback" if d.fallback else "")] += 1
@@ -231,6 +262,8 @@ class Simulator:
         end = p.start_next(self.now)
         if self.precise:  # what its cache stored and evicted while admitting and running it
             apply_events(self.dispatcher.index, p.name, p.kv.drain_cache_events(self.now), self.now)
+            if self.l3 is not None:  # and what its write-backs did to L3 (the node's events)
+                apply_events(self.dispatcher.index, L3_NODE, self.l3.drain_events(), self.now)
         if end is not None:
             self._at(end, lambda: self._prefill_done(p))
 

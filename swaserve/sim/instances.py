@@ -17,6 +17,7 @@ from swaserve.kvcache.sizing import host_plan, plan_pools
 from swaserve.routing.load import Lease
 from swaserve.sched.cost import CostModel
 from swaserve.sched.priority import ComputeAwarePriority, PriorityQueue
+from swaserve.sim.l3 import SimL3
 from swaserve.sim.workload import SimRequest
 
 
@@ -35,6 +36,7 @@ class Job:
     local_cached: int = 0  # what the instance's cache held at enqueue (priority key)
     cached: int = 0  # what admission actually reused
     from_host: int = 0
+    from_l3: int = 0  # of ``cached``, fetched from L3 for it
     prefill_start: float = 0.0
     first_token: float = 0.0
     done: float = 0.0
@@ -60,6 +62,7 @@ class PrefillSim:
         page_size: int = 16,
         chunk: int = 8192,
         dtype_bytes: int = 2,
+        l3: SimL3 | None = None,
     ) -> None:
         ecfg = EngineConfig(
             page_size=page_size,
@@ -84,6 +87,12 @@ class PrefillSim:
         self.queued_tokens = 0  # uncached tokens waiting (heartbeat)
         self.busy_s = 0.0
         self.rejected = 0  # prompts that never fit the pools (computed without the cache)
+        self.l3 = l3
+        if l3 is not None:
+            if not host_bytes:
+                raise ValueError("an L3 tier needs a host tier (host bytes > 0)")
+            assert self.kv.cache is not None
+            l3.attach(self.kv.cache)
 
     def peek_cached(self, prompt: list[int]) -> int:
         """Tokens of ``prompt`` this instance's cache would reuse now (no lock taken)."""
@@ -109,8 +118,15 @@ class PrefillSim:
         self.queued_tokens -= job.req.prompt_len - job.local_cached
         self.current = job
         job.prefill_start = now
+        fetched = 0
+        if self.l3 is not None and job.prompt is not None:
+            assert self.kv.cache is not None
+            fetched = self.l3.extend(self.kv.cache, job.prompt)
         job.cached, job.from_host = self._run(job)
+        job.from_l3 = min(fetched, job.from_host)
+        job.from_host -= job.from_l3
         took = self.cost.prefill_s(job.req.prompt_len - job.cached, job.cached)
+        took += self.cost.l3_fetch_s(job.from_l3)
         self.busy_s += took
         return now + took
 

@@ -81,6 +81,7 @@ def simulate(
     max_wait_s: float | None = None,
     wait_weight: float | None = None,
     index_mode: str = "approximate",
+    l3_bytes: int = 0,
 ) -> dict[str, object]:
     """Simulate ``work`` on one deployment; returns the ``SimResult.summary()`` plus the setup.
 
@@ -99,7 +100,7 @@ def simulate(
         dep.host_bytes if host_bytes is None else host_bytes, priority, dep.decode_batch,
         dep.decode_kv_tokens, scale, dep.page_size, dep.chunk, buckets,
         policy_args=policy_args or {}, index=IndexConfig(), max_model_len=dep.max_model_len,
-        index_mode=index_mode,
+        index_mode=index_mode, l3_bytes=l3_bytes,
     )  # fmt: skip
     if max_wait_s is not None:
         cfg = replace(cfg, max_wait_s=max_wait_s)
@@ -115,11 +116,11 @@ def simulate(
 
 
 COLUMNS = ("policy", "priority", "queue_order", "index_mode", "requests", "too_long", "hit_rate",
-           "host_hit_rate", "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "prefill_utilization",
+           "host_hit_rate", "l3_hit_rate", "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "prefill_utilization",
            "wall_s")  # fmt: skip
 # table headers with units: hit rates are cached / prompt tokens; times in seconds (wall_s: real
 # time the simulation took, the rest simulated)
-HEADERS = {"hit_rate": "hit_rate(tok)", "host_hit_rate": "host_hit(tok)", "ttft_p50": "ttft_p50_s",
+HEADERS = {"hit_rate": "hit_rate(tok)", "host_hit_rate": "host_hit(tok)", "l3_hit_rate": "l3_hit(tok)", "ttft_p50": "ttft_p50_s",
            "ttft_p90": "ttft_p90_s", "ttft_p99": "ttft_p99_s", "itl_p50": "itl_p50_s",
            "prefill_utilization": "prefill_util", "too_long": "refused_too_long"}  # fmt: skip
 

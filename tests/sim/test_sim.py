@@ -210,3 +210,61 @@ def test_workload_loading_errors_and_gzip(tmp_path: Path) -> None:
     bad.write_text("# not a trace\n")
     with pytest.raises(TraceError, match=r"notes\.md:1"):
         load(bad)
+
+
+def _returning_sessions(n: int = 12, stem: int = 2048, seed: int = 11) -> Workload:
+    """``n`` sessions of two turns: turn 2 extends turn 1's prompt and arrives after every other
+    session's turn 1 (a cache that cannot hold all sessions has lost it by then)."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(10, 250) for _ in range(stem)] for _ in range(n)]
+    reqs = []
+    for turn in range(2):
+        for s in range(n):
+            p = stems[s] + [rng.randrange(10, 250) for _ in range(64 * (turn + 1))] if turn else stems[s][:]
+            if turn:
+                stems[s] = p
+            t = 3.0 * (turn * n + s)  # 1 ms a token: no queue
+            reqs.append(
+                SimRequest(f"{s}.{turn}", t, len(p), 1, block_hashes(p, 64), functools.partial(list, p))
+            )
+    return Workload("returning", reqs, 64)
+
+
+def _run(work: Workload, prefill: int, mode: str, l3: int, device: int = 3 * 10**8) -> Simulator:
+    sim = Simulator(
+        SimConfig(prefill, 1, "cache_aware", COST, FLASH, device_bytes=device, host_bytes=2 * 10**8,
+                  index_mode=mode, page_size=64, l3_bytes=l3)
+    )  # fmt: skip
+    sim.run(work)
+    return sim
+
+
+def test_l3_tier_keeps_returning_sessions_and_precise_routing_credits_it() -> None:
+    """Device + host too small to keep 12 sessions between turns: without L3 turn 2 recomputes;
+    with L3 (the real GCache store and the engine's read/write rules) turn 2 hits about as much
+    as an unbounded device cache, the hits are counted as L3 hits, and with two instances in
+    precise mode the router expects those hits (the L3 node's block events in its index)."""
+    work = _returning_sessions()
+    turn2 = {r.rid for r in work.requests if r.rid.endswith(".1")}
+
+    def hit(sim: Simulator) -> int:
+        return sum(j.cached for j in sim.finished if j.req.rid in turn2)
+
+    off = _run(work, 1, "approximate", 0)
+    on = _run(work, 1, "approximate", 10**12)
+    ideal = _run(work, 1, "approximate", 0, device=10**12)
+    assert hit(off) < 0.2 * hit(ideal)
+    assert hit(on) >= 0.9 * hit(ideal) > 0
+    assert sum(j.from_l3 for j in on.finished) >= 0.8 * hit(on)
+    assert on.l3 is not None and not on.l3.store.pending and not on.l3.store.leases
+    work = _returning_sessions(24)  # two instances hold twice as much
+    turn2 = {r.rid for r in work.requests if r.rid.endswith(".1")}
+    two, two_off = _run(work, 2, "precise", 10**12), _run(work, 2, "precise", 0)
+
+    def est(sim: Simulator) -> int:  # what the router expected each turn 2 to reuse
+        return sum(j.est_cached for j in sim.finished if j.req.rid in turn2)
+
+    assert hit(two_off) < 0.2 * hit(two) and est(two_off) < 0.2 * est(two)
+    assert est(two) >= 0.75 * hit(two) > 0  # the router credited L3 (the node's block events)
+    with pytest.raises(ValueError, match="host tier"):
+        Simulator(SimConfig(1, 1, "cache_aware", COST, FLASH, device_bytes=3 * 10**8, l3_bytes=10**12))
