@@ -14,7 +14,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
@@ -62,7 +62,8 @@ class WorkerLoadCollector(Collector):
     """The worker's own load, under the names and labels the router exports for it
     (``worker_num_requests_*``, ``worker_outstanding_tokens``, ``worker_kv_staged_bytes``,
     ``kv_cache_{usage_perc,used_pages,total_pages}`` and ``prefix_cache_pages`` with ``model_name``,
-    ``role``, ``worker`` and ``pool``; with MTP on the ``spec_decode_*`` counters): per-pod series an autoscaler can select by the pod's labels
+    ``role``, ``worker`` and ``pool``; ``worker_prefix_cache_{queries,hits}_total`` (hits by
+    ``tier``: device, host, l3); with MTP on the ``spec_decode_*`` counters): per-pod series an autoscaler can select by the pod's labels
     (the chart's KEDA triggers), and that ``max by (worker)`` folds with the routers' copies.
 
     Args: stats: the engine's latest snapshot (never waits for a step); staged_bytes: decode KV
@@ -108,6 +109,22 @@ class WorkerLoadCollector(Collector):
             for pool, p in sorted(s.pools.items()):
                 fam.add_metric([self._labels[0], pool, *self._labels[1:]], get(p))
             yield fam
+        pc = s.prefix_cache
+        if pc is not None:  # per tier (the router's prefix_cache_hits has no tiers in a cluster)
+            queries = CounterMetricFamily(
+                PREFIX + "worker_prefix_cache_queries", "Prompt tokens looked up in this worker's prefix cache.",
+                labels=names,
+            )  # fmt: skip
+            queries.add_metric(self._labels, pc.queries)
+            hits = CounterMetricFamily(
+                PREFIX + "worker_prefix_cache_hits",
+                "Prompt tokens this worker served from its prefix cache, by tier (device; host: what "
+                "the host tier added; l3: what GCache added).",
+                labels=["model_name", "tier", "role", WORKER_LABEL],
+            )
+            for tier, n in (("device", pc.hits_device), ("host", pc.hits_host), ("l3", pc.hits_l3)):
+                hits.add_metric([self._labels[0], tier, *self._labels[1:]], n)
+            yield from (queries, hits)
         if s.spec is not None:  # MTP on: the acceptance counters (decode workers verify)
             yield from spec_families(s.spec, dict(zip(names, self._labels, strict=True)))
 

@@ -149,9 +149,41 @@ def up(
         typer.Option(help="Prefix index: record dispatches, or follow the prefill workers' cache events."),
     ] = "approximate",
     startup_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for readiness.")] = 600.0,
+    gcache: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="GCache (L3 KV cache) nodes to start (0: none). Needs Redis; prefill workers get "
+            "--l3-url (the nodes registered in this Redis and namespace), --weights-id and, unless "
+            "given, --host-cache-memory=256MiB. Routers credit L3 hits with --index-mode precise.",
+        ),
+    ] = 0,
+    gcache_dram: Annotated[
+        int | None,
+        typer.Option(
+            parser=size_option, metavar="BYTES", help="DRAM tier of each GCache node (default 1GiB)."
+        ),
+    ] = None,
+    gcache_nvme: Annotated[
+        int | None,
+        typer.Option(
+            parser=size_option, metavar="BYTES", help="NVMe tier of each GCache node (default 8GiB)."
+        ),
+    ] = None,
+    gcache_nvme_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="GCache node i's NVMe tier in DIR/gcache-i, kept across runs (default: this run's "
+            "temporary directory, removed at exit)."
+        ),
+    ] = None,
+    gcache_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="Extra GCache node argument (repeatable), e.g. --gcache-arg=--ucx-port=-1."),
+    ] = None,
 ) -> None:
-    """Start the disaggregated cluster (router + prefill + decode workers) on 127.0.0.1 until Ctrl-C;
-    the routers' HTTP port on --host."""
+    """Start the disaggregated cluster (router + prefill + decode workers, optional GCache nodes) on
+    127.0.0.1 until Ctrl-C; the routers' HTTP port on --host."""
     import signal
 
     from swaserve.launcher import Cluster
@@ -186,11 +218,17 @@ def up(
         host=host,
         api_key=api_key,
         admin_token=admin_token,
+        gcache=gcache,
+        gcache_dram=gcache_dram,
+        gcache_nvme=gcache_nvme,
+        gcache_nvme_dir=gcache_nvme_dir,
+        gcache_args=list(gcache_arg or []),
     )
     try:
         url = cluster.start(startup_timeout)
         others = f"; other routers: {' '.join(cluster.urls[1:])}" if routers > 1 else ""
         shared = f"; routing state in {cluster.redis_url}" if cluster.redis_url else ""
+        shared += f"; GCache: {' '.join(cluster.gcache_addresses)}" if gcache else ""
         auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""  # never the key itself
         print(
             f"\ncluster ready: {url}  ({prefill} prefill, {decode} decode{others}{shared}; "
@@ -354,6 +392,14 @@ def sim(
             parser=size_option, metavar="BYTES", help="Host-tier KV per prefill instance, e.g. 1.5TB."
         ),
     ] = None,
+    l3_cache: Annotated[
+        int | None,
+        typer.Option(
+            parser=size_option,
+            metavar="BYTES",
+            help="A GCache (L3) tier shared by the prefill instances, e.g. 20TB (needs --host-cache).",
+        ),
+    ] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
     copies: Annotated[
         int, typer.Option(min=1, help="Agent sessions: run this many unrelated copies (closed loop).")
@@ -387,6 +433,7 @@ def sim(
         row = simulate(
             work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,
             host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight, index_mode=index_mode,
+            l3_bytes=l3_cache or 0,
             policy_args={"queue_order": queue_order} if policy == "cache_aware" else None,
         )  # fmt: skip
 

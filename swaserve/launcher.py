@@ -7,12 +7,22 @@ output prefixed by its name (``[prefill-0] ...``). Workers are ready when ``grpc
 SERVING (a TLS worker, ``--grpc-tls-cert`` among its arguments: on its plaintext ``--health-port``,
 one picked here unless given), the router when ``GET /health`` answers 200 (HTTPS with
 ``--ssl-certfile`` among the router's arguments). Every child has its own process group and gets SIGTERM when the
-launcher dies (``PR_SET_PDEATHSIG``); ``Cluster.stop`` terminates all (SIGKILL after a grace period)."""
+launcher dies (``PR_SET_PDEATHSIG``); ``Cluster.stop`` terminates all (SIGKILL after a grace period).
+
+With ``gcache`` nodes (``python -m services.gcache``, the L3 KV cache) the launcher starts them
+before the workers, on free ports, registered in the cluster's Redis under the routers' namespace
+(``--namespace``, default ``swaserve``), NVMe slot files under the run's temporary directory
+unless ``gcache_nvme_dir`` is given, and gives every prefill worker ``--l3-url
+redis://...?namespace=NS``, the weights' identity (``--weights-id``: their digest, computed once
+here) and a host tier when it has none (L3 sits behind it). Routers credit L3 hits in precise
+index mode (the nodes' block events are in their index)."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +30,9 @@ from pathlib import Path
 from swaserve.cpus import usable_cpus
 from swaserve.options import ADMIN_TOKEN_ENV, API_KEY_ENV
 from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready
+
+DEFAULT_NAMESPACE = "swaserve"  # the routers' --namespace default
+L3_HOST_CACHE = "256MiB"  # a prefill worker's --host-cache-memory with GCache when none is given
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
@@ -42,6 +55,11 @@ def connect_host(host: str) -> str:
     wildcard = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
     host = wildcard.get(host, host)
     return f"[{host}]" if ":" in host else host
+
+
+def l3_url(redis_url: str, namespace: str) -> str:
+    """The engine's ``--l3-url`` for the GCache nodes registered in ``redis_url`` under ``namespace``."""
+    return f"{redis_url}{'&' if '?' in redis_url else '?'}namespace={namespace}"
 
 
 def _option_value(args: list[str], name: str) -> str | None:
@@ -71,6 +89,11 @@ class Cluster:
         host: the routers' HTTP bind address (``--router-arg=--host=...`` wins).
         api_key: the routers' ``--api-key``, handed over in their environment (``API_KEY_ENV``).
         admin_token: the routers' ``--admin-token``, the same way (``ADMIN_TOKEN_ENV``).
+        gcache: GCache (L3) nodes to start (0: none; module docstring); needs Redis.
+        gcache_dram / gcache_nvme: each node's DRAM / NVMe tier bytes (None: the node's defaults).
+        gcache_nvme_dir: node i's NVMe tier in ``DIR/gcache-i`` (kept: a restart recovers it);
+            None: under a temporary directory of this run, removed by ``stop``.
+        gcache_args: extra node arguments.
     """
 
     model: Path
@@ -96,6 +119,14 @@ class Cluster:
     url: str = ""  # the first router's
     urls: list[str] = field(default_factory=list)  # every router's
     redis_server: object | None = None  # the RedisServer we started, if any
+    gcache: int = 0
+    gcache_dram: int | None = None
+    gcache_nvme: int | None = None
+    gcache_nvme_dir: Path | None = None
+    gcache_args: list[str] = field(default_factory=list)
+    gcache_addresses: list[str] = field(default_factory=list)  # node i's gRPC host:port
+    namespace: str = ""  # the routers' Redis namespace (set by ``start``)
+    tmp_dir: Path | None = None  # this run's temporary directory (created with GCache nodes)
 
     def _worker(self, role: str, i: int, extra: list[str]) -> tuple[str, ServiceProcess]:
         port, mport = free_port(), free_port()
@@ -147,6 +178,10 @@ class Cluster:
         shared = ["--redis-url", self.redis_url] if self.redis and self.redis_url else []
         if self.index_mode == "precise":
             self.prefill_args = [*self.prefill_args, *shared]
+        self.namespace = _option_value(self.router_args, "--namespace") or DEFAULT_NAMESPACE
+        if self.gcache:
+            self._start_gcache()
+            self.prefill_args = [*self.prefill_args, *self._l3_args()]
         addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
         self.worker_addresses = addrs
         for role, n, extra in (
@@ -189,6 +224,55 @@ class Cluster:
         self.url = self.urls[0]
         return self.url
 
+    def _start_gcache(self) -> None:
+        """Start the GCache nodes (readiness is awaited with the workers')."""
+        if self.gcache < 0:
+            raise ClusterError(f"GCache nodes must be >= 0, got {self.gcache}")
+        if not (self.redis and self.redis_url):
+            raise ClusterError("GCache nodes need Redis (they register there): drop --no-redis")
+        base = self.gcache_nvme_dir
+        if base is None:
+            self.tmp_dir = Path(tempfile.mkdtemp(prefix="swaserve-up-"))
+            base = self.tmp_dir
+        sizes = [
+            (flag, v)
+            for flag, v in (("--dram", self.gcache_dram), ("--nvme", self.gcache_nvme))
+            if v is not None
+        ]
+        for i in range(self.gcache):
+            port, mport = free_port(), free_port()
+            name = f"gcache-{i}"
+            cmd = [sys.executable, "-m", "services.gcache", "--host", "127.0.0.1", "--port", str(port),
+                   "--metrics-port", str(mport), "--redis-url", self.redis_url, "--namespace", self.namespace,
+                   "--node-id", name, "--nvme-dir", str(Path(base) / name)]  # fmt: skip
+            for flag, v in sizes:
+                cmd += [flag, str(v)]
+            svc = ServiceProcess(name, [*cmd, *self.gcache_args], grpc_ready(f"127.0.0.1:{port}"))
+            self.gcache_addresses.append(f"127.0.0.1:{port}")
+            self.metrics_urls[name] = f"http://127.0.0.1:{mport}/metrics"
+            self.services[name] = svc
+            svc.start()
+
+    def _l3_args(self) -> list[str]:
+        """What the prefill workers need for the GCache nodes, unless given: ``--l3-url``,
+        ``--weights-id`` (the weights' digest, read once here rather than by every worker) and a
+        host tier (``L3_HOST_CACHE``)."""
+        assert self.redis_url is not None
+        given = [*self.worker_args, *self.prefill_args]
+        out = []
+        if _option_value(given, "--l3-url") is None:
+            out += ["--l3-url", l3_url(self.redis_url, self.namespace)]
+        if _option_value(given, "--weights-id") is None:
+            from swaserve.model.identity import weights_digest
+
+            try:
+                out += ["--weights-id", weights_digest(self.model)]
+            except OSError as e:
+                raise ClusterError(f"cannot read the weights of {self.model} for their digest: {e}") from e
+        if _option_value(given, "--host-cache-memory") is None:
+            out += ["--host-cache-memory", L3_HOST_CACHE]
+        return out
+
     def watch(self) -> int:
         """Block until every router has exited (returns the last one's status). A worker, a router
         or Redis that exits is reported and left out: routers fail over to the other workers (and
@@ -209,10 +293,14 @@ class Cluster:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """Stop the routers first (no new requests), then the workers, then Redis."""
-        rank = {"router": 0, "redis": 2}
+        """Stop the routers first (no new requests), then the workers (their last writes to L3),
+        then the GCache nodes, then Redis; remove this run's temporary directory."""
+        rank = {"router": 0, "gcache": 2, "redis": 3}
         for _, s in sorted(self.services.items(), key=lambda kv: rank.get(kv[0].split("-")[0], 1)):
             s.stop()
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def __enter__(self) -> Cluster:
         return self

@@ -201,7 +201,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             typer.Option(
                 help="L3 KV cache (GCache) behind the host tier: gcache://HOST:PORT (one node), "
                 "redis://... (the nodes registered there), local://NAME (in this process). Needs "
-                "--host-cache-memory. Default: none.",
+                "--host-cache-memory. Default: none. From the environment when not given (keeps a "
+                "Redis password out of the process list).",
+                envvar="SWASERVE_L3_URL",
+                show_envvar=True,
             ),
         ],
         None,

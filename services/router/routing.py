@@ -2,12 +2,15 @@
 workers, with the shared state in Redis when ``redis_url`` is given (stateless replicas) or in this
 process otherwise. ``choose``/``release`` reserve and return work, ``observe`` turns polls into
 heartbeats and buckets, ``sync_workers`` merges the worker registry; Redis calls run on one thread.
+In precise index mode the live GCache nodes (``l3.L3Nodes``, index instances ``l3:<node id>``) are
+credited to every prefill worker: never a route target, never dropped as a worker.
 
 Design notes: docs/DESIGN.md#servicesrouterroutingpy"""
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections.abc import Collection
@@ -15,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.router.l3 import L3Nodes
 from swaserve.kvcache.hashing import block_hashes
 from swaserve.routing.buckets import ALL_LENGTHS, LengthBuckets
 from swaserve.routing.dispatch import Dispatcher, NoInstanceError
@@ -51,6 +55,7 @@ class RoutingOptions:
     queue_order: str = "auto"  # cache_aware: routing.policy.wait_s
     lease_ttl_s: float = 30.0
     redis_retry_s: float = 1.0
+    l3_cache_s: float = 1.0  # precise mode: seconds the live GCache nodes are read for (l3.L3Nodes)
     policy_args: dict[str, float | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,7 @@ class RouterRouting:
         cfg = IndexConfig(opts.index_max_entries, opts.index_ttl_s)
         self.state = None
         self.follower = None
+        self.l3: L3Nodes | None = None  # the GCache nodes credited (precise mode with Redis)
         self.registry: WorkerRegistry | None = None  # shared worker registry (None: no Redis)
         index: PrefixIndex
         book: LoadBook
@@ -101,6 +107,9 @@ class RouterRouting:
                 from swaserve.routing.redis.events import IndexFollower
 
                 self.follower = IndexFollower(index, client, opts.namespace, clock)
+                # only precise mode has the nodes' entries (their block events); they are asked to
+                # re-publish them every half TTL, as a page outlives its store event's last use
+                self.l3 = L3Nodes(opts.redis_url, opts.namespace, opts.l3_cache_s, opts.index_ttl_s / 2)
         else:
             index, book = InMemoryPrefixIndex(cfg), InMemoryLoadBook()
         self.index, self.book = index, book
@@ -143,7 +152,9 @@ class RouterRouting:
         # mode; when Redis is back they are re-synced into it and each worker's snapshot (it lost
         # events too) clears them and says what it really holds
         record = self.follower is None or (self.state is not None and not self.state.up)
-        route = self.dispatcher.route_prefill(rid, prompt_len, hashes, prefill, record=record)
+        route = self.dispatcher.route_prefill(
+            rid, prompt_len, hashes, prefill, record=record, l3_nodes=self.l3_nodes()
+        )
         try:
             d_lease = self.dispatcher.route_decode(rid, total_tokens, decode)
         except BaseException:
@@ -156,6 +167,19 @@ class RouterRouting:
         self.dispatches[("prefill", d.instance)] += 1
         self.dispatches[("decode", d_lease.instance)] += 1
         return d, route.lease, d_lease
+
+    def l3_nodes(self) -> tuple[str, ...]:
+        """The index instances of the live GCache nodes to credit (blocking: run on ``executor``):
+        none without precise mode or while Redis is down (the index is local then, without their
+        entries), else ``L3Nodes.current`` (read at most every ``l3_cache_s``); the nodes due a
+        refresh of their entries are asked for a snapshot."""
+        if self.l3 is None or self.state is None or self.follower is None or not self.state.up:
+            return ()
+        names = self.l3.current()
+        follower = self.follower
+        for inst in self.l3.due():
+            self.state.call(functools.partial(follower.ask, inst), lambda: None)
+        return names
 
     def release(self, *leases: Lease) -> None:
         for lease in leases:
