@@ -8,7 +8,11 @@ commands, args, env, probes, preStop hooks and grace periods are exercised witho
   binary), ``$(VAR)`` expanded from its env (``fieldRef status.podIP``, ``secretKeyRef`` from the
   rendered Secrets or ``secrets``, values with Service names resolved to a pod of the Service), a
   bind address ``0.0.0.0`` narrowed to the pod's address, volume paths mapped (``hostPath`` to that
-  path, ``emptyDir`` and ``secret`` volumes to a per-pod directory);
+  path, ``emptyDir`` and ``secret`` volumes to a per-pod directory, a StatefulSet's
+  ``volumeClaimTemplates`` to a directory per claim that outlives the pod, as a PVC does);
+- StatefulSet pods are named by ordinal (``NAME-0``, ``NAME-1``; a replacement takes the lowest
+  free one, so it finds its predecessor's claims); workloads start in dependency order: StatefulSets
+  first, each Ready before the next, one whose env or args name another's Service after it;
 - pods are published to a Kubernetes API (``bench.fake_kube.FakeKube``) with the template's labels
   and annotations; the rendered probes run (gRPC health, HTTP GET, TCP) and set the pod's Ready
   condition; a failing liveness probe or a crash restarts the container;
@@ -16,7 +20,9 @@ commands, args, env, probes, preStop hooks and grace periods are exercised witho
   SIGKILL at ``terminationGracePeriodSeconds``, then DELETED.
 
 Not emulated: scheduling, resources, NetworkPolicies, Service load balancing (a Service name
-resolves to one ready pod, fixed when the dependent container starts) and Deployment rollouts.
+resolves to one ready pod, fixed when the dependent container starts), Deployment rollouts and
+network namespaces: pods share this machine's ports on ``0.0.0.0`` (a listener that ignores its
+bind address, such as ucxx's, can run in one pod only).
 Probe periods can be capped (``period_cap_s``) to compress time in tests."""
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -159,11 +166,30 @@ class Kubelet:
                 self.terminate(p.name)
         return created
 
+    def _depends(self, workload: str) -> bool:
+        """Whether the workload's containers name (in env values or args) another workload's
+        Service: it starts after the StatefulSets (Redis before the GCache nodes that register in it)."""
+        spec = self.workloads[workload]["spec"]["template"]["spec"]
+        text = " ".join(
+            [str(e.get("value", "")) for c in spec["containers"] for e in c.get("env", [])]
+            + [str(a) for c in spec["containers"] for a in c.get("args", [])]
+        )
+        mine = self.workloads[workload]["spec"]["template"]["metadata"].get("labels", {})
+        for svc, obj in self.services.items():
+            sel = obj["spec"].get("selector") or {}
+            if all(mine.get(k) == v for k, v in sel.items()):
+                continue  # its own Service
+            if re.search(rf"(?<=[/@]){re.escape(svc)}(?=[.:/]|$)", text):
+                return True
+        return False
+
     def start_all(self) -> None:
-        """Every workload at its rendered replica count: StatefulSets (Redis) first and ready,
-        then the workers, then the router, as their dependencies need."""
+        """Every workload at its rendered replica count: StatefulSets first, each ready before the
+        next (those naming no other Service first: Redis, then the GCache nodes), then the workers,
+        then the router, as their dependencies need."""
         order = sorted(
-            self.workloads, key=lambda n: (self.workloads[n]["kind"] != "StatefulSet", "router" in n)
+            self.workloads,
+            key=lambda n: (self.workloads[n]["kind"] != "StatefulSet", self._depends(n), "router" in n),
         )
         for name in order:
             spec = self.workloads[name]["spec"]
@@ -173,13 +199,17 @@ class Kubelet:
 
     # -- pods -----------------------------------------------------------------------------------
     def _create(self, workload: str) -> Pod:
+        w = self.workloads[workload]
         with self._lock:
             ip = f"127.0.1.{self._next_ip}"
             self._next_ip += 1
-            n = self._counter.get(workload, 0)
-            self._counter[workload] = n + 1
-        w = self.workloads[workload]
-        name = f"{workload}-{n}" if w["kind"] == "StatefulSet" else f"{workload}-{n:05d}"
+            if w["kind"] == "StatefulSet":  # the lowest ordinal no pod holds (a gone pod's is free)
+                held = {p.name for p in self.pods.values() if p.workload == workload and not p.gone.is_set()}
+                name = next(f"{workload}-{i}" for i in range(len(held) + 1) if f"{workload}-{i}" not in held)
+            else:
+                n = self._counter.get(workload, 0)
+                self._counter[workload] = n + 1
+                name = f"{workload}-{n:05d}"
         pod = Pod(name, ip, workload, w["spec"]["template"], self.workdir / name)
         pod.dir.mkdir(parents=True, exist_ok=True)
         self.pods[name] = pod
@@ -235,8 +265,15 @@ class Kubelet:
     def _paths(self, pod: Pod) -> dict[str, str]:
         """A container's mount path -> the directory standing in for it here."""
         volumes = {v["name"]: v for v in pod.template["spec"].get("volumes", [])}
+        templates = self.workloads[pod.workload]["spec"].get("volumeClaimTemplates", [])
+        claims = {c["metadata"]["name"] for c in templates}
         out: dict[str, str] = {}
         for m in pod.container.get("volumeMounts", []):
+            if m["name"] not in volumes and m["name"] in claims:  # PVC <claim>-<pod>: kept after the pod
+                d = self.workdir / "claims" / f"{m['name']}-{pod.name}"
+                d.mkdir(parents=True, exist_ok=True)
+                out[m["mountPath"]] = str(d)
+                continue
             v = volumes[m["name"]]
             if "hostPath" in v:
                 out[m["mountPath"]] = v["hostPath"]["path"]
@@ -272,6 +309,7 @@ class Kubelet:
         env = self._env(pod)
         argv = self._argv(pod, env)
         (pod.dir / "argv").write_text("\n".join(argv))
+        (pod.dir / "env.json").write_text(json.dumps(env, indent=1, sort_keys=True))  # as expanded
         with open(pod.dir / "container.log", "ab") as out:
             pod.proc = subprocess.Popen(
                 argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=pod.dir, start_new_session=True

@@ -4,8 +4,8 @@
     python deploy/grafana/dashboards.py --check   # exit 1 if a file differs from what this makes
 
 Plain dashboard JSON (schemaVersion 39), one Prometheus datasource picked by the ``datasource``
-variable, series filtered by the ``model_name`` variable (worker-side transfer series carry no
-``model_name``). A service that comes later adds its row to ``OVERVIEW`` (or a ``Dashboard`` of its
+variable, series filtered by the ``model_name`` variable (worker-side transfer series and the
+GCache nodes' series carry no ``model_name``). A service that comes later adds its row to ``OVERVIEW`` (or a ``Dashboard`` of its
 own to ``DASHBOARDS``); tests/deploy/test_observability.py checks every query of every panel
 against exact values, so a new query needs its expected values there.
 
@@ -194,6 +194,50 @@ TRANSFER = Row(
     ),
 )  # fmt: skip
 
+GC_HITS = f"sum by (kind) (rate(swaserve:gcache_hits_total{R}))"
+GC_LOOKUPS = f"({GC_HITS} + sum by (kind) (rate(swaserve:gcache_misses_total{R})))"
+GCACHE = Row(
+    "GCache (L3 KV cache nodes)",
+    (
+        Panel("GCache lookup hit rate",
+              ((f"{GC_HITS} / {GC_LOOKUPS}", "{{kind}}"),), "percentunit",
+              "Pages a lookup found over pages looked up, all nodes (node series: no model_name label). "
+              "What it saved the prefill workers: the l3 tier of the prefix cache hit rate."),
+        Panel("GCache tier usage",
+              (("sum by (tier) (swaserve:gcache_used_bytes) / sum by (tier) (swaserve:gcache_capacity_bytes)",
+                "{{tier}}"),), "percentunit", "Bytes of the tier's slots in use over its capacity, all nodes."),
+        Panel("GCache pages per node",
+              (("sum by (instance, tier) (swaserve:gcache_pages)", "{{instance}} {{tier}}"),
+               ("sum by (instance, tier) (swaserve:gcache_leased_pages)", "{{instance}} {{tier}} leased")),
+              description="Pages stored, and those under a read lease (neither evicted nor moved)."),
+        Panel("GCache throughput", (
+            (f"sum(rate(swaserve:gcache_bytes_read_total{R}))", "read"),
+            (f"sum(rate(swaserve:gcache_bytes_written_total{R}))", "written"),
+        ), "Bps", "Page object bytes served and stored, all nodes and tiers."),
+        Panel("GCache operation latency", (
+            (f"histogram_quantile(0.5, sum by (le, op) (rate(swaserve:gcache_op_seconds_bucket{R})))", "{{op}} p50"),
+            (f"histogram_quantile(0.99, sum by (le, op) (rate(swaserve:gcache_op_seconds_bucket{R})))", "{{op}} p99"),
+        ), "s", "Seconds a node spends on one request (gRPC and UCX together)."),
+        Panel("GCache evictions and tier moves", (
+            (f"sum by (tier) (rate(swaserve:gcache_evictions_total{R}))", "evicted from {{tier}}"),
+            (f"sum(rate(swaserve:gcache_demotions_total{R}))", "demoted to NVMe"),
+            (f"sum(rate(swaserve:gcache_promotions_total{R}))", "promoted to DRAM"),
+        ), "short", "Pages per second."),
+        Panel("GCache refusals and faults", (
+            (f"sum(rate(swaserve:gcache_put_refused_total{R}))", "puts refused (full)"),
+            (f"sum(rate(swaserve:gcache_put_no_parent_total{R}))", "puts without parent"),
+            (f"sum(rate(swaserve:gcache_put_zombies_total{R}))", "puts never committed"),
+            (f"sum(rate(swaserve:gcache_lease_expired_total{R}))", "leases expired"),
+            (f"sum(rate(swaserve:gcache_corrupt_pages_total{R}))", "corrupt pages"),
+        ), "short", "Pages per second. Corrupt pages are deleted, never served: a disk or memory fault."),
+        Panel("GCache nodes serving and draining", (
+            ("sum(1 - swaserve:gcache_draining)", "serving"),
+            ("sum(swaserve:gcache_draining)", "draining"),
+        ), description="Nodes scraped: draining ones refuse puts and leave the registry when they stop."),
+    ),
+    width=6,
+)  # fmt: skip
+
 DRAFTS = f"sum(rate(swaserve:spec_decode_num_drafts_total{{{M}}}{R}))"
 SPEC = Row(
     "Speculative decoding (MTP)",
@@ -226,7 +270,7 @@ VARIABLES: tuple[dict[str, Any], ...] = (
 OVERVIEW = Dashboard(
     "swaserve-overview",
     "swaserve overview",
-    (LATENCY, TRAFFIC, QUEUES, KV, SPEC, ROUTER, TRANSFER),
+    (LATENCY, TRAFFIC, QUEUES, KV, SPEC, ROUTER, TRANSFER, GCACHE),
     variables=VARIABLES,
 )
 DASHBOARDS = {"swaserve-overview.json": OVERVIEW}

@@ -2,7 +2,8 @@
 (tests/deploy/test_observability.py runs them through ``promtool test rules``).
 
 Model ``m``: routers r1 and r2 (both report the same workers p1, p2 prefill and d1 decode), a
-``serve`` process s1, prefill worker w1 and decode worker w2 (transfer series, no ``model_name``).
+``serve`` process s1, prefill worker w1 and decode worker w2 (transfer series, no ``model_name``),
+GCache nodes g1 and g2 (their own series, no ``model_name``).
 Every ``model_name="m"`` series also exists for a model ``other`` with other values (gauges and
 counters x3, histograms with all observations in the first bucket): a query that forgets the
 ``$model_name`` filter gets other numbers. Counters grow linearly from 0, one sample a minute, so a
@@ -20,6 +21,8 @@ WD = {"job": "decode", "instance": "w2:9090"}
 P1 = {"role": "prefill", "worker": "p1"}
 P2 = {"role": "prefill", "worker": "p2"}
 D1 = {"role": "decode", "worker": "d1"}
+G1 = {"job": "gcache", "instance": "g1:9090"}  # GCache nodes: no model_name
+G2 = {"job": "gcache", "instance": "g2:9090"}
 
 Series = tuple[str, dict[str, str], str, float]  # (metric, labels, kind: counter|gauge|bucket, value)
 
@@ -131,6 +134,41 @@ SERIES: list[Series] = [
       for i, v in enumerate((120, 72, 48))),
     *(_c("swaserve:spec_decode_num_accepted_tokens_per_pos_total", v, **S1, position=str(i))
       for i, v in enumerate((30, 18, 12))),
+    # GCache nodes g1 (DRAM + NVMe) and g2 (DRAM only, draining)
+    _c("swaserve:gcache_hits_total", 300, **G1, tier="any", kind="full"),
+    _c("swaserve:gcache_hits_total", 60, **G1, tier="any", kind="swa"),
+    _c("swaserve:gcache_hits_total", 120, **G2, tier="any", kind="full"),
+    _c("swaserve:gcache_misses_total", 180, **G1, tier="any", kind="full"),
+    _c("swaserve:gcache_misses_total", 60, **G1, tier="any", kind="swa"),
+    _c("swaserve:gcache_misses_total", 0, **G2, tier="any", kind="full"),
+    _g("swaserve:gcache_used_bytes", 600, **G1, tier="dram"),
+    _g("swaserve:gcache_used_bytes", 1000, **G1, tier="nvme"),
+    _g("swaserve:gcache_used_bytes", 200, **G2, tier="dram"),
+    _g("swaserve:gcache_capacity_bytes", 1000, **G1, tier="dram"),
+    _g("swaserve:gcache_capacity_bytes", 4000, **G1, tier="nvme"),
+    _g("swaserve:gcache_capacity_bytes", 1000, **G2, tier="dram"),
+    _g("swaserve:gcache_pages", 30, **G1, tier="dram"),
+    _g("swaserve:gcache_pages", 50, **G1, tier="nvme"),
+    _g("swaserve:gcache_pages", 10, **G2, tier="dram"),
+    _g("swaserve:gcache_leased_pages", 3, **G1, tier="dram"),
+    _g("swaserve:gcache_leased_pages", 0, **G1, tier="nvme"),
+    _g("swaserve:gcache_leased_pages", 1, **G2, tier="dram"),
+    _c("swaserve:gcache_bytes_read_total", 6000, **G1, tier="dram", kind="full"),
+    _c("swaserve:gcache_bytes_read_total", 3000, **G2, tier="dram", kind="full"),
+    _c("swaserve:gcache_bytes_written_total", 1200, **G1, tier="dram", kind="full"),
+    *_h("swaserve:gcache_op_seconds", {"0.001": 0, "0.0025": 60, "0.005": 120, "+Inf": 120}, **G1, op="lookup", transport="grpc"),
+    *_h("swaserve:gcache_op_seconds", {"0.01": 0, "0.025": 60, "+Inf": 60}, **G2, op="get", transport="ucx"),
+    _c("swaserve:gcache_evictions_total", 120, **G1, tier="dram", kind="full"),
+    _c("swaserve:gcache_evictions_total", 60, **G1, tier="nvme", kind="full"),
+    _c("swaserve:gcache_demotions_total", 180, **G1, tier="dram", kind="full"),
+    _c("swaserve:gcache_promotions_total", 30, **G1, tier="nvme", kind="full"),
+    _c("swaserve:gcache_put_refused_total", 60, **G1, tier="dram", kind="full"),
+    _c("swaserve:gcache_put_no_parent_total", 12, **G1, tier="dram", kind="full"),
+    _c("swaserve:gcache_put_zombies_total", 6, **G2, tier="dram", kind="swa"),
+    _c("swaserve:gcache_lease_expired_total", 3, **G1, tier="dram", kind="full"),
+    _c("swaserve:gcache_corrupt_pages_total", 0, **G1, tier="nvme", kind="full"),
+    _g("swaserve:gcache_draining", 0, **G1),
+    _g("swaserve:gcache_draining", 1, **G2),
 ]  # fmt: skip
 
 
@@ -244,4 +282,29 @@ EXPECTED: dict[tuple[str, str, str], list[tuple[str, float]]] = {
     (OV, "Transfer failures and index events", "failed transfers"): [("{}", 0.1)],
     (OV, "Transfer failures and index events", "index events {{outcome}}"): [
         ('{outcome="published"}', 10), ('{outcome="dropped"}', 0)],
+    # GCache: full hits 5 + 2 of 10 pages/s looked up, swa 1 of 2
+    (OV, "GCache lookup hit rate", "{{kind}}"): [('{kind="full"}', 0.7), ('{kind="swa"}', 0.5)],
+    (OV, "GCache tier usage", "{{tier}}"): [('{tier="dram"}', 0.4), ('{tier="nvme"}', 0.25)],
+    (OV, "GCache pages per node", "{{instance}} {{tier}}"): [
+        ('{instance="g1:9090",tier="dram"}', 30), ('{instance="g1:9090",tier="nvme"}', 50),
+        ('{instance="g2:9090",tier="dram"}', 10)],
+    (OV, "GCache pages per node", "{{instance}} {{tier}} leased"): [
+        ('{instance="g1:9090",tier="dram"}', 3), ('{instance="g1:9090",tier="nvme"}', 0),
+        ('{instance="g2:9090",tier="dram"}', 1)],
+    (OV, "GCache throughput", "read"): [("{}", 150)],
+    (OV, "GCache throughput", "written"): [("{}", 20)],
+    # lookup rates 0, 1, 2, 2 at le 0.001, 0.0025, 0.005: rank 1 -> 0.0025; 1.98 -> 0.0025 + 0.0025 x 0.98 (f64);
+    # get rates 0, 1 at le 0.01, 0.025: rank 0.5 -> 0.01 + 0.015 x 0.5; 0.99 -> 0.01 + 0.015 x 0.99
+    (OV, "GCache operation latency", "{{op}} p50"): [('{op="lookup"}', 0.0025), ('{op="get"}', 0.0175)],
+    (OV, "GCache operation latency", "{{op}} p99"): [('{op="lookup"}', 0.0049499999999999995), ('{op="get"}', 0.02485)],
+    (OV, "GCache evictions and tier moves", "evicted from {{tier}}"): [('{tier="dram"}', 2), ('{tier="nvme"}', 1)],
+    (OV, "GCache evictions and tier moves", "demoted to NVMe"): [("{}", 3)],
+    (OV, "GCache evictions and tier moves", "promoted to DRAM"): [("{}", 0.5)],
+    (OV, "GCache refusals and faults", "puts refused (full)"): [("{}", 1)],
+    (OV, "GCache refusals and faults", "puts without parent"): [("{}", 0.2)],
+    (OV, "GCache refusals and faults", "puts never committed"): [("{}", 0.1)],
+    (OV, "GCache refusals and faults", "leases expired"): [("{}", 0.05)],
+    (OV, "GCache refusals and faults", "corrupt pages"): [("{}", 0)],
+    (OV, "GCache nodes serving and draining", "serving"): [("{}", 1)],
+    (OV, "GCache nodes serving and draining", "draining"): [("{}", 1)],
 }  # fmt: skip

@@ -107,6 +107,13 @@ TYPOS = [
     ({"decode": {"gpus": -1}}, "/decode/gpus"),
     ({"decode": {"autoscaling": {"kvUsageThreshold": 80}}}, "/decode/autoscaling/kvUsageThreshold"),
     ({"routr": {}}, "additional properties 'routr' not allowed"),
+    ({"gcache": {"enable": True}}, "additional properties 'enable'"),
+    ({"gcache": {"dram": "lots"}}, "/gcache/dram"),
+    ({"gcache": {"nvme": {"volume": {"type": "s3"}}}}, "/gcache/nvme/volume/type"),
+    ({"gcache": {"ucx": {"tcpPortRange": "50100"}}}, "/gcache/ucx/tcpPortRange"),
+    ({"gcache": {"antiAffinity": "strict"}}, "/gcache/antiAffinity"),
+    ({"gcache": {"prefill": {"transport": "tcp"}}}, "/gcache/prefill/transport"),
+    ({"gcache": {"replicas": 0}}, "/gcache/replicas"),
 ]
 
 
@@ -150,6 +157,12 @@ FAILS = [
         {"decode": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
         "minReplicas 5 > maxReplicas 2",
     ),
+    (
+        {"gcache": {"enabled": True}, "redis": {"mode": "none"}, "router": {"replicas": 1}},
+        "gcache.enabled needs a Redis",
+    ),
+    ({"gcache": {"enabled": True, "nvme": {"volume": {"type": "hostPath"}}}}, "hostPath.path is required"),
+    ({"gcache": {"enabled": True, "ucx": {"tcpPortRange": "50200-50100"}}}, "needs 1 <= LO <= HI <= 65535"),
 ]
 
 
@@ -313,7 +326,13 @@ def test_probe_and_policy_ports_exist_on_their_containers(name: str) -> None:
         for rule in pol["spec"]["ingress"]:
             for port in rule["ports"]:
                 for t in chosen:
-                    names = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+                    c = t["spec"]["containers"][0]
+                    if "endPort" in port:  # a range: the UCX TCP ports the container pins (its env)
+                        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                        assert env.get("UCX_TCP_PORT_RANGE") == f"{port['port']}-{port['endPort']}", (
+                            pol["metadata"]["name"], c["name"], port)  # fmt: skip
+                        continue
+                    names = {p["name"] for p in c.get("ports", [])}
                     assert port["port"] in names, (pol["metadata"]["name"], port)
 
 
@@ -377,7 +396,8 @@ def test_workers_and_routers_drain_within_their_grace_period(name: str) -> None:
         if t["metadata"]["labels"]["app.kubernetes.io/component"] == "redis":
             continue
         pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-        timeout = float(c["args"][c["args"].index("--shutdown-timeout") + 1])
+        flag = "--shutdown-timeout-s" if c["name"] == "gcache" else "--shutdown-timeout"
+        timeout = float(c["args"][c["args"].index(flag) + 1])
         assert t["spec"]["terminationGracePeriodSeconds"] >= pre_stop + timeout + 10
 
 
@@ -456,3 +476,195 @@ def test_notes_say_how_to_reach_the_endpoint() -> None:
     assert '/workers -H "Authorization: Bearer $ADMIN_TOKEN"' in text
     secure = notes(EXAMPLES["secure"])
     assert "https://" in secure and "loadBalancer.ingress" in secure and "$API_KEY" in secure
+
+
+# -- GCache ----------------------------------------------------------------------------------------
+GCACHE = f"{RELEASE}-swaserve-gcache"
+
+
+def _container(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    container: dict[str, Any] = _by_name(docs, kind, name)["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def _arg(c: dict[str, Any], flag: str) -> str:
+    value: str = c["args"][c["args"].index(flag) + 1]
+    return value
+
+
+def test_gcache_is_off_by_default() -> None:
+    docs = render({})
+    assert not [d for d in docs if "gcache" in d["metadata"]["name"]]
+    prefill = _container(docs, "Deployment", f"{RELEASE}-swaserve-prefill-all")
+    assert (
+        not [a for a in prefill["args"] if a.startswith("--l3-")]
+        and "--host-cache-memory" not in prefill["args"]
+    )
+    assert "REDIS_URL" not in {e["name"] for e in prefill["env"]}  # approximate index: no Redis for prefill
+
+
+def test_gcache_nodes_are_a_statefulset_registered_in_this_releases_redis() -> None:
+    docs = render(EXAMPLES["gcache"])
+    sts = _by_name(docs, "StatefulSet", GCACHE)
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == GCACHE
+    c = _container(docs, "StatefulSet", GCACHE)
+    assert c["command"] == ["python", "-m", "services.gcache"]
+    env = {e["name"]: e for e in c["env"]}
+    # the node id is the pod's name (stable across restarts); clients dial the pod IP
+    assert (
+        _arg(c, "--node-id") == "$(POD_NAME)"
+        and env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    )
+    assert _arg(c, "--advertise") == "$(POD_IP):50061" and _arg(c, "--port") == "50061"
+    # the routers' Redis and namespace, the URL (and its password) in the environment only
+    router = _container(docs, "Deployment", f"{RELEASE}-swaserve-router")
+    assert _arg(c, "--namespace") == _arg(router, "--namespace") == f"swaserve.{NAMESPACE}.{RELEASE}"
+    assert "--redis-url" not in c["args"] and env["SWASERVE_GCACHE_REDIS_URL"]["value"] == "$(REDIS_URL)"
+    names = [e["name"] for e in c["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL") < names.index("SWASERVE_GCACHE_REDIS_URL")
+    assert env["REDIS_URL"]["value"] == {e["name"]: e for e in router["env"]}["REDIS_URL"]["value"]
+    # tiers: DRAM, NVMe on the claim mounted at --nvme-dir
+    assert _arg(c, "--dram") == "8GiB" and _arg(c, "--nvme") == "256GiB"
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "nvme"]
+    assert _arg(c, "--nvme-dir") == mount["mountPath"]
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "nvme" and claim["spec"]["storageClassName"] == "local-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "270Gi"
+    # probes: gRPC health (NOT_SERVING while draining), liveness only the port
+    assert c["readinessProbe"]["grpc"]["port"] == c["startupProbe"]["grpc"]["port"] == 50061
+    assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "grpc": 50061,
+        "ucx": 50062,
+        "metrics": 9090,
+    }
+    assert _arg(c, "--ucx-port") == "50062" and _arg(c, "--metrics-port") == "9090"
+    # one node per host (hard), spread
+    pod = sts["spec"]["template"]["spec"]
+    [term] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert _matches(term["labelSelector"], sts["spec"]["template"]["metadata"]["labels"])
+    assert pod["automountServiceAccountToken"] is False
+    svc = _by_name(docs, "Service", GCACHE)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "ucx", "metrics"}
+    pdb = _by_name(docs, "PodDisruptionBudget", GCACHE)
+    assert _matches(pdb["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    monitor = _by_name(docs, "PodMonitor", GCACHE)
+    assert _matches(monitor["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # not a worker: the routers do not discover it, the workers' policy and monitor do not select it
+    assert "swaserve.io/role" not in sts["spec"]["template"]["metadata"]["labels"]
+
+
+def test_prefill_workers_get_the_l3_flags_while_gcache_is_enabled() -> None:
+    docs = render(EXAMPLES["gcache"])
+    for bucket in ("short", "long"):
+        c = _container(docs, "Deployment", f"{RELEASE}-swaserve-prefill-{bucket}")
+        env = {e["name"]: e for e in c["env"]}
+        assert not [a for a in c["args"] if "l3-url" in a or "REDIS" in a]  # the URL from env only
+        assert env["SWASERVE_L3_URL"]["value"] == (
+            f"$(REDIS_URL)?namespace=swaserve.{NAMESPACE}.{RELEASE}&transport=auto"
+        )
+        names = [e["name"] for e in c["env"]]
+        assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL") < names.index("SWASERVE_L3_URL")
+        assert len(names) == len(set(names))
+        assert _arg(c, "--host-cache-memory") == "8GiB" and _arg(c, "--l3-min-tokens") == "512"
+        assert _arg(c, "--l3-timeout-s") == "2" and _arg(c, "--l3-timeout-per-ki-token-s") == "0.1"
+        assert "--weights-id" not in c["args"]
+        assert env["UCX_TCP_PORT_RANGE"]["value"] == "50100-50163"
+    decode = _container(docs, "Deployment", f"{RELEASE}-swaserve-decode")
+    assert not [a for a in decode["args"] if a.startswith("--l3-")]  # decode workers do not read L3
+    # precise index and L3 together: one REDIS_URL, both variables
+    both = render({**EXAMPLES["gcache"], "router": {"indexMode": "precise"},
+                   "gcache": {"enabled": True, "prefill": {"weightsId": "ft-7", "transport": "grpc"}}})  # fmt: skip
+    c = _container(both, "Deployment", f"{RELEASE}-swaserve-prefill-short")
+    names = [e["name"] for e in c["env"]]
+    assert len(names) == len(set(names)) and {"SWASERVE_INDEX_REDIS_URL", "SWASERVE_L3_URL"} <= set(names)
+    assert _arg(c, "--weights-id") == "ft-7"
+    assert {e["name"]: e for e in c["env"]}["SWASERVE_L3_URL"]["value"].endswith("&transport=grpc")
+    # the user's engineArgs come after the chart's L3 flags (the last value of a flag wins)
+    mine = render(
+        {
+            "gcache": {"enabled": True},
+            "prefill": {"defaults": {"engineArgs": ["--host-cache-memory", "1GiB"]}},
+        }
+    )
+    args = _container(mine, "Deployment", f"{RELEASE}-swaserve-prefill-all")["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--host-cache-memory"] == ["2GiB", "1GiB"]
+
+
+def test_gcache_network_policies_open_grpc_ucx_and_metrics_only_to_their_peers() -> None:
+    docs = render(EXAMPLES["gcache"])
+    labels = {n: t["metadata"]["labels"] for w, t in _pod_templates(docs) for n in [w["metadata"]["name"]]}
+    gcache, prefill = labels[GCACHE], labels[f"{RELEASE}-swaserve-prefill-short"]
+    decode, router = labels[f"{RELEASE}-swaserve-decode"], labels[f"{RELEASE}-swaserve-router"]
+    pol = _by_name(docs, "NetworkPolicy", GCACHE)["spec"]
+    assert _matches(pol["podSelector"], gcache) and not _matches(pol["podSelector"], prefill)
+    data, metrics = pol["ingress"]
+    assert [p["port"] for p in data["ports"]] == ["grpc", "ucx", 50100]
+    [peer] = data["from"]
+    assert _matches(peer["podSelector"], prefill)
+    assert not any(_matches(peer["podSelector"], other) for other in (decode, router, gcache))
+    assert (
+        metrics["ports"] == [{"port": "metrics"}]
+        and metrics["from"] == EXAMPLES["gcache"]["networkPolicy"]["metricsFrom"]
+    )
+    # UCX over TCP: the node connects back to the worker's pinned UCX TCP ports
+    back = _by_name(docs, "NetworkPolicy", f"{GCACHE}-ucx")["spec"]
+    assert _matches(back["podSelector"], prefill) and not _matches(back["podSelector"], decode)
+    assert back["ingress"][0]["ports"] == [{"port": 50100, "endPort": 50163}]
+    assert _matches(back["ingress"][0]["from"][0]["podSelector"], gcache)
+    # Redis: the nodes register there
+    redis = _by_name(docs, "NetworkPolicy", f"{RELEASE}-swaserve-redis")["spec"]
+    assert any(_matches(f["podSelector"], gcache) for r in redis["ingress"] for f in r["from"])
+    # without UCX: no UCX port, range or back policy
+    off = render({**EXAMPLES["gcache"], "gcache": {"enabled": True, "ucx": {"enabled": False}}})
+    c = _container(off, "StatefulSet", GCACHE)
+    assert _arg(c, "--ucx-port") == "-1" and "ucx" not in {p["name"] for p in c["ports"]}
+    assert "UCX_TCP_PORT_RANGE" not in {e["name"] for e in c["env"]}
+    assert [p["port"] for p in _by_name(off, "NetworkPolicy", GCACHE)["spec"]["ingress"][0]["ports"]] == [
+        "grpc"
+    ]
+    assert not [d for d in off if d["metadata"]["name"] == f"{GCACHE}-ucx"]
+
+
+@pytest.mark.parametrize("volume", ["pvc", "hostPath", "emptyDir", "off"])
+def test_gcache_nvme_volume_options(volume: str) -> None:
+    nvme: dict[str, Any] = {"enabled": volume != "off"}
+    if volume != "off":
+        nvme["volume"] = {"type": volume, "hostPath": {"path": "/mnt/nvme0/gcache"}}
+    docs = render({"gcache": {"enabled": True, "nvme": nvme, "antiAffinity": "none", "affinity": {}}})
+    sts = _by_name(docs, "StatefulSet", GCACHE)
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert ("volumeClaimTemplates" in sts["spec"]) == (volume == "pvc")
+    assert ("persistentVolumeClaimRetentionPolicy" in sts["spec"]) == (volume == "pvc")
+    if volume == "off":
+        assert "--nvme-dir" not in c["args"] and "nvme" not in vols
+        assert "nvme" not in {m["name"] for m in c["volumeMounts"]}
+    else:
+        assert _arg(c, "--nvme-dir") == "/var/lib/gcache"
+    if volume == "hostPath":
+        assert vols["nvme"]["hostPath"] == {"path": "/mnt/nvme0/gcache", "type": "DirectoryOrCreate"}
+    if volume == "emptyDir":
+        assert vols["nvme"]["emptyDir"] == {"sizeLimit": "70Gi"}
+    assert "affinity" not in pod  # antiAffinity none
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(sts, version, strict=True)
+
+
+def test_gcache_soft_anti_affinity_and_notes() -> None:
+    values = {"gcache": {"enabled": True}}
+    pod = _by_name(render(values), "StatefulSet", GCACHE)["spec"]["template"]["spec"]
+    [pref] = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["weight"] == 100 and pref["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    mine: dict[str, Any] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+    }
+    pod = _by_name(render({"gcache": {"enabled": True, "affinity": mine}}), "StatefulSet", GCACHE)
+    assert pod["spec"]["template"]["spec"]["affinity"] == mine  # the user's affinity replaces the term
+    text = notes(values)
+    assert f"StatefulSet {GCACHE}" in text and f"swaserve.{NAMESPACE}.{RELEASE}" in text
+    assert "GCache" not in notes({})

@@ -7,6 +7,7 @@ resumed or lost), a dropped watch and a 410."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -182,6 +183,151 @@ def test_the_chart_runs_discovers_scales_and_drains(tiny_dir: Path, tmp_path: Pa
         assert kubelet.wait_gone(victim, timeout_s=120).exit_code == 0
         wait_for("the prefill pod to leave the router", lambda: addr[victim] not in _workers(base, token))
         assert _complete(base, prompt, 48)["text"] == reference
+    finally:
+        kubelet.close()
+        kube.stop_thread()
+
+
+GCACHE = f"{FULL}-gcache"
+
+
+def gcache_values(model_dir: Path) -> dict[str, Any]:
+    """``chart_values`` with GCache on: 2 nodes, small DRAM so pages move to the NVMe claims, a
+    short registry TTL, prefill workers with a small host tier that reads and writes L3. No UCX:
+    ucxx's listener binds every interface and emulated pods share this machine's ports."""
+    values = chart_values(model_dir)
+    values["gcache"] = {
+        "enabled": True,
+        "replicas": 2,
+        "dram": "4MiB",
+        "nvme": {"capacity": "64MiB", "volume": {"type": "pvc", "size": "128Mi"}},
+        "ucx": {"enabled": False},
+        "registryTTL": 1,
+        "preStopSleep": 1,
+        "shutdownTimeout": 5,
+        "prefill": {"hostCacheMemory": "4MiB", "minTokens": 1},
+    }
+    return values
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Sample name -> the sum of its samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def _l3_url(pod_dir: Path) -> str:
+    """The prefill container's L3 URL (``SWASERVE_L3_URL``, as the emulated kubelet expanded it;
+    never in its argv, which would show the Redis password)."""
+    argv = (pod_dir / "argv").read_text().splitlines()
+    assert "--l3-url" not in argv and not [a for a in argv if "redis://" in a]
+    env: dict[str, str] = json.loads((pod_dir / "env.json").read_text())
+    return env["SWASERVE_L3_URL"]
+
+
+def test_the_chart_runs_gcache_nodes_that_prefill_workers_find(tiny_dir: Path, tmp_path: Path) -> None:
+    """The rendered GCache StatefulSet runs (probes pass), its pods register in the release's Redis
+    under their pod names, the prefill worker's rendered L3 flags reach the nodes (lookups while
+    serving; a client on the same URL stores and finds pages on both nodes), every GCache name the
+    dashboards and rules use is on the nodes' /metrics, and a node restarted on its claim drains,
+    leaves the registry, comes back under the same name and recovers its NVMe pages."""
+    import asyncio
+    import dataclasses
+
+    from bench.fake_kube import FakeKube
+    from bench.kubelet import Kubelet
+    from services.gcache.client import connect
+    from services.gcache.registry import live_nodes
+    from swaserve.gcache.l3 import placements
+    from tests.helpers import promql as h
+    from tests.services.gcache.helpers import chain, tokens
+
+    kube = FakeKube(namespace=NAMESPACE)
+    kube.start_in_thread()
+    kubelet = Kubelet(
+        render(gcache_values(tiny_dir)),
+        kube,
+        kube.write_kubeconfig(tmp_path / "kubeconfig"),
+        tmp_path / "pods",
+    )
+    try:
+        kubelet.start_all()
+        kubelet.wait_ready([p.name for p in kubelet.pods.values()], timeout_s=240)
+        nodes = {p.name: p for p in kubelet.replicas(GCACHE)}
+        assert set(nodes) == {f"{GCACHE}-0", f"{GCACHE}-1"}
+        [prefill] = kubelet.replicas(PREFILL)
+        url = _l3_url(prefill.dir)
+        redis_url, _, query = url.partition("?")
+        assert redis_url.startswith("redis://:") and "$(" not in url
+        ns = f"swaserve.{NAMESPACE}.{RELEASE}"
+        assert query == f"namespace={ns}&transport=auto"
+
+        # registered under their pod names, at the pod IPs the prefill workers dial
+        expected = {n: f"{p.ip}:50061" for n, p in nodes.items()}
+        wait_for("both nodes registered", lambda: live_nodes(redis_url, ns, cache_s=0) == expected)
+
+        # the prefill worker serves with L3 on: its lookups reach the nodes
+        [router] = kubelet.replicas(ROUTER)
+        base = f"http://{router.ip}:8000"
+        for i in range(3):
+            _complete(base, f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 4, 8)
+
+        def lookups() -> float:
+            return sum(
+                m.get("swaserve:gcache_hits_total", 0) + m.get("swaserve:gcache_misses_total", 0)
+                for m in (_scrape(f"http://{p.ip}:9090/metrics") for p in nodes.values())
+            )
+
+        wait_for("the prefill worker's L3 lookups", lambda: lookups() > 0)
+
+        # a client on the prefill worker's URL: pages spread over both nodes, found again, and more
+        # than DRAM holds, so the nodes demote pages to their NVMe claims
+        pages = chain(tokens(512), payload=100_000)  # 8 placement segments of 16 pages
+        places = placements([p.pid[0] for p in pages], 0)
+        pages = [dataclasses.replace(p, place=k) for p, k in zip(pages, places, strict=True)]
+
+        async def round_trip() -> list[bool]:
+            l3 = connect(url)
+            try:
+                stored = await l3.put(pages)
+                found = await l3.lookup([p.pid for p in pages], places)
+                return [*stored, *found.present]
+            finally:
+                await l3.close()
+
+        assert all(asyncio.run(round_trip()))
+        metrics = {n: _scrape(f"http://{p.ip}:9090/metrics") for n, p in nodes.items()}
+        for n, m in metrics.items():
+            assert m["swaserve:gcache_puts_total"] > 0, f"{n} stored nothing"
+        assert sum(m["swaserve:gcache_demotions_total"] for m in metrics.values()) > 0
+
+        # every GCache name the dashboards and rules query is on a node's /metrics
+        import promql_parser as pp
+
+        used = {n for _, e in h.all_exprs() for n in h.selector_names(pp.parse(e)) if "gcache_" in n}
+        assert used and used <= set(metrics[f"{GCACHE}-0"]), used - set(metrics[f"{GCACHE}-0"])
+
+        # a node restarted: drains and exits 0, leaves the registry, comes back under the same name
+        # on the same claim and recovers the pages it had on NVMe
+        victim = f"{GCACHE}-0"
+        kubelet.scale(GCACHE, 1, victims=[victim])
+        gone = kubelet.wait_gone(victim, timeout_s=60)
+        assert gone.exit_code == 0 and not gone.killed, gone.log_text()[-2000:]
+        assert live_nodes(redis_url, ns, cache_s=0) == {f"{GCACHE}-1": expected[f"{GCACHE}-1"]}
+        [again] = kubelet.scale(GCACHE, 2)
+        assert again.name == victim
+        kubelet.wait_ready([victim], timeout_s=60)
+        wait_for(
+            "the node registered again",
+            lambda: live_nodes(redis_url, ns, cache_s=0).get(victim) == f"{again.ip}:50061",
+        )
+        recovered = [int(n) for n in re.findall(r"recovered (\d+) pages", again.log_text())]
+        assert len(recovered) == 2 and recovered[-1] > 0, again.log_text()[-2000:]
     finally:
         kubelet.close()
         kube.stop_thread()

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import promql_parser as pp
 import pytest
 import yaml
 
@@ -103,8 +104,35 @@ def test_dashboard_queries_return_exact_values(tmp_path: Path) -> None:
 
 
 # -- PromQL lint -----------------------------------------------------------------------------------
+def gcache_exported_names() -> set[str]:
+    """Every sample name a GCache node exposes: its metrics code (services/gcache/metrics.py) over a
+    real store with both tiers, one operation observed, rendered and parsed back."""
+    import tempfile
+    from collections import Counter
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.gcache.metrics import GCacheMetrics
+    from swaserve.gcache.store import PageStore
+    from swaserve.gcache.tiers import DramTier, NvmeTier
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = PageStore(DramTier(1 << 20), NvmeTier(Path(tmp), 1 << 20, direct=False))
+        metrics = GCacheMetrics()
+        metrics.observe("lookup", "grpc", 0.001)
+        metrics.attach(lambda: (Counter(store.stats), store.usage()), lambda: False)
+        text = generate_latest(metrics.registry).decode()
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def known_names() -> set[str]:
+    """What a query may name: the serve/router/worker series, the GCache nodes', the recorded ones."""
+    return h.exported_names() | gcache_exported_names() | h.recorded_names()
+
+
 def test_rules_and_dashboards_pass_the_lint() -> None:
-    known = h.exported_names() | h.recorded_names()
+    known = known_names()
     errors = [f"{where}: {e}" for where, expr in h.all_exprs() for e in h.lint(expr, known)]
     assert not errors, "\n".join(errors)
 
@@ -122,13 +150,15 @@ def test_rules_and_dashboards_pass_the_lint() -> None:
         ("rate(swaserve:prefix_cache_hits_total[5m]) / rate(swaserve:prefix_cache_queries_total[5m])", "hits / queries"),
         ("sum(rate(swaserve:prefix_cache_hits_total[5m])) / rate(swaserve:prefix_cache_queries_total[5m])", "hits / queries"),
         ("swaserve:num_requests_pending", "not exported"),
+        ("sum(swaserve:gcache_hits)", "not exported"),  # a counter family's name, not its sample's
+        ("sum(rate(swaserve:gcache_lookups_total[5m]))", "not exported"),
         ("vllm:num_requests_waiting or swaserve:kv_cache_usage", "not exported"),
         ('{__name__="swaserve:worker_up"}', "without a metric name"),
         ("sum(", "does not parse"),
     ],
 )  # fmt: skip
 def test_lint_catches(expr: str, error: str) -> None:
-    known = h.exported_names() | h.recorded_names()
+    known = known_names()
     errors = h.lint(expr, known)
     assert any(error in e for e in errors), errors
 
@@ -147,6 +177,28 @@ def test_exported_names_come_from_the_code() -> None:
     ):
         assert n in names, n  # fmt: skip
     assert "swaserve:time_per_output_token_seconds_bucket" not in names  # vLLM's removed name
+
+
+def test_gcache_names_come_from_the_code() -> None:
+    """The GCache node's names the lint trusts: counters by tier and kind, per-tier gauges, the op
+    histogram; the dashboards and rules use each family."""
+    names = gcache_exported_names()
+    for n in (
+        "swaserve:gcache_hits_total",
+        "swaserve:gcache_misses_total",
+        "swaserve:gcache_used_bytes",
+        "swaserve:gcache_capacity_bytes",
+        "swaserve:gcache_draining",
+        "swaserve:gcache_op_seconds_bucket",
+        "swaserve:gcache_corrupt_pages_total",
+        "swaserve:gcache_put_refused_total",
+    ):
+        assert n in names, n  # fmt: skip
+    used = {n for _, expr in h.all_exprs() for n in h.selector_names(pp.parse(expr))}
+    assert {n for n in used if n.startswith("swaserve:gcache_")} >= {
+        "swaserve:gcache_hits_total", "swaserve:gcache_misses_total", "swaserve:gcache_used_bytes",
+        "swaserve:gcache_capacity_bytes", "swaserve:gcache_op_seconds_bucket", "swaserve:gcache_draining",
+    }  # fmt: skip
 
 
 # -- dashboards --------------------------------------------------------------------------------------
@@ -182,7 +234,7 @@ def test_dashboard_structure() -> None:
             assert p["datasource"]["uid"] == "${datasource}", p["title"]
             for t in p["targets"]:
                 assert t["datasource"]["uid"] == "${datasource}"
-                worker_side = "kv_transfer_" in t["expr"] or "index_events" in t["expr"]
+                worker_side = any(s in t["expr"] for s in ("kv_transfer_", "index_events", "gcache_"))
                 assert worker_side or t["expr"].count("swaserve:") == t["expr"].count(
                     'model_name=~"$model_name"'
                 ), f"{p['title']}: every swaserve series filtered by $model_name"

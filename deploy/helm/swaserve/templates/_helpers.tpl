@@ -238,3 +238,58 @@ topologySpreadConstraints:
 {{- .Values.workerPorts.grpc -}}
 {{- end -}}
 {{- end -}}
+
+{{/* GCache: the StatefulSet's (and its headless Service's) name. */}}
+{{- define "swaserve.gcacheName" -}}
+{{- printf "%s-gcache" (include "swaserve.fullname" .) -}}
+{{- end -}}
+
+{{/* GCache's guards: it needs a Redis (the node registry prefill workers discover nodes in). */}}
+{{- define "swaserve.gcacheChecks" -}}
+{{- if .Values.gcache.enabled }}
+{{- if eq .Values.redis.mode "none" }}
+{{- fail "gcache.enabled needs a Redis (nodes register there, prefill workers find them there): redis.mode bundled or external" }}
+{{- end }}
+{{- $v := .Values.gcache.nvme.volume }}
+{{- if and .Values.gcache.nvme.enabled (eq $v.type "hostPath") (not $v.hostPath.path) }}
+{{- fail "gcache.nvme.volume.hostPath.path is required with gcache.nvme.volume.type hostPath" }}
+{{- end }}
+{{- $r := splitList "-" .Values.gcache.ucx.tcpPortRange }}
+{{- if or (gt (int (index $r 0)) (int (index $r 1))) (gt (int (index $r 1)) 65535) (lt (int (index $r 0)) 1) }}
+{{- fail (printf "gcache.ucx.tcpPortRange %s: needs 1 <= LO <= HI <= 65535" .Values.gcache.ucx.tcpPortRange) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A prefill worker's L3 flags while gcache is enabled (--l3-url: the live nodes registered in
+    Redis under this release's namespace, read from SWASERVE_L3_URL, so a Redis password stays
+    out of argv). */}}
+{{- define "swaserve.gcachePrefillArgs" -}}
+{{- if .Values.gcache.enabled }}
+{{- $c := .Values.gcache.prefill }}
+- --host-cache-memory
+- {{ $c.hostCacheMemory | quote }}
+- --l3-min-tokens
+- {{ $c.minTokens | quote }}
+- --l3-timeout-s
+- {{ $c.timeoutSeconds | quote }}
+- --l3-timeout-per-ki-token-s
+- {{ $c.timeoutPerKiTokenSeconds | quote }}
+{{- with $c.weightsId }}
+- --weights-id
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Env entries of a prefill worker while gcache is enabled (after swaserve.redisEnv's). */}}
+{{- define "swaserve.gcachePrefillEnv" -}}
+{{- if .Values.gcache.enabled }}
+- name: SWASERVE_L3_URL
+  value: {{ printf "$(REDIS_URL)?namespace=%s&transport=%s" (include "swaserve.redisNamespace" .) .Values.gcache.prefill.transport | quote }}
+{{- if .Values.gcache.ucx.enabled }}
+- name: UCX_TCP_PORT_RANGE
+  value: {{ .Values.gcache.ucx.tcpPortRange | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}

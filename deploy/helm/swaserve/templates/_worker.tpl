@@ -107,13 +107,24 @@ spec:
             {{- with .args }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+            {{- if eq .component "prefill" }}
+            {{- with include "swaserve.gcachePrefillArgs" $root }}{{ . | nindent 12 }}{{- end }}
+            {{- end }}
             {{- with $spec.engineArgs }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           {{- $env := list (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) | toYaml }}
-          {{- if and (eq .component "prefill") (eq $root.Values.router.indexMode "precise") }}
+          {{- $precise := and (eq .component "prefill") (eq $root.Values.router.indexMode "precise") }}
+          {{- $l3 := and (eq .component "prefill") $root.Values.gcache.enabled }}
+          {{- if or $precise $l3 }}
+          {{- $env = printf "%s\n%s" $env (include "swaserve.redisEnv" $root) }}
+          {{- end }}
+          {{- if $precise }}
           {{- /* the URL (and its password) in the environment, not on the command line */}}
-          {{- $env = printf "%s\n%s\n- name: SWASERVE_INDEX_REDIS_URL\n  value: $(REDIS_URL)" $env (include "swaserve.redisEnv" $root) }}
+          {{- $env = printf "%s\n- name: SWASERVE_INDEX_REDIS_URL\n  value: $(REDIS_URL)" $env }}
+          {{- end }}
+          {{- if $l3 }}
+          {{- $env = printf "%s\n%s" $env (include "swaserve.gcachePrefillEnv" $root) }}
           {{- end }}
           env:
             {{- include "swaserve.env" (dict "chart" $env "user" $spec.env) | nindent 12 }}
