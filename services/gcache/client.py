@@ -348,8 +348,8 @@ def connect(url: str) -> L3Store:
         if not parts.netloc:
             raise ValueError(f"a gcache URL is gcache://HOST:PORT, got {url!r}")
         return GCacheClient(parts.netloc, transport, timeout_s)
-    if parts.scheme == "redis":
+    if parts.scheme in ("redis", "rediss"):  # rediss: Redis over TLS (redis-py)
         ns = query.pop("namespace", "swaserve")
         rest = urlunsplit(parts._replace(query=urlencode(query)))
         return sharded_client(rest, ns, transport, timeout_s)
-    raise ValueError(f"GCache URLs are gcache://HOST:PORT or redis://..., got {url!r}")
+    raise ValueError(f"GCache URLs are gcache://HOST:PORT or redis[s]://..., got {url!r}")

@@ -17,6 +17,7 @@ from services.gcache.client import GCacheClient, connect
 from services.gcache.node import OP_GET, OP_PUT
 from swaserve.gcache import codec
 from swaserve.gcache.l3 import L3Error
+from swaserve.gcache.l3 import connect as swaserve_connect
 from swaserve.v1 import gcache_pb2 as pb
 from swaserve.v1 import gcache_pb2_grpc as gcgrpc
 from tests.services.gcache.helpers import chain, node, run, tokens, ucx_or_skip
@@ -292,6 +293,8 @@ def test_l3_urls() -> None:
         await c.close()
         r = connect("redis://127.0.0.1:1/3?namespace=ns1&transport=ucx")
         assert r.redis_url == "redis://127.0.0.1:1/3" and r.namespace == "ns1"  # type: ignore[attr-defined]
+        t = swaserve_connect("rediss://:pw@127.0.0.1:1/0?namespace=ns2")  # through the entry points
+        assert t.redis_url == "rediss://:pw@127.0.0.1:1/0" and t.namespace == "ns2"  # type: ignore[attr-defined]
         for bad in ("http://x:1", "gcache://x:1?transport=tcp", "gcache://", "gcache://x:1?timeout_s=soon"):
             with pytest.raises(ValueError):
                 connect(bad)
