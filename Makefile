@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/swaserve bench routing-cluster --json bench/results/routing_cluster.json
 	$(BIN)/swaserve bench frontend --json bench/results/frontend.json
 	$(BIN)/swaserve bench guided --json bench/results/guided.json
+	$(BIN)/swaserve bench gcache --json bench/results/gcache.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -298,3 +298,45 @@ def bench_drain(
     from bench.drain import main
 
     main(str(json_path) if json_path else None, model, concurrency, steady_s, after_s, max_tokens)
+
+
+@app.command("gcache")
+def bench_gcache(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    sizes: Annotated[
+        str, typer.Option(help="Object sizes (header + payload), comma-separated, e.g. 64KiB,1MiB,4MiB.")
+    ] = "64KiB,1MiB,4MiB",
+    iters: Annotated[int, typer.Option(min=1, help="Objects put and got per cell, at most.")] = 200,
+    cell_bytes: Annotated[
+        int, typer.Option(parser=size_option, metavar="BYTES", help="Object bytes per cell, at most.")
+    ] = "256MiB",  # type: ignore[assignment]
+    batch: Annotated[int, typer.Option(min=1, help="Objects per call of the batched get, at most.")] = 8,
+    tier: Annotated[
+        list[str] | None, typer.Option(help="Node tier: dram or nvme; repeatable (default: both).")
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="Simulator: each workload's first N requests (default 1000 / all calls)."),
+    ] = None,
+    copies: Annotated[
+        int | None, typer.Option(min=1, help="Simulator: agent session copies (default 2).")
+    ] = None,
+    sim: Annotated[bool, typer.Option(help="Run the returning-sessions simulation (part 2).")] = True,
+    perftest_bytes: Annotated[
+        int, typer.Option(parser=size_option, metavar="BYTES", help="ucx_perftest bytes per size.")
+    ] = "256MiB",  # type: ignore[assignment]
+) -> None:
+    """GCache: put/get MiB/s and latency (DRAM, NVMe; UCX, gRPC) next to ucx_perftest, and the
+    returning-sessions hit rate and TTFT without L3, with L3 and ideal (simulator); the targets."""
+    from bench.gcache import TIERS, main
+    from swaserve.options import parse_size
+
+    try:
+        size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--sizes") from e
+    tiers = tier or list(TIERS)
+    bad = [t for t in tiers if t not in TIERS]
+    if bad or not size_list:
+        raise typer.BadParameter(f"tiers are {', '.join(TIERS)}; sizes a comma-separated list")
+    main(json_path, size_list, iters, cell_bytes, batch, tiers, limit, copies, perftest_bytes, sim)

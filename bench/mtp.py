@@ -241,6 +241,8 @@ def run_cluster(model_dir: Path, work: list[list[int]], new: int, k: int) -> dic
         }
         for pos, s in row["speedup"].items():
             acc = row["on"].get("accept_length", 0.0)
-            print(f"cluster batch {b} {pos}: {s:.2f}x (accept {acc:.2f}) {'met' if _met(b, s, acc) else 'missed'}")
+            print(
+                f"cluster batch {b} {pos}: {s:.2f}x (accept {acc:.2f}) {'met' if _met(b, s, acc) else 'missed'}"
+            )
         report[str(b)] = row
     return report

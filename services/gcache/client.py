@@ -26,7 +26,7 @@ import grpc
 from services.gcache import registry
 from services.gcache.node import OP_GET, OP_PUT
 from services.gcache.servicer import message_limit
-from swaserve.gcache.l3 import Found, L3Error, L3Store, PutPage, ShardedL3
+from swaserve.gcache.l3 import Found, L3Error, L3Store, Object, PutPage, ShardedL3
 from swaserve.gcache.store import PageId
 from swaserve.v1 import gcache_pb2 as pb
 from swaserve.v1 import gcache_pb2_grpc as gcgrpc
@@ -142,7 +142,7 @@ class GCacheClient:
 
     async def get(
         self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
-    ) -> list[bytes | None]:
+    ) -> list[Object | None]:
         lease = found.lease if isinstance(found.lease, int) else 0
         if not pids:
             if lease:
@@ -151,8 +151,8 @@ class GCacheClient:
         req = pb.GetRequest(pages=_refs(pids), lease=lease)
         return await self._rpc("get", lambda: self._get(req, len(pids)))
 
-    async def _get(self, req: pb.GetRequest, n: int) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * n
+    async def _get(self, req: pb.GetRequest, n: int) -> list[Object | None]:
+        out: list[Object | None] = [None] * n
         ucx = await self._data()
         if ucx is not None:
             reply = await self._ucx_call(ucx, OP_GET, req.SerializeToString())
@@ -161,8 +161,8 @@ class GCacheClient:
                 raise L3Error(
                     f"gcache {self.address}: get answered {len(reply.buffers)} objects for {n} pages"
                 )
-            bufs = iter(reply.buffers)
-            return [bytes(next(bufs)) if ok else None for ok in found]
+            bufs = iter(reply.buffers)  # fresh arrays per reply: handed over without a copy
+            return [next(bufs) if ok else None for ok in found]
 
         async def stream() -> None:
             async for chunk in self._grpc().Get(req, timeout=self.timeout_s):
@@ -252,7 +252,7 @@ class _NodeStore:
 
     async def get(
         self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
-    ) -> list[bytes | None]:
+    ) -> list[Object | None]:
         return await self.owner.client(self.node_id).get(found, pids)
 
     async def put(self, pages: Sequence[PutPage]) -> list[bool]:
@@ -308,7 +308,7 @@ class RegistryL3:
 
     async def get(
         self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
-    ) -> list[bytes | None]:
+    ) -> list[Object | None]:
         await self.refresh()
         return await self.sharded.get(found, pids, places)
 

@@ -222,6 +222,29 @@ class GCacheNode:
 
         return await self.run(read)
 
+    async def get_views(
+        self, pids: list[PageId], lease: int = 0
+    ) -> tuple[list[bytes | memoryview | None], Callable[[], None]]:
+        """``get`` without copying DRAM pages: views into the tier, leased here until the
+        returned ``done`` is called (from the event loop, once they are sent; any thread)."""
+
+        def read(st: PageStore) -> tuple[list[bytes | memoryview | None], int]:
+            try:
+                pin = st.pin(pids, self.limits.max_lease_s)
+                return [st.read_view(p) for p in pids], pin
+            finally:
+                if lease:
+                    st.release(lease)
+
+        objs, pin = await self.run(read)
+
+        def done() -> None:
+            if pin and self._store is not None:
+                with contextlib.suppress(RuntimeError):  # the pool is shut down: the store is gone
+                    self._pool.submit(self.store.release, pin)
+
+        return objs, done
+
     async def put_start(self, items: list[Reserve]) -> list[tuple[pb.PutSlot.Status, int]]:
         """Reserve room: per item ``(PutSlot status, reservation)``. Raises ``Unavailable`` while
         draining."""
@@ -320,9 +343,10 @@ class GCacheNode:
         try:
             if op == OP_GET:
                 req = pb.GetRequest.FromString(bytes(meta))
-                objs = await self.get(check_pages(req.pages, self.limits), req.lease)
-                found = [o for o in objs if o is not None]
-                return Reply(0, pb.GetReply(found=[o is not None for o in objs]).SerializeToString(), found)
+                views, done = await self.get_views(check_pages(req.pages, self.limits), req.lease)
+                found = [o for o in views if o is not None]
+                meta = pb.GetReply(found=[o is not None for o in views]).SerializeToString()
+                return Reply(0, meta, found, done)
             if op == OP_PUT:
                 put = pb.PutDataRequest.FromString(bytes(meta))
                 if len(put.reservations) != len(buffers):

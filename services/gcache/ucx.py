@@ -324,9 +324,13 @@ class UcxServer:
             except Exception as e:  # the node answers every failure itself: this is a bug
                 log.exception("UCX handler failed on op %d", f.op)
                 reply = Reply(INTERNAL, f"op {f.op} failed: {e!r}".encode())
-            views = [_view(b) for b in reply.buffers]
-            async with asyncio.timeout(self.request_timeout_s):
-                await _send(conn.ep, f.op, reply.status, f.rid, reply.meta, views, False)
+            try:
+                views = [_view(b) for b in reply.buffers]
+                async with asyncio.timeout(self.request_timeout_s):
+                    await _send(conn.ep, f.op, reply.status, f.rid, reply.meta, views, False)
+            finally:
+                if reply.done is not None:
+                    reply.done()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the peer left, or took longer than request_timeout_s

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,11 +50,13 @@ class FrameError(ValueError):
 @dataclass(frozen=True)
 class Reply:
     """A reply: status (a gRPC status code number, 0 OK), meta (the node's protobuf, or an error
-    message when status is not 0), buffers (page objects)."""
+    message when status is not 0), buffers (page objects), done (called once the reply is sent
+    or dropped: the buffers may be views that must stay valid until then)."""
 
     status: int
     meta: Buffer = b""
     buffers: Sequence[Any] = field(default_factory=tuple)
+    done: Callable[[], None] | None = None
 
 
 # -- framing ---------------------------------------------------------------------------------------

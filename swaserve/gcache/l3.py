@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 from swaserve.gcache.store import Block, PageId, PageStore
 
+Object = bytes | memoryview  # a page object as a get returns it (a view: no copy was made)
+
 
 class L3Error(Exception):
     """The L3 store could not answer (node down, deadline, protocol error)."""
@@ -71,8 +73,9 @@ class L3Store(Protocol):
 
     async def get(
         self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
-    ) -> list[bytes | None]:
-        """The objects of ``pids`` (None: gone since the lookup); ends ``found``'s lease."""
+    ) -> list[Object | None]:
+        """The objects of ``pids`` (None: gone since the lookup; bytes or a memoryview: verify
+        before use), ends ``found``'s lease."""
         ...
 
     async def put(self, pages: Sequence[PutPage]) -> list[bool]:
@@ -116,7 +119,7 @@ class LocalL3:
 
     async def get(
         self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
-    ) -> list[bytes | None]:
+    ) -> list[Object | None]:
         try:
             return [self.store.read(p) for p in pids]
         finally:
@@ -223,9 +226,9 @@ class ShardedL3:
 
     async def get(
         self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None
-    ) -> list[bytes | None]:
+    ) -> list[Object | None]:
         groups = self._split(pids, places)
-        out: list[bytes | None] = [None] * len(pids)
+        out: list[Object | None] = [None] * len(pids)
         leases: _Leases = found.lease if isinstance(found.lease, _Leases) else _Leases()
 
         async def one(node: str, idx: list[int]) -> None:

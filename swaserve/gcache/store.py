@@ -394,16 +394,20 @@ class PageStore:
         for p, ok in zip(pids, present, strict=True):
             kind = KIND_NAMES.get(p[1], "?")
             self.stats[("hits" if ok else "misses", "any", kind)] += 1
-        got = [p for p, ok in zip(pids, present, strict=True) if ok]
+        return present, self.pin([p for p, ok in zip(pids, present, strict=True) if ok], lease_s)
+
+    def pin(self, pids: Sequence[PageId], lease_s: float | None = None) -> int:
+        """A lease on the resident pages of ``pids`` (not counted as a lookup); 0 when none is."""
+        got = [p for p in pids if p in self.index]
         if not got:
-            return present, 0
+            return 0
         lid = next(self._ids)
         until = self.clock() + (self.lease_s if lease_s is None else lease_s)
         self.leases[lid] = _Lease(until, got)
         heapq.heappush(self._lease_heap, (until, lid))
         for p in got:
             self.index[p].leased += 1
-        return present, lid
+        return lid
 
     def release(self, lease: int) -> None:
         """End a lease early (unknown or expired ids are ignored)."""
@@ -415,11 +419,21 @@ class PageStore:
 
     def read(self, pid: PageId) -> bytes | None:
         """A committed page's object, or None (absent, or corrupt: then deleted and counted)."""
+        obj = self._read(pid, True)
+        assert obj is None or isinstance(obj, bytes)
+        return obj
+
+    def read_view(self, pid: PageId) -> bytes | memoryview | None:
+        """``read``, but a DRAM page comes as a view into the tier, valid only while the page is
+        leased: the caller holds a lease on it (``pin``) until it is done with the view."""
+        return self._read(pid, False)
+
+    def _read(self, pid: PageId, copy: bool) -> bytes | memoryview | None:
         e = self.index.get(pid)
         if e is None:
             return None
         tier = e.tier
-        obj = tier.read(e.slot, e.size)
+        obj = tier.read(e.slot, e.size) if copy or tier is self.nvme else tier.view(e.slot, e.size)
         if tier is self.nvme:
             try:
                 codec.verify(obj, kind=e.kind, salt=codec.decode_header(obj).salt, key=e.key)
@@ -438,7 +452,9 @@ class PageStore:
 
     def _promote(self, e: Entry) -> None:
         dram = self.dram
-        if dram.capacity < dram.slot_size(e.size) or e.leased:
+        # a leased page may move up: readers find its slot when they read, and only DRAM pages
+        # are ever handed out as views (``read(copy=False)``)
+        if dram.capacity < dram.slot_size(e.size):
             return
         if dram.free_slots(dram.slot_size(e.size)) == 0:
             cold = self._coldest(dram, dram.slot_size(e.size), lambda x: x.leased == 0)

@@ -114,6 +114,11 @@ class Tier:
     def read(self, slot: Slot, nbytes: int) -> bytes:
         raise NotImplementedError
 
+    def view(self, slot: Slot, nbytes: int) -> bytes | memoryview:
+        """The slot's bytes without a copy where the tier can (DRAM): valid only while the slot
+        is neither freed nor rewritten (the store's leases keep it so)."""
+        return self.read(slot, nbytes)
+
     def close(self) -> None:
         return None
 
@@ -147,6 +152,10 @@ class DramTier(Tier):
     def read(self, slot: Slot, nbytes: int) -> bytes:
         buf, off = self._locate(slot)
         return bytes(buf[off : off + nbytes])
+
+    def view(self, slot: Slot, nbytes: int) -> memoryview:
+        buf, off = self._locate(slot)
+        return memoryview(buf)[off : off + nbytes]
 
 
 class NvmeTier(Tier):

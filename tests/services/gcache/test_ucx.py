@@ -160,10 +160,11 @@ def test_a_stopped_node_costs_the_deadline_a_killed_one_fails_fast_and_a_restart
     async def deadline(proc: Any, c: UcxClient) -> None:
         r = await c.call(OP_GET, meta)
         assert [bytes(b) for b in r.buffers] == [p.obj for p in pages]
-        fetch = asyncio.create_task(c.call(OP_GET, meta, timeout_s=1.5))
-        await asyncio.sleep(0.02)  # not a synchronisation: mid-transfer or before, both must hold
-        t0 = time.monotonic()
+        # stopped before the call (a call that starts first may well finish within any sleep
+        # here: a stop mid-transfer is the killed case's, and the cluster tests')
         proc.kill(signal.SIGSTOP)
+        t0 = time.monotonic()
+        fetch = asyncio.create_task(c.call(OP_GET, meta, timeout_s=1.5))
         try:
             with pytest.raises(UcxTransportError, match=r"no reply within 1\.5 s"):
                 await fetch
