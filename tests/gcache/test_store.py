@@ -223,6 +223,20 @@ def test_nvme_demotion_promotion_and_recovery(tmp_path: Path, direct: bool) -> N
     assert store.read(cold) == pages[5]["obj"]
     assert store.index[cold].tier is store.dram  # promoted on the second read
     check(store)
+    # as a node reads: under the lookup's lease (a leased page moves up too: reads find its
+    # slot when they read), and a DRAM page as a view, valid while pinned
+    other = next(p for p in pages if store.index[p["pid"]].tier is store.nvme)
+    for _ in range(2):
+        _, lease = store.lookup([other["pid"]])
+        assert store.read(other["pid"]) == other["obj"]
+        store.release(lease)
+    assert store.index[other["pid"]].tier is store.dram
+    pin = store.pin([other["pid"]])
+    view = store.read_view(other["pid"])
+    assert isinstance(view, memoryview) and view == other["obj"]
+    assert store.index[other["pid"]].leased == 1
+    store.release(pin)
+    check(store)
     nvme_pids = {pid for pid, e in store.index.items() if e.tier is store.nvme}
     store.close()
     # restart: the NVMe pages come back; DRAM ones are gone
