@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from services.gcache.ucx_wire import (
     INLINE_BYTES,
     INTERNAL,
@@ -33,6 +35,8 @@ from services.gcache.ucx_wire import (
     MAX_MESSAGE_BYTES,
     MAX_META_BYTES,
     OP_REFUSED,
+    PACKED,
+    REPLY_HEAD_BYTES,
     Buffer,
     Frame,
     FrameError,
@@ -373,8 +377,8 @@ class UcxClient:
         when it is large enough, else in a new array. Raises ``UcxTransportError`` (no connection,
         no reply within ``timeout_s`` seconds, the peer died, a malformed reply), ValueError or
         TypeError for bad arguments (op not 1..255, sizes over the protocol's limits)."""
-        if not 0 < op < 256:
-            raise ValueError(f"op {op} not in 1..255")
+        if not 0 < op < PACKED:
+            raise ValueError(f"op {op} not in 1..{PACKED - 1}")
         views = [_view(b) for b in buffers]
         dst = [_view(b, writable=True) for b in into or ()]
         if len(meta) > MAX_META_BYTES or len(views) > MAX_BUFFERS:
@@ -428,7 +432,7 @@ class UcxClient:
         self, ep: Any, rid: int, op: int, meta: Buffer, views: list[memoryview], into: list[memoryview]
     ) -> tuple[bool, Reply]:
         """(refused, the reply). Raises FrameError for a malformed reply, ucxx's errors."""
-        head = bytearray(INLINE_BYTES)
+        head = np.empty(REPLY_HEAD_BYTES, np.uint8).data  # a packed reply's buffers come in it
         got = asyncio.ensure_future(ep.recv(head, tag=message_tag(rid, 0)))  # posted before sending
         sending = asyncio.ensure_future(_send(ep, op, 0, rid, meta, views, True))
         try:

@@ -7,6 +7,9 @@ each buffer one tag message.
 - Tail: the meta bytes (the node's protobuf), then one u64 little-endian length per buffer.
 - The head is the header and the tail in one message when they fit ``INLINE_BYTES``, else the
   header then the tail. Empty buffers are not sent.
+- A reply whose header, tail and buffers fit ``REPLY_HEAD_BYTES`` is one message: its op carries
+  ``PACKED`` and the buffers follow the tail in order (the client posts a head buffer that large,
+  so a small get costs one message and no receive posted after the head arrives).
 
 A request's head goes on the endpoint's own tag; every other message on a tag made of the request
 id and the part number (``message_tag``), so calls share one endpoint without waiting for each
@@ -24,11 +27,13 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"SWGU"
-VERSION = 1
+VERSION = 2
+PACKED = 0x80  # op flag: a reply whose buffers follow its tail in the head message (ops: 1..127)
 HEADER = struct.Struct("<4sBBHQII")  # magic, version, op, status, request id, meta bytes, buffers
 OP_REFUSED = 0  # a reply's op when the server refused the frame (the connection then closes)
 OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13  # gRPC status code numbers
 INLINE_BYTES = 4096  # a head (header + tail) up to this size is one message
+REPLY_HEAD_BYTES = 256 << 10  # a reply up to this size (header, tail, buffers) is one message
 MAX_META_BYTES = 16 << 20
 MAX_BUFFERS = 65536
 MAX_BUFFER_BYTES = 1 << 30
@@ -78,18 +83,20 @@ def _view(b: Any, writable: bool = False) -> memoryview:
 
 @dataclass(frozen=True)
 class Frame:
-    """A parsed header: op, status, rid (request id), meta_len (bytes), nbuf (buffers)."""
+    """A parsed header: op (``PACKED`` taken off), status, rid (request id), meta_len (bytes),
+    nbuf (buffers), packed (the buffers came in the head's message too)."""
 
     op: int
     status: int
     rid: int
     meta_len: int
     nbuf: int
+    packed: bool = False
 
     @property
     def inline(self) -> bool:
         """Whether the tail came in the head's message."""
-        return HEADER.size + self.meta_len + 8 * self.nbuf <= INLINE_BYTES
+        return self.packed or HEADER.size + self.meta_len + 8 * self.nbuf <= INLINE_BYTES
 
 
 def pack_header(op: int, status: int, rid: int, meta_len: int, nbuf: int) -> bytes:
@@ -111,7 +118,7 @@ def parse_header(raw: Buffer, max_meta: int = MAX_META_BYTES, max_buffers: int =
         raise FrameError(f"meta of {meta_len} bytes, at most {max_meta}")
     if nbuf > max_buffers:
         raise FrameError(f"{nbuf} buffers in one message, at most {max_buffers}")
-    return Frame(op, status, rid, meta_len, nbuf)
+    return Frame(op & ~PACKED, status, rid, meta_len, nbuf, bool(op & PACKED))
 
 
 async def _send(
@@ -119,6 +126,10 @@ async def _send(
 ) -> None:
     """Send a head (a request's on the endpoint's own tag) and the buffers ``views``."""
     tail = bytes(meta) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
+    if not request and views and HEADER.size + len(tail) + sum(v.nbytes for v in views) <= REPLY_HEAD_BYTES:
+        packed = b"".join([pack_header(op | PACKED, status, rid, len(meta), len(views)), tail, *views])
+        await ep.send(packed, tag=message_tag(rid, 0))
+        return
     head = pack_header(op, status, rid, len(meta), len(views))
     inline = HEADER.size + len(tail) <= INLINE_BYTES
     sends = [ep.send(head + tail if inline else head, **({} if request else {"tag": message_tag(rid, 0)}))]
@@ -129,11 +140,12 @@ async def _send(
 
 
 async def _recv_rest(
-    ep: Any, f: Frame, head: bytearray, max_buffer: int, max_total: int, into: Sequence[memoryview] = ()
+    ep: Any, f: Frame, head: Buffer, max_buffer: int, max_total: int, into: Sequence[memoryview] = ()
 ) -> tuple[bytes, list[memoryview]]:
     """The meta and buffers of the message whose head (``f``, parsed from ``head``) arrived.
-    Buffer ``i`` lands in ``into[i]`` when that holds it, else in a new array. Raises
-    ``FrameError`` for a buffer over ``max_buffer`` or all over ``max_total`` bytes."""
+    Buffer ``i`` lands in ``into[i]`` when that holds it, else in a new array (a packed reply's:
+    a view of ``head``). Raises ``FrameError`` for a buffer over ``max_buffer``, all over
+    ``max_total`` bytes, or a packed reply longer than ``head``."""
     if f.inline:
         tail: Buffer = memoryview(head)[HEADER.size : HEADER.size + f.meta_len + 8 * f.nbuf]
     else:
@@ -146,6 +158,18 @@ async def _recv_rest(
     if sum(lengths) > max_total:
         raise FrameError(f"{sum(lengths)} bytes of buffers in one message, at most {max_total}")
     bufs: list[memoryview] = []
+    if f.packed:
+        pos = HEADER.size + f.meta_len + 8 * f.nbuf
+        if pos + sum(lengths) > len(head):
+            raise FrameError(f"a packed reply of {pos + sum(lengths)} bytes in a {len(head)}-byte head")
+        for i, n in enumerate(lengths):
+            src = memoryview(head)[pos : pos + n]
+            if i < len(into) and into[i].nbytes >= n:
+                into[i][:n] = src
+                src = into[i][:n]
+            bufs.append(src)
+            pos += n
+        return bytes(tail[: f.meta_len]), bufs
     recvs = []
     for i, n in enumerate(lengths):
         dst = into[i][:n] if i < len(into) and into[i].nbytes >= n else np.empty(n, np.uint8).data

@@ -65,6 +65,13 @@ def test_pages_of_64k_to_4m_round_trip_byte_for_byte() -> None:
                 assert r.status == 0 and list(pb.GetReply.FromString(bytes(r.meta)).found) == [True] * 4
                 for p, buf, got in zip(pages, into, r.buffers, strict=True):
                     assert bytes(got) == p.obj and np.shares_memory(np.asarray(got), buf)
+                # one page of 64 KiB: a packed reply (the page in the head message), copied into ours
+                if size == 64 << 10:
+                    mine = [np.zeros(len(pages[0].obj), np.uint8)]
+                    r = await raw.call(OP_GET, _get_meta(pages[:1]), into=mine)
+                    assert bytes(r.buffers[0]) == pages[0].obj and np.shares_memory(
+                        np.asarray(r.buffers[0]), mine[0]
+                    )
                 # too small a receive buffer is not written past: the page lands in a new one
                 small = [np.zeros(10, np.uint8)]
                 r = await raw.call(OP_GET, _get_meta(pages[:1]), into=small)
@@ -287,3 +294,57 @@ def test_ucx_perftest_baseline_runs_and_a_missing_binary_is_a_clear_error(
     monkeypatch.setitem(sys.modules, "libucx", fake)
     with pytest.raises(PerftestMissing, match="no executable ucx_perftest"):
         run_perftest([1 << 20])
+
+
+class _Wire:
+    """An endpoint stand-in: ``send`` records (tag, bytes); ``recv`` is never needed by a packed
+    reply."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int | None, bytes]] = []
+
+    async def send(self, buf: Any, tag: int | None = None) -> None:
+        self.sent.append((tag, bytes(buf)))
+
+    async def recv(self, buf: Any, tag: int | None = None) -> None:
+        raise AssertionError("a packed reply needs no further receive")
+
+
+def test_small_replies_are_packed_in_one_message_and_checked() -> None:
+    from services.gcache.ucx_wire import (
+        HEADER,
+        PACKED,
+        REPLY_HEAD_BYTES,
+        FrameError,
+        _recv_rest,
+        _send,
+        message_tag,
+        parse_header,
+    )
+
+    async def go() -> None:
+        bufs = [memoryview(bytes(range(256)) * 40), memoryview(b""), memoryview(b"xyz")]
+        w = _Wire()
+        await _send(w, OP_GET, 0, 9, b"meta", bufs, False)
+        [(tag, msg)] = w.sent  # header, tail and buffers: one message on the reply's tag
+        assert tag == message_tag(9, 0) and msg[5] == OP_GET | PACKED
+        f = parse_header(msg)
+        assert (f.op, f.packed, f.inline, f.nbuf) == (OP_GET, True, True, 3)
+        head = np.zeros(REPLY_HEAD_BYTES, np.uint8)
+        head[: len(msg)] = np.frombuffer(msg, np.uint8)
+        meta, got = await _recv_rest(w, f, head.data, 1 << 20, 1 << 20)
+        assert meta == b"meta" and [bytes(g) for g in got] == [bytes(b) for b in bufs]
+        # a head too short for what its tail announces is refused, not read past
+        with pytest.raises(FrameError, match="packed reply"):
+            await _recv_rest(w, f, head.data[: len(msg) - 1], 1 << 20, 1 << 20)
+        # requests and large replies are never packed
+        w = _Wire()
+        await _send(w, OP_GET, 0, 10, b"m", bufs, True)
+        assert len(w.sent) == 3 and not parse_header(w.sent[0][1]).packed  # head, 2 non-empty buffers
+        w = _Wire()
+        big = [memoryview(bytes(REPLY_HEAD_BYTES))]
+        await _send(w, OP_GET, 0, 11, b"m", big, False)
+        assert len(w.sent) == 2 and not parse_header(w.sent[0][1]).packed
+        assert len(w.sent[0][1]) == HEADER.size + 1 + 8
+
+    run(go())
