@@ -94,8 +94,9 @@ def _seed(m: pb.SamplingParams) -> int | None:
 
 def usage(o: RequestOutput) -> pb.Usage:
     return pb.Usage(
-        prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens
-    )
+        prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
+        cached_host_tokens=o.cached_host_tokens, cached_l3_tokens=o.cached_l3_tokens,
+    )  # fmt: skip
 
 
 def _logprobs_to_proto(lps: list[TokenLogprob]) -> list[pb.TokenLogprob]:
@@ -143,6 +144,8 @@ def output_from_chunk(request_id: str, m: pb.GenerateResponse) -> RequestOutput:
         prompt_tokens=m.usage.prompt_tokens,
         completion_tokens=m.usage.completion_tokens,
         cached_tokens=m.usage.cached_tokens,
+        cached_host_tokens=m.usage.cached_host_tokens,
+        cached_l3_tokens=m.usage.cached_l3_tokens,
     )
 
 

@@ -185,11 +185,16 @@ class AttemptRunner:
                 yield RequestOutput(
                     rid, finished=True, finish_reason=finish_reason(reason), prompt_tokens=usage.prompt_tokens,
                     completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
+                    cached_host_tokens=usage.cached_host_tokens, cached_l3_tokens=usage.cached_l3_tokens,
                 )  # fmt: skip
                 return
             if first is None:
                 raise DispatchError(f"prefill worker {p.address} handed off without a first token", p)
             cached = usage.cached_tokens
+            tiers = {
+                "cached_host_tokens": usage.cached_host_tokens,
+                "cached_l3_tokens": usage.cached_l3_tokens,
+            }
             if att.lost is not None:
                 raise _lost(att)
             att.call = d.stub.Generate(
@@ -203,6 +208,8 @@ class AttemptRunner:
                 if kind == "chunk":
                     out = _output(rid, m)
                     out.cached_tokens = cached
+                    out.cached_host_tokens = tiers["cached_host_tokens"]
+                    out.cached_l3_tokens = tiers["cached_l3_tokens"]
                     started[0] = True
                     done = out.finished
                     yield out

@@ -119,6 +119,8 @@ class ClusterEngine(EngineClient):
         self.prompt_tokens_total = 0  # prompts of requests that got their first token
         self.generation_tokens_total = 0  # tokens relayed to clients
         self.cached_tokens_total = 0  # of those prompts, tokens the prefill workers had cached
+        self.cached_host_tokens_total = 0  # of those, loaded from their host tiers (L3's included)
+        self.cached_l3_tokens_total = 0  # of those, fetched from L3 (GCache)
         self.requests_by_status: collections.Counter[str] = collections.Counter()
         self.retries: collections.Counter[str] = collections.Counter()
 
@@ -193,7 +195,12 @@ class ClusterEngine(EngineClient):
             num_waiting=0,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            prefix_cache=CacheStats(queries=self.prompt_tokens_total, hits_device=self.cached_tokens_total),
+            prefix_cache=CacheStats(
+                queries=self.prompt_tokens_total,
+                hits_device=self.cached_tokens_total - self.cached_host_tokens_total,
+                hits_host=self.cached_host_tokens_total - self.cached_l3_tokens_total,
+                hits_l3=self.cached_l3_tokens_total,
+            ),
         )
 
     def router_stats(self) -> RouterStats:
@@ -304,6 +311,8 @@ class ClusterEngine(EngineClient):
                                 first = out.new_token_ids[0]
                                 self.prompt_tokens_total += len(prompt_token_ids)
                                 self.cached_tokens_total += out.cached_tokens
+                                self.cached_host_tokens_total += out.cached_host_tokens
+                                self.cached_l3_tokens_total += out.cached_l3_tokens
                             self.generation_tokens_total += len(out.new_token_ids)
                             finished = out.finished
                             if finished:

@@ -443,6 +443,8 @@ class EngineCore:
             prompt_tokens=req.num_prompt,
             completion_tokens=len(req.output_token_ids),
             cached_tokens=req.cached_tokens,
+            cached_host_tokens=req.cached_host_tokens,
+            cached_l3_tokens=min(req.l3_tokens, req.cached_host_tokens),
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,

@@ -26,6 +26,8 @@ class CoreOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_host_tokens: int = 0  # of cached_tokens, from the host tier (L3 fetches included)
+    cached_l3_tokens: int = 0  # of cached_host_tokens, fetched from L3 for this request
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -131,6 +131,8 @@ class OutputProcessor:
             prompt_tokens=o.prompt_tokens,
             completion_tokens=completion,
             cached_tokens=o.cached_tokens,
+            cached_host_tokens=o.cached_host_tokens,
+            cached_l3_tokens=o.cached_l3_tokens,
             arrival_time=o.arrival_time,
             first_scheduled_time=o.first_scheduled_time,
             first_token_time=o.first_token_time,

@@ -44,6 +44,7 @@ class Request:
     first_token_time: float | None = None
     sampling: SamplingState | None = None
     cached_tokens: int = 0
+    cached_host_tokens: int = 0  # of ``cached_tokens``, loaded from the host tier (L3's included)
     l3_tokens: int = 0  # prompt tokens its L3 fetch put in the host tier (``engine.l3_tier``)
     bypassed: int = 0  # waiting requests admitted ahead of this one while it was at the queue head
     export_kv: bool = False  # prefill role: capture the prompt's KV (``kv_payload``) when it finishes

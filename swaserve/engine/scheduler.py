@@ -279,6 +279,7 @@ class Scheduler:
                 self.on_import(req)
             else:
                 req.num_computed = req.cached_tokens = adm.hit_tokens
+                req.cached_host_tokens = adm.host_tokens
             self.waiting.pop(i)
             if i > 0:
                 self.waiting[0].bypassed += 1

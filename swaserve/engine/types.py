@@ -164,6 +164,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_host_tokens: int = 0  # of cached_tokens, loaded from the host tier (L3 fetches included)
+    cached_l3_tokens: int = 0  # of cached_host_tokens, fetched from L3 (GCache) for this request
     arrival_time: float = 0.0  # engine clock (time.monotonic), seconds
     first_scheduled_time: float | None = None  # when the request first got a prefill slot
     first_token_time: float | None = None

@@ -52,6 +52,9 @@ def test_engine_b_hits_what_engine_a_wrote(tiny_dir: Path) -> None:
     st = b.kv.cache.stats  # type: ignore[union-attr]
     assert st.hits_l3 > 0, f"no L3 hit: {dict(b.core.l3.stats)}"  # type: ignore[union-attr]
     assert sum(r.cached for r in got.values()) == st.hits_device + st.hits_host + st.hits_l3
+    # each request's output says where its hit came from (the router sums these per tier)
+    assert sum(r.cached_l3 for r in got.values()) == st.hits_l3
+    assert sum(r.cached_host for r in got.values()) == st.hits_host + st.hits_l3
     invariants.check(b.kv)
     b.kv.flush_cache()
     invariants.check(b.kv)

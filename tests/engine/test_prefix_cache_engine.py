@@ -30,6 +30,8 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     cached: int = 0
+    cached_host: int = 0  # of cached, from the host tier (L3's included)
+    cached_l3: int = 0  # of cached_host, fetched from L3
 
 
 def run_wave(eng: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, Result]:
@@ -42,7 +44,7 @@ def run_wave(eng: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, Result]
             r = out[o.request_id]
             r.tokens += o.new_token_ids
             r.logprobs += [(lp.logprob, lp.top) for lp in o.new_logprobs]
-            r.cached = o.cached_tokens
+            r.cached, r.cached_host, r.cached_l3 = o.cached_tokens, o.cached_host_tokens, o.cached_l3_tokens
         invariants.check(eng.kv)
     return out
 

@@ -150,6 +150,7 @@ def test_a_second_prefill_worker_hits_what_the_first_wrote(cluster: Cluster, ref
     only(cluster, "prefill-1")  # B never saw WAVE: what it finds cached comes from L3
     reads = node_counter(cluster, "gcache_reads")
     l3_hits = node_counter(cluster, "worker_prefix_cache_hits_total", "prefill-1", 'tier="l3"')
+    routed = metric(cluster.url, "swaserve:prefix_cache_hits_total", tier="l3")
     got = asyncio.run(complete(cluster.url, WAVE, limit=1))
     assert_exact(got, WAVE, reference)
     assert all(n > 0 for n in cached(got)), cached(got)
@@ -162,6 +163,8 @@ def test_a_second_prefill_worker_hits_what_the_first_wrote(cluster: Cluster, ref
             == sum(cached(got))
         ),
     )
+    # and the router's per-tier hits (from the prefill workers' usage) too
+    assert metric(cluster.url, "swaserve:prefix_cache_hits_total", tier="l3") - routed == sum(cached(got))
     cluster.services["prefill-0"].kill(signal.SIGCONT)
 
 
