@@ -328,15 +328,22 @@ def bench_gcache(
 ) -> None:
     """GCache: put/get MiB/s and latency (DRAM, NVMe; UCX, gRPC) next to ucx_perftest, and the
     returning-sessions hit rate and TTFT without L3, with L3 and ideal (simulator); the targets."""
-    from bench.gcache import TIERS, main
+    from bench.gcache import MAX_OBJECT_BYTES, PAGE, TIERS, main
+    from swaserve.gcache.codec import header_size
     from swaserve.options import parse_size
 
     try:
         size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--sizes") from e
+    least = header_size(PAGE) + 1
+    if not size_list or not all(least <= s <= MAX_OBJECT_BYTES for s in size_list):
+        raise typer.BadParameter(
+            f"a comma-separated list of object sizes from {least} B (a header and a byte) to "
+            f"{MAX_OBJECT_BYTES >> 20} MiB (a node's largest object)",
+            param_hint="--sizes",
+        )
     tiers = tier or list(TIERS)
-    bad = [t for t in tiers if t not in TIERS]
-    if bad or not size_list:
-        raise typer.BadParameter(f"tiers are {', '.join(TIERS)}; sizes a comma-separated list")
+    if bad := [t for t in tiers if t not in TIERS]:
+        raise typer.BadParameter(f"{', '.join(bad)}: tiers are {', '.join(TIERS)}", param_hint="--tier")
     main(json_path, size_list, iters, cell_bytes, batch, tiers, limit, copies, perftest_bytes, sim)

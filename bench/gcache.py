@@ -56,6 +56,7 @@ DRAM_BYTES = 2 << 30
 TINY_DRAM = 32 << 10  # below every size class here: the NVMe node's pages all go to NVMe
 NVME_BYTES = 2 << 30
 MIN_OBJECTS = 4
+MAX_OBJECT_BYTES = 64 << 20  # the node's default --max-object-bytes
 BATCH_CALLS = 4  # a batched get takes at most N / this objects per call, so it makes several calls
 
 

@@ -7,6 +7,7 @@ Heavy modules (torch, the engine, the HTTP server) are imported inside the comma
 
 from __future__ import annotations
 
+import dataclasses
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Literal
@@ -400,6 +401,14 @@ def sim(
             help="A GCache (L3) tier shared by the prefill instances, e.g. 20TB (needs --host-cache).",
         ),
     ] = None,
+    device_cache: Annotated[
+        int | None,
+        typer.Option(
+            parser=size_option,
+            metavar="BYTES",
+            help="Device KV per prefill instance (default: the deployment's), e.g. 10GB.",
+        ),
+    ] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
     copies: Annotated[
         int, typer.Option(min=1, help="Agent sessions: run this many unrelated copies (closed loop).")
@@ -429,6 +438,8 @@ def sim(
         if policy != "cache_aware" and queue_order != "auto":
             raise ValueError(f"--queue-order applies to --policy cache_aware only, not {policy}")
         dep = get_deployment(deployment)
+        if device_cache is not None:
+            dep = dataclasses.replace(dep, device_bytes=device_cache)
         work = wl.load(trace, limit, copies)
         row = simulate(
             work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,

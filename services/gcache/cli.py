@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,7 +26,7 @@ from services.gcache.node import GCacheNode, Limits
 from services.gcache.registry import Registration, index_instance
 from services.gcache.servicer import GrpcServer, start_grpc
 from swaserve.gcache.store import PageStore
-from swaserve.gcache.tiers import DramTier, NvmeTier
+from swaserve.gcache.tiers import DirectoryInUse, DramTier, NvmeTier
 from swaserve.options import size_option
 
 log = logging.getLogger("swaserve.gcache")
@@ -140,9 +141,10 @@ class NodeServer:
             rec = await node.run(lambda st: dict(st.recovered))
             nvme = f" at {o.nvme_dir}, O_DIRECT {'on' if self._direct else 'off'}, recovered {rec['pages']} pages"
             nvme += f" ({rec['dropped']} bad slots dropped)"
+        metrics = f", metrics {self._httpd.server_port}" if self._httpd is not None else ""
         print(
             f"gcache node {node.node_id} listening on {o.host}:{self.port} (gRPC), UCX "
-            f"{node.ucx_port or 'off'}; tiers: {tiers}{nvme}",
+            f"{node.ucx_port or 'off'}{metrics}; tiers: {tiers}{nvme}",
             flush=True,
         )
 
@@ -251,7 +253,11 @@ def main(
         lease_s=lease_s, put_timeout_s=put_timeout_s, half_life_s=half_life_s,
         max_object_bytes=max_object_bytes, shutdown_timeout_s=shutdown_timeout_s,
     )  # fmt: skip
-    asyncio.run(_serve(opts))
+    try:
+        asyncio.run(_serve(opts))
+    except DirectoryInUse as e:  # a second node on one NVMe directory would destroy its pages
+        print(f"error: {e.strerror}", file=sys.stderr)
+        raise typer.Exit(2) from None
 
 
 async def _serve(opts: NodeOptions) -> None:

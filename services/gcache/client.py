@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -344,12 +345,16 @@ def connect(url: str) -> L3Store:
         timeout_s = float(query.pop("timeout_s", "5"))
     except ValueError as e:
         raise ValueError(f"timeout_s in {url!r} is not a number") from e
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s in {url!r} must be a positive number of seconds")
+    ns = query.pop("namespace", "swaserve") if parts.scheme in ("redis", "rediss") else None
+    if parts.scheme == "gcache" and query:
+        raise ValueError(f"unknown parameters {', '.join(sorted(query))} in {url!r} (transport, timeout_s)")
     if parts.scheme == "gcache":
         if not parts.netloc:
             raise ValueError(f"a gcache URL is gcache://HOST:PORT, got {url!r}")
         return GCacheClient(parts.netloc, transport, timeout_s)
-    if parts.scheme in ("redis", "rediss"):  # rediss: Redis over TLS (redis-py)
-        ns = query.pop("namespace", "swaserve")
+    if ns is not None:  # rediss: Redis over TLS (redis-py); other parameters go to redis-py
         rest = urlunsplit(parts._replace(query=urlencode(query)))
         return sharded_client(rest, ns, transport, timeout_s)
     raise ValueError(f"GCache URLs are gcache://HOST:PORT or redis[s]://..., got {url!r}")

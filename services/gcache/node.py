@@ -223,27 +223,37 @@ class GCacheNode:
         return await self.run(read)
 
     async def get_views(
-        self, pids: list[PageId], lease: int = 0
+        self, pids: list[PageId], lease: int = 0, pin_s: float = 75.0
     ) -> tuple[list[bytes | memoryview | None], Callable[[], None]]:
         """``get`` without copying DRAM pages: views into the tier, leased here until the
-        returned ``done`` is called (from the event loop, once they are sent; any thread)."""
+        returned ``done`` is called (from the event loop, once they are sent; any thread) or
+        ``pin_s`` seconds at most (longer than the UCX server's request timeout). A caller
+        cancelled meanwhile releases them as soon as the read is over."""
 
         def read(st: PageStore) -> tuple[list[bytes | memoryview | None], int]:
             try:
-                pin = st.pin(pids, self.limits.max_lease_s)
+                pin = st.pin(pids, pin_s)
                 return [st.read_view(p) for p in pids], pin
             finally:
                 if lease:
                     st.release(lease)
 
-        objs, pin = await self.run(read)
-
-        def done() -> None:
+        def release(pin: int) -> None:
             if pin and self._store is not None:
                 with contextlib.suppress(RuntimeError):  # the pool is shut down: the store is gone
                     self._pool.submit(self.store.release, pin)
 
-        return objs, done
+        def after_cancel(t: asyncio.Task[tuple[list[bytes | memoryview | None], int]]) -> None:
+            if not t.cancelled() and t.exception() is None:
+                release(t.result()[1])
+
+        task = asyncio.ensure_future(self.run(read))
+        try:
+            objs, pin = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(after_cancel)  # the peer left: nothing will send these views
+            raise
+        return objs, lambda: release(pin)
 
     async def put_start(self, items: list[Reserve]) -> list[tuple[pb.PutSlot.Status, int]]:
         """Reserve room: per item ``(PutSlot status, reservation)``. Raises ``Unavailable`` while

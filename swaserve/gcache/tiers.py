@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 from collections.abc import Iterator
@@ -158,8 +159,13 @@ class DramTier(Tier):
         return memoryview(buf)[off : off + nbytes]
 
 
+class DirectoryInUse(OSError):
+    """Another open ``NvmeTier`` (another node) holds the directory."""
+
+
 class NvmeTier(Tier):
-    """Args: directory: where the class files live (created). capacity: bytes. direct: try
+    """Args: directory: where the class files live (created; one tier at a time: an exclusive
+    ``flock`` on ``DIR/lock``, else ``DirectoryInUse``). capacity: bytes. direct: try
     ``O_DIRECT`` (falls back to buffered I/O where the filesystem refuses it)."""
 
     name = "nvme"
@@ -168,6 +174,15 @@ class NvmeTier(Tier):
         super().__init__(capacity, ALIGN)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise DirectoryInUse(
+                errno.EBUSY,
+                f"NVMe directory {self.dir} is in use by another GCache node (its lock file is held)",
+            ) from None
         self.want_direct = direct and hasattr(os, "O_DIRECT")
         self.direct = False
         self._fds: dict[int, int] = {}
@@ -246,7 +261,8 @@ class NvmeTier(Tier):
         self.used += len(used) * size
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), self._lock]:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                os.close(fd)  # the lock goes with its descriptor
         self._fds.clear()
+        self._lock = -1

@@ -340,3 +340,15 @@ def test_a_second_size_class_gets_room_from_the_first(tmp_path: Path, nvme: bool
         if e.kind == codec.FULL_KIND:
             assert e.index == 0 or e.parent_pid in store.index
     assert store.read(full[0]["pid"]) == full[0]["obj"]
+
+
+def test_one_tier_per_nvme_directory(tmp_path: Path) -> None:
+    """Two nodes on one directory would overwrite each other's slots: the second is refused
+    while the first holds it, and may open it once the first is closed."""
+    from swaserve.gcache.tiers import DirectoryInUse
+
+    first = PageStore(DramTier(0), NvmeTier(tmp_path, 1 << 20))
+    with pytest.raises(DirectoryInUse, match="in use by another GCache node"):
+        NvmeTier(tmp_path, 1 << 20)
+    first.close()
+    PageStore(DramTier(0), NvmeTier(tmp_path, 1 << 20)).close()

@@ -295,8 +295,48 @@ def test_l3_urls() -> None:
         assert r.redis_url == "redis://127.0.0.1:1/3" and r.namespace == "ns1"  # type: ignore[attr-defined]
         t = swaserve_connect("rediss://:pw@127.0.0.1:1/0?namespace=ns2")  # through the entry points
         assert t.redis_url == "rediss://:pw@127.0.0.1:1/0" and t.namespace == "ns2"  # type: ignore[attr-defined]
-        for bad in ("http://x:1", "gcache://x:1?transport=tcp", "gcache://", "gcache://x:1?timeout_s=soon"):
+        for bad in ("http://x:1", "gcache://x:1?transport=tcp", "gcache://", "gcache://x:1?timeout_s=soon",
+                    "gcache://x:1?timeout_s=-1", "gcache://x:1?timeout_s=nan", "gcache://x:1?bogus=1"):  # fmt: skip
             with pytest.raises(ValueError):
                 connect(bad)
+
+    run(go())
+
+
+def test_views_are_pinned_until_sent_and_a_cancelled_get_releases_them() -> None:
+    """UCX gets send DRAM pages as views, pinned by a lease: ``done`` ends it, and a get whose
+    caller was cancelled (the peer left) ends it as soon as the read is over, not at expiry."""
+
+    async def go() -> None:
+        async with node() as srv:
+            assert srv.node is not None
+            c = GCacheClient(srv.address, "grpc")
+            pages = chain(tokens(16))
+            assert await c.put(pages) == [True] * 4
+            pids = [p.pid for p in pages]
+
+            async def leases() -> int:
+                return await srv.node.run(lambda st: len(st.leases))  # type: ignore[union-attr]
+
+            views, done = await srv.node.get_views(pids)
+            assert [bytes(v) for v in views if v is not None] == [p.obj for p in pages]
+            assert await leases() == 1
+            done()
+            for _ in range(100):
+                if await leases() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await leases() == 0
+            t = asyncio.ensure_future(srv.node.get_views(pids))
+            await asyncio.sleep(0)  # the read is on the store thread now
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            for _ in range(100):
+                if await leases() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await leases() == 0
+            await c.close()
 
     run(go())
