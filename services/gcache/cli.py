@@ -224,7 +224,7 @@ app = typer.Typer(add_completion=False, help="A GCache node: the L3 KV page cach
 
 @app.command()
 def main(
-    host: Annotated[str, typer.Option(help="Address to bind (gRPC, UCX, metrics).")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to bind (gRPC, metrics; ucxx listens for UCX on every interface: keep the UCX port firewalled).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, help="gRPC port (0 = a free one, printed).")] = 0,
     ucx_port: Annotated[int, typer.Option(min=-1, help="UCX data port (0 = a free one, -1 = no UCX).")] = 0,
     dram: Annotated[int, typer.Option(parser=size_option, metavar="BYTES", help="DRAM tier capacity.")] = "1GiB",  # type: ignore[assignment]

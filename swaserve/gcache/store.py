@@ -335,7 +335,10 @@ class PageStore:
                     if e.tier is tier and e.slot[0] == other and e.slot[1] in span
                 ]
                 spare = [i for i in tier.classes[other].free if i < span.start]
-                if len(spare) >= len(inside) or any(e.leased for e in inside) or not self._evict(tier, other):
+                # DRAM with an NVMe tier behind it: the class's coldest pages move down, not out
+                down = self._demote if tier is self.dram and self.nvme is not None else None
+                made = down(other) if down is not None else self._evict(tier, other)
+                if len(spare) >= len(inside) or any(e.leased for e in inside) or not made:
                     break
             if len(spare) < len(inside) or any(e.leased for e in inside):
                 continue

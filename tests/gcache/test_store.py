@@ -352,3 +352,19 @@ def test_one_tier_per_nvme_directory(tmp_path: Path) -> None:
         NvmeTier(tmp_path, 1 << 20)
     first.close()
     PageStore(DramTier(0), NvmeTier(tmp_path, 1 << 20)).close()
+
+
+def test_dram_room_for_another_class_demotes_rather_than_evicts(tmp_path: Path) -> None:
+    """A small DRAM tier full of full pages, an NVMe tier with room: SWA pages get DRAM slots by
+    moving full pages down to NVMe (nothing evicted, every page still readable)."""
+    clock = Clock()
+    full = chain(list(range(400)), payload=900)
+    swa = chain(list(range(200)), kind=codec.SWA_KIND, payload=5000, seed=3)
+    store = PageStore(DramTier(64 * 1024), NvmeTier(tmp_path, 4 << 20), clock=clock)
+    for p in full + swa[-3:]:
+        put(store, p)
+        clock.t += 1
+        check(store)
+    assert store.stats[("evictions", "dram", "full")] == 0
+    assert store.stats[("demotions", "dram", "full")] > 0
+    assert all(store.read(p["pid"]) == p["obj"] for p in full + swa[-3:])
