@@ -14,7 +14,9 @@ put and all the bytes got). N per size: ``--iters`` at most, ``--cell-bytes`` of
 at least 4. Baseline: ``ucx_perftest`` (the libucx wheel's, ``tag_bw`` over ``tcp,self``,
 bench/ucx_perftest.py) between two processes on the same machine, same sizes, run before and
 after the cells (it busy-polls both sides: on a shared 2-core machine it varies), the better one
-per size kept.
+per size kept. Server and client run on two different CPUs (``taskset``; the node and the
+perftest server on one, this process and the perftest client on the other), as on two machines:
+sharing a core, a 4 MiB UCX get on this VM took 9 ms in most runs instead of 3.
 
 Part 2, returning sessions: bench/gcache_sessions.py (the simulator, without L3, with L3, ideal).
 
@@ -94,13 +96,15 @@ def _mib_s(nbytes: int, seconds: float) -> float:
 
 
 @contextlib.contextmanager
-def node_process(tier: str, workdir: Path, ucx: bool = True) -> Iterator[str]:
-    """A node with the ``tier`` layout as a child process; yields its gRPC address."""
+def node_process(tier: str, workdir: Path, ucx: bool = True, cpu: int | None = None) -> Iterator[str]:
+    """A node with the ``tier`` layout as a child process (on CPU ``cpu`` when given); yields its
+    gRPC address."""
+    from bench.ucx_perftest import pinned
     from swaserve.procs import ServiceProcess, free_port, grpc_ready
 
     port = free_port()
     addr = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "services.gcache", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [*pinned(cpu), sys.executable, "-m", "services.gcache", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--ucx-port", "0" if ucx else "-1"]
     if tier == "dram":
         cmd += ["--dram", str(DRAM_BYTES)]
@@ -205,39 +209,70 @@ async def warm_up(client: Any) -> None:
 
 
 async def run_transports(
-    sizes: Sequence[int], iters: int, cell_bytes: int, batch: int, tiers: Sequence[str] = TIERS
+    sizes: Sequence[int],
+    iters: int,
+    cell_bytes: int,
+    batch: int,
+    tiers: Sequence[str] = TIERS,
+    cpus: tuple[int, int] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every (tier, transport, size) cell, one node process per tier. Returns (rows, notes)."""
+    """Every (tier, transport, size) cell, one node process per tier; ``cpus``: (the node's CPU,
+    this process's: set here for the cells' duration), else unpinned. Returns (rows, notes)."""
     from services.gcache import ucx
-    from services.gcache.client import GCacheClient
 
     notes: list[str] = []
     transports = [t for t in TRANSPORTS if t != "ucx" or ucx.available()]
     if "ucx" not in transports:
         notes.append("UCX unavailable here (ucxx does not import): gRPC only")
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-gcache-") as tmp:
-        for tier in tiers:
-            with node_process(tier, Path(tmp)) as addr:
-                for transport in transports:
-                    client = GCacheClient(addr, transport, timeout_s=60.0)
-                    try:
-                        await warm_up(client)
-                        for size in sizes:
-                            n = objects_for(size, iters, cell_bytes)
-                            seed = len(rows) + 1
-                            rows.append(await run_cell(client, tier, transport, size, n, batch, seed))
-                    finally:
-                        await client.close()
+    mine = os.sched_getaffinity(0) if cpus else None
+    if cpus:
+        os.sched_setaffinity(0, {cpus[1]})  # threads started from here on (ucxx's) inherit it
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-gcache-") as tmp:
+            for tier in tiers:
+                await _tier_cells(tier, Path(tmp), transports, sizes, iters, cell_bytes, batch, rows, cpus)
+    finally:
+        if mine:
+            os.sched_setaffinity(0, mine)
     return rows, notes
 
 
-def run_baseline(sizes: Sequence[int], budget_bytes: int) -> dict[str, Any]:
-    """ucx_perftest at ``sizes``: ``{"rows": [...]}``, or ``{"missing": why}`` / ``{"error": why}``."""
+async def _tier_cells(
+    tier: str,
+    tmp: Path,
+    transports: Sequence[str],
+    sizes: Sequence[int],
+    iters: int,
+    cell_bytes: int,
+    batch: int,
+    rows: list[dict[str, Any]],
+    cpus: tuple[int, int] | None,
+) -> None:
+    """One node of ``tier``'s layout and its cells, appended to ``rows``."""
+    from services.gcache.client import GCacheClient
+
+    with node_process(tier, tmp, cpu=cpus[0] if cpus else None) as addr:
+        for transport in transports:
+            client = GCacheClient(addr, transport, timeout_s=60.0)
+            try:
+                await warm_up(client)
+                for size in sizes:
+                    n = objects_for(size, iters, cell_bytes)
+                    rows.append(await run_cell(client, tier, transport, size, n, batch, len(rows) + 1))
+            finally:
+                await client.close()
+
+
+def run_baseline(
+    sizes: Sequence[int], budget_bytes: int, cpus: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """ucx_perftest at ``sizes`` (server and client on ``cpus`` as the node and the client):
+    ``{"rows": [...]}``, or ``{"missing": why}`` / ``{"error": why}``."""
     from bench.ucx_perftest import PerftestMissing, run_perftest
 
     try:
-        return {"rows": run_perftest(tuple(sizes), budget_bytes=budget_bytes)}
+        return {"rows": run_perftest(tuple(sizes), budget_bytes=budget_bytes, cpus=cpus)}
     except PerftestMissing as e:
         return {"missing": str(e), "rows": []}
     except RuntimeError as e:
@@ -323,7 +358,8 @@ def _size(n: int) -> str:
 
 
 def print_transports(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
-    print("GCache node process on 127.0.0.1, client here, one call in flight (MiB/s = 2^20 B/s, latency ms)")
+    print("GCache node process on 127.0.0.1, client here, one call in flight, server and client on two CPUs "
+          "where there are two (MiB/s = 2^20 B/s, latency ms)")  # fmt: skip
     print(f"{'tier':<5}{'xport':<6}{'size':>8}{'n':>5}{'put MiB/s':>10}{'p50':>8}{'p99':>8}{'get MiB/s':>10}"
           f"{'p50':>8}{'p99':>8}{'batch':>6}{'bget MiB/s':>11}{'p50':>8}{'lookup p50':>11}{'held':>14}{'bad':>4}")  # fmt: skip
     for r in rows:
@@ -374,10 +410,14 @@ def main(
     sim: bool = True,
 ) -> dict[str, Any]:
     """Run both parts, print the tables and the targets, write ``json_path``; returns the result."""
+    from bench.ucx_perftest import pin_cpus
+
     t0 = time.perf_counter()
-    before = run_baseline(sizes, perftest_bytes)
-    rows, notes = asyncio.run(run_transports(sizes, iters, cell_bytes, batch, tiers))
-    baseline = merge_baselines([before] + ([run_baseline(sizes, perftest_bytes)] if before["rows"] else []))
+    cpus = pin_cpus()
+    before = run_baseline(sizes, perftest_bytes, cpus)
+    rows, notes = asyncio.run(run_transports(sizes, iters, cell_bytes, batch, tiers, cpus))
+    after = [run_baseline(sizes, perftest_bytes, cpus)] if before["rows"] else []
+    baseline = merge_baselines([before, *after])
     part1_s = time.perf_counter() - t0
     print_transports(rows, baseline)
     chosen = sessions.setups(limit, copies)
@@ -395,6 +435,7 @@ def main(
             "sizes": list(sizes), "iters": iters, "cell_bytes": cell_bytes, "batch": batch, "tiers": list(tiers),
             "page_tokens": PAGE, "dram_bytes": DRAM_BYTES, "nvme_node_dram_bytes": TINY_DRAM,
             "nvme_bytes": NVME_BYTES, "perftest_bytes": perftest_bytes,
+            "cpus": {"server": cpus[0], "client": cpus[1]} if cpus else None,
             "sessions": [
                 {"workload": s.name, "trace": s.trace.name, "limit": s.limit, "copies": s.copies,
                  "device_bytes": s.device_bytes, "host_bytes": s.host_bytes} for s in chosen

@@ -68,6 +68,21 @@ def parse_csv(out: str) -> dict[str, float]:
     raise ValueError(f"no ucx_perftest result in its output: {out[-500:]!r}")
 
 
+def pinned(cpu: int | None) -> list[str]:
+    """A command prefix running it on CPU ``cpu`` (``taskset``), or none."""
+    return [] if cpu is None else ["taskset", "-c", str(cpu)]
+
+
+def pin_cpus() -> tuple[int, int] | None:
+    """(server CPU, client CPU): two CPUs this process may use, so a server and its client run
+    apart as on two machines (on a 2-core machine sharing one core halves and destabilises
+    loopback throughput); None with fewer than two or without ``taskset``."""
+    import shutil
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 and shutil.which("taskset") else None
+
+
 def _one(
     binary: Path,
     env: dict[str, str],
@@ -76,13 +91,17 @@ def _one(
     iters: int,
     error_handling: bool,
     timeout_s: float,
+    cpus: tuple[int, int] | None = None,
 ) -> dict[str, float]:
-    """One server + client run of ``test`` at ``size`` bytes. Raises RuntimeError."""
+    """One server + client run of ``test`` at ``size`` bytes (on ``cpus``: server, client).
+    Raises RuntimeError."""
     port = free_port()
+    server_cpu, client_cpu = cpus or (None, None)
     server = subprocess.Popen(
-        [str(binary), "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    cmd = [str(binary), "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size)]
+        [*pinned(server_cpu), str(binary), "-p", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    cmd = [*pinned(client_cpu), str(binary), "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size)]
     cmd += ["-n", str(iters), "-w", str(max(2, iters // 10)), "-f", "-v"] + (["-e"] if error_handling else [])
     deadline = time.monotonic() + timeout_s
     try:
@@ -118,18 +137,20 @@ def run_perftest(
     budget_bytes: int = 256 << 20,
     max_iters: int = 2000,
     timeout_s: float = 30.0,
+    cpus: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """ucx_perftest ``test`` on 127.0.0.1 for each message size (bytes): per size a dict with
     size_bytes, iterations, mb_per_s (2^20 B/s, overall), bytes_per_s, lat_typical_us (the
     median), lat_avg_us, msg_per_s, plus test, tls, error_handling. Iterations per size:
-    ``budget_bytes / size`` within [20, max_iters]. Raises ``PerftestMissing`` (no binary) or
+    ``budget_bytes / size`` within [20, max_iters]. ``cpus``: (server CPU, client CPU), else
+    unpinned. Raises ``PerftestMissing`` (no binary) or
     RuntimeError (a run failed or took over ``timeout_s`` seconds)."""
     binary, libdir = find_perftest()
     env = _env(libdir, tls)
     rows = []
     for size in sizes:
         iters = max(20, min(max_iters, budget_bytes // max(1, size)))
-        r = _one(binary, env, int(size), test, iters, error_handling, timeout_s)
+        r = _one(binary, env, int(size), test, iters, error_handling, timeout_s, cpus)
         rows.append(
             {
                 "test": test, "tls": tls, "error_handling": error_handling, "size_bytes": int(size),
