@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("swaserve.gcache")
 T = TypeVar("T")
 
+INLINE_PAGES = 64  # a UCX get of at most this many pages, all in DRAM, is read on the event loop
 OP_GET = 1  # meta: GetRequest -> reply meta GetReply, buffers: the found objects in order
 OP_PUT = 2  # meta: PutDataRequest, buffers: one object per reservation -> reply meta PutDataReply
 STATUS = {
@@ -135,6 +137,9 @@ class GCacheNode:
         self.on_drain: list[Callable[[], Awaitable[None]]] = []
         self._store: PageStore | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gcache-store")
+        # held by every store operation: the store thread's, and a DRAM read the event loop does
+        # itself when the store is free (``run_inline``: no thread hop for a small UCX get)
+        self._lock = threading.Lock()
         self._maintainer: asyncio.Task[None] | None = None
         self._ops = 0
         self._changed: asyncio.Event | None = None
@@ -162,8 +167,22 @@ class GCacheNode:
             await self._call(self._store.close)
         self._pool.shutdown(wait=True)
 
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            return fn(*args)
+
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, *args)
+
+    def run_inline(self, fn: Callable[[PageStore], T]) -> tuple[bool, T | None]:
+        """``(True, fn(store))`` run on this thread if the store is free right now, else
+        ``(False, None)`` (never waits). ``fn`` must not block: no NVMe I/O."""
+        if self._store is None or not self._lock.acquire(blocking=False):
+            return False, None
+        try:
+            return True, fn(self._store)
+        finally:
+            self._lock.release()
 
     async def run(self, fn: Callable[[PageStore], T]) -> T:
         """``fn(store)`` on the store thread, counted as an operation in flight."""
@@ -197,7 +216,7 @@ class GCacheNode:
         def take() -> tuple[Counter[tuple[str, str, str]], dict[str, dict[str, int]]]:
             return Counter(self.store.stats), self.store.usage()
 
-        return self._pool.submit(take).result(timeout_s)
+        return self._pool.submit(self._locked, take).result(timeout_s)
 
     # -- operations ------------------------------------------------------------------------------
     async def lookup(self, pids: list[PageId], lease_s: float = 0.0) -> tuple[list[bool], int]:
@@ -239,9 +258,19 @@ class GCacheNode:
                     st.release(lease)
 
         def release(pin: int) -> None:
-            if pin and self._store is not None:
+            if pin and self._store is not None and not self.run_inline(lambda st: st.release(pin))[0]:
                 with contextlib.suppress(RuntimeError):  # the pool is shut down: the store is gone
-                    self._pool.submit(self.store.release, pin)
+                    self._pool.submit(self._locked, self.store.release, pin)
+
+        def in_dram(st: PageStore) -> tuple[list[bytes | memoryview | None], int] | None:
+            if any((e := st.index.get(p)) is not None and e.tier is not st.dram for p in pids):
+                return None  # an NVMe read would block the loop: the store thread does it
+            return read(st)
+
+        if len(pids) <= INLINE_PAGES:
+            ok, got = self.run_inline(in_dram)
+            if ok and got is not None:
+                return got[0], lambda: release(got[1])
 
         def after_cancel(t: asyncio.Task[tuple[list[bytes | memoryview | None], int]]) -> None:
             if not t.cancelled() and t.exception() is None:

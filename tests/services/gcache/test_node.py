@@ -305,7 +305,9 @@ def test_l3_urls() -> None:
 
 def test_views_are_pinned_until_sent_and_a_cancelled_get_releases_them() -> None:
     """UCX gets send DRAM pages as views, pinned by a lease: ``done`` ends it, and a get whose
-    caller was cancelled (the peer left) ends it as soon as the read is over, not at expiry."""
+    caller was cancelled (the peer left) ends it as soon as the read is over, not at expiry. A
+    small all-DRAM get is read on the event loop (``run_inline``), an NVMe one on the store
+    thread."""
 
     async def go() -> None:
         async with node() as srv:
@@ -327,16 +329,49 @@ def test_views_are_pinned_until_sent_and_a_cancelled_get_releases_them() -> None
                     break
                 await asyncio.sleep(0.01)
             assert await leases() == 0
+            # the store busy (its lock held, as by a long NVMe read): the get goes to the store
+            # thread and waits there; its caller is cancelled; the read then ends
+            srv.node._lock.acquire()
             t = asyncio.ensure_future(srv.node.get_views(pids))
-            await asyncio.sleep(0)  # the read is on the store thread now
+            await asyncio.sleep(0.05)
             t.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await t
+            srv.node._lock.release()
             for _ in range(100):
                 if await leases() == 0:
                     break
                 await asyncio.sleep(0.01)
             assert await leases() == 0
+            await c.close()
+
+    run(go())
+
+
+def test_small_dram_gets_are_read_inline_and_nvme_ones_on_the_store_thread(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with node(dram=1 << 20, nvme_dir=tmp_path, nvme=4 << 20) as srv:
+            assert srv.node is not None
+            c = GCacheClient(srv.address, "grpc")
+            pages = chain(tokens(16))
+            assert await c.put(pages) == [True] * 4
+            pids = [p.pid for p in pages]
+            calls = []
+            real = srv.node._call
+
+            async def counted(fn, *args):  # type: ignore[no-untyped-def]
+                calls.append(fn)
+                return await real(fn, *args)
+
+            srv.node._call = counted  # type: ignore[method-assign]
+            views, done = await srv.node.get_views(pids)
+            assert [bytes(v) for v in views if v is not None] == [p.obj for p in pages] and not calls
+            done()
+            await srv.node.run(lambda st: [st._move(st.index[p], st.nvme) for p in pids[:1]])
+            calls.clear()
+            views, done = await srv.node.get_views(pids)
+            assert [bytes(v) for v in views if v is not None] == [p.obj for p in pages] and calls
+            done()
             await c.close()
 
     run(go())
