@@ -31,7 +31,7 @@ from typing import Any
 
 from swaserve.kvcache.hashing import block_hashes
 from swaserve.sim.run import Deployment, deployment, simulate
-from swaserve.sim.workload import Workload, load, scale_for_load
+from swaserve.sim.workload import Workload, leading_seen, load, scale_for_load
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION_TRACE = ROOT / "data/traces/conversation_trace.jsonl"
@@ -68,16 +68,11 @@ def bound_hit_rate(work: Workload, page_size: int) -> tuple[float, int]:
     """(hit rate of one infinite shared cache at page granularity, distinct tokens): per request in
     arrival order, its longest run of leading pages seen in any earlier prompt, at most the prompt
     less one token (as the engine); the distinct tokens are what a cache must hold for no miss."""
-    seen: set[int] = set()
+    ordered = sorted(work.requests, key=lambda r: r.arrival)
     hit = total = 0
-    for r in sorted(work.requests, key=lambda r: r.arrival):
-        keys = block_hashes(r.prompt(), page_size)
-        k = 0
-        while k < len(keys) and keys[k] in seen:
-            k += 1
+    for r, k in zip(ordered, leading_seen(block_hashes(r.prompt(), page_size) for r in ordered), strict=True):
         hit += min(k * page_size, (r.prompt_len - 1) // page_size * page_size)
         total += r.prompt_len
-        seen.update(keys)
     return hit / max(total, 1), total - hit
 
 

@@ -8,7 +8,7 @@ Design notes: docs/DESIGN.md#simworkloadpy"""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -131,17 +131,25 @@ def load(path: str | Path, limit: int | None = None, copies: int = 1) -> Workloa
     return agent(path, limit, copies)
 
 
+def leading_seen(chains: Iterable[Sequence[int]]) -> Iterator[int]:
+    """Per key chain, in order: how many of its leading keys an earlier chain had (what one
+    infinite cache shared by everyone would hit, in blocks)."""
+    seen: set[int] = set()
+    for keys in chains:
+        k = 0
+        while k < len(keys) and keys[k] in seen:
+            k += 1
+        yield k
+        seen.update(keys)
+
+
 def ideal_work_s(reqs: Sequence[SimRequest], block_tokens: int, cost: CostModel) -> float:
     """Prefill seconds if every block seen before were cached (block granularity)."""
-    seen: set[int] = set()
+    ordered = sorted(reqs, key=lambda r: r.arrival)
     total = 0.0
-    for r in sorted(reqs, key=lambda r: r.arrival):
-        k = 0
-        while k < len(r.hashes) and r.hashes[k] in seen:
-            k += 1
+    for r, k in zip(ordered, leading_seen(r.hashes for r in ordered), strict=True):
         cached = min(k * block_tokens, r.prompt_len - 1)
         total += cost.prefill_s(r.prompt_len - cached, cached)
-        seen.update(r.hashes)
     return total
 
 
