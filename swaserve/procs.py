@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import re
 import shutil
 import signal
@@ -23,11 +24,47 @@ import httpx
 _ACCESS_LOG = re.compile(r'"(GET|POST) [^"]* HTTP/[0-9.]+" \d{3}')
 
 
+_HANDED_OUT: set[int] = set()
+_LOW_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take theirs there)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a child to bind later.
+
+    Taken at random below the kernel's ephemeral range (``ip_local_port_range``) and never twice
+    by this process: a port the kernel hands out (``bind(0)``) is also where outgoing connections
+    get theirs, so one made between this call and the child's bind could take it (a CI run lost
+    a worker to ``Address already in use`` that way). Falls back to ``bind(0)`` when the range
+    below is too small or full.
+    """
+    high = _ephemeral_low()
+    if high - _LOW_PORT >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(_LOW_PORT, high)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _HANDED_OUT.add(port)
+    return port
 
 
 def _with_parent_death_signal(cmd: list[str]) -> list[str]:

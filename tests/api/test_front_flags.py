@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from swaserve.config import EngineConfig
 from swaserve.engine.factory import build_engine_client
 from swaserve.engine.types import MAX_LOGPROBS as ENGINE_MAX_LOGPROBS
 from swaserve.model.checkpoint import tiny_model_dir
+from swaserve.procs import free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -64,12 +64,6 @@ class Live:
         return c
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _Collect(logging.Handler):
     """The server side's log records (the clients' libraries left out)."""
 
@@ -106,7 +100,7 @@ async def live() -> AsyncIterator[Live]:
     old_propagate = [lg.propagate for lg in uv]
     for lg in uv:
         lg.propagate = True
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, log_level="debug", access_log=True)
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from swaserve.engine.async_engine import AsyncLLMEngine
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.factory import build_engine_client
 from swaserve.model.checkpoint import tiny_model_dir
+from swaserve.procs import free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -680,12 +680,6 @@ async def test_concurrent_greedy_outputs_equal_transformers_generate(served: Ser
 
 
 # ---------------------------------------------------------------------------- client disconnects
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
