@@ -37,6 +37,7 @@ from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools, spec_lookahead
 from swaserve.kvcache.storage import KVStorage
+from swaserve.media.placeholders import MediaInputs, text_ids
 from swaserve.model.loader import load_model
 from swaserve.sched.cost import preset
 from swaserve.sched.priority import ComputeAwarePriority
@@ -196,15 +197,19 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
         export_kv: bool = False,
+        media: MediaInputs | None = None,
     ) -> None:
         """Queue a request. Raises ValueError on invalid input (a structured-output constraint
-        that does not compile too) or a duplicate id.
+        that does not compile too, media spans that do not match the prompt) or a duplicate id.
+
+        ``media``: the prompt's media items (placeholder spans, and the embeddings known now); the
+        prefill does not pass a span whose embeddings are missing until ``supply_media`` brings them.
 
         ``export_kv`` (prefill role): the request stops after its first token (finish reason
         ``HANDOFF`` unless it really ended there), and its prompt's KV is copied to host memory
         first and returned in the final ``CoreOutput.kv_payload`` (``transfer.kv_transfer``).
         """
-        req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time, media)
         if params.structured is not None:
             req.grammar = self.structured.new(params.structured)
         if export_kv:  # stops after its first token: pages for the prompt and that token only
@@ -251,11 +256,18 @@ class EngineCore:
         self.scheduler.add(req)
 
     def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+        media: MediaInputs | None = None,
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.limits.check(prompt_token_ids, params)
+        self.limits.check(prompt_token_ids, params, media)
+        if media is not None:
+            media.check_embeds(self.model_config.hidden_size)
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -265,7 +277,9 @@ class EngineCore:
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = []
-        req.sampling = SamplingState.create(params, req.prompt_token_ids, self.device)
+        req.media = media if media is not None and media.spans else None
+        penalized = req.prompt_token_ids if req.media is None else text_ids(req.prompt_token_ids)
+        req.sampling = SamplingState.create(params, penalized, self.device)
         req.sampling.output_token_ids = req.output_token_ids
         return req
 
@@ -279,6 +293,37 @@ class EngineCore:
         scatter(self.kv, self.storage, payload)
         req.num_computed = n
         req.kv_payload = None
+
+    def supply_media(self, request_id: str, index: int, embeds: torch.Tensor) -> bool:
+        """Hand a waiting request the embeddings [span.length, hidden] of its media item ``index``;
+        False when the request is gone.
+
+        Raises:
+            ValueError: no such item, or a shape that does not fit it.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.media is None or not 0 <= index < len(req.media.spans):
+            raise ValueError(f"{request_id}: no media item {index}")
+        req.media.embeds[index] = embeds
+        try:
+            req.media.check_embeds(self.model_config.hidden_size)
+        except ValueError:
+            del req.media.embeds[index]
+            raise
+        return True
+
+    def media_missing(self) -> dict[str, list[int]]:
+        """Admitted requests whose prefill waits for embeddings: id -> the media items (spans
+        past the prefix hit) still missing. A span the hit covers is never asked for."""
+        out: dict[str, list[int]] = {}
+        for req in self.scheduler.running:
+            if req.media is not None and req.num_computed < req.num_prompt:
+                missing = req.media_missing()
+                if missing:
+                    out[req.request_id] = missing
+        return out
 
     def abort_request(self, request_id: str) -> CoreOutput | None:
         """Stop a request and free its pages; returns its final output (None if unknown)."""
@@ -344,6 +389,8 @@ class EngineCore:
         sampled = self.sampler.sample(logits, states, masked) if sampling else []  # type: ignore[arg-type]
         for c in chunks:
             c.req.num_computed = c.start + c.n
+            if c.req.media is not None and c.req.num_computed >= c.req.num_prompt:
+                c.req.media.embeds.clear()  # the prompt's KV holds them now
             # a prefill chunk (the prompt's last one too): share its whole pages now, so requests
             # with the same prefix (a chat's next turn, the other choices of n) hit them at once
             if c.start < c.req.num_prompt and self.kv.cache is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from swaserve.config import SWA, ModelConfig
+from swaserve.engine.media_rows import MediaRows
 from swaserve.engine.mtp_state import MTPState
 from swaserve.engine.request import Request
 from swaserve.kvcache.manager import KVCacheManager
@@ -127,12 +128,14 @@ class Drafter:
             hid: list[torch.Tensor] = []
             last_rows: list[int] = []  # row giving draft k, per item that drafts at this layer
             row = 0
+            media = MediaRows()
             for i, it in enumerate(items):
                 st = it.req.mtp
                 assert st is not None
                 last = it.end - 1 + (k if k < it.drafts else 0)
                 span = range(st.fin, last + 1)
                 spans.append((it.req.request_id, st.fin, last + 1))
+                media.add(it.req, st.fin, min(it.end, last + 1), row)  # row p: token p (media rows)
                 ids.extend(it.req.token_slice(st.fin, min(it.end, last + 1)))
                 ids.extend(drafts[i][: max(0, last + 1 - it.end)])
                 pos.extend(span)
@@ -152,12 +155,13 @@ class Drafter:
             ks, vs = self.storage.kv[SWA]
             out = self.model.mtp_forward(
                 k,
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                media.clear_pads(ids, self.device),
                 torch.tensor(pos, dtype=torch.int64, device=self.device),
                 torch.cat(hid).to(self.device),
                 ks[layer],
                 vs[layer],
                 meta,
+                media.build(self.device),
             )
             if last_rows:
                 logits = self.model.logits(out[torch.tensor(last_rows, device=out.device)])

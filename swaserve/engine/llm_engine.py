@@ -26,6 +26,7 @@ from swaserve.engine.types import EngineLimits, RequestOutput, SamplingParams
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
+from swaserve.media.placeholders import MediaInputs
 from swaserve.transfer.kv_transfer import KVPayload
 
 
@@ -106,9 +107,10 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         export_kv: bool = False,
+        media: MediaInputs | None = None,
     ) -> None:
         """Queue a request (``EngineCore.add_request``). Raises ValueError on invalid input."""
-        self.core.add_request(request_id, prompt_token_ids, params, arrival_time, export_kv)
+        self.core.add_request(request_id, prompt_token_ids, params, arrival_time, export_kv, media)
         self.processor.add(request_id, prompt_token_ids, params)
 
     def add_prefilled(

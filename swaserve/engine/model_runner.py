@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from swaserve.config import FULL, SWA, ModelConfig
+from swaserve.engine.media_rows import MediaRows
 from swaserve.engine.sampler import fill_logprobs
 from swaserve.engine.scheduler import ScheduledChunk
 from swaserve.engine.types import TokenLogprob
@@ -51,7 +52,9 @@ class ModelRunner:
         pos: list[torch.Tensor] = []
         sample_rows: list[int] = []
         row = 0
+        media = MediaRows()
         for c in chunks:
+            media.add(c.req, c.start, c.start + c.n - c.draft, row)
             ids.extend(c.req.token_slice(c.start, c.start + c.n - c.draft))
             ids.extend(c.req.spec_drafts[: c.draft])  # verify rows: the drafts after the last token
             pos.append(torch.arange(c.start, c.start + c.n, dtype=torch.int64))
@@ -62,12 +65,13 @@ class ModelRunner:
         if self.cfg.swa_layers:
             meta[SWA] = self._kind_metas(chunks, SWA, self.kv.swa, self.cfg.window)
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            input_ids=media.clear_pads(ids, self.device),
             positions=torch.cat(pos).to(self.device),
             meta=meta,
             kv=self.storage.kv,
             groups=self.storage.groups,
             before_layer=self.host.wait_layer if self.host is not None and self.host.pending() else None,
+            embeds=media.build(self.device),
         )
         return batch, sample_rows
 

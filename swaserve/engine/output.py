@@ -16,6 +16,7 @@ from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.media.placeholders import text_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,8 +54,8 @@ class OutputProcessor:
         """
         if request_id in self._states:
             raise ValueError(f"duplicate request id {request_id!r}")
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop
+        detok = IncrementalDetokenizer(  # media pad ids are no text
+            self.tokenizer, text_ids(prompt_token_ids[-64:]), params.skip_special_tokens, params.stop
         )
         if first_token is None:
             self.prompt_tokens_total += len(prompt_token_ids)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from swaserve.engine.mtp_state import MTPState
     from swaserve.engine.sampler import SamplingState
     from swaserve.engine.structured import Grammar
+    from swaserve.media.placeholders import MediaInputs
     from swaserve.transfer.kv_transfer import KVPayload
 
 
@@ -56,6 +57,7 @@ class Request:
     spec_drafts: list[int] = field(default_factory=list)
     spec_end: int = 0
     mtp: MTPState | None = None
+    media: MediaInputs | None = None  # media items' spans and embeddings (``media.placeholders``)
 
     @property
     def num_prompt(self) -> int:
@@ -72,3 +74,22 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def media_ready_end(self) -> int:
+        """The first position the next chunk may not reach: the start (or, inside a span the
+        prefix hit cut, ``num_computed``) of the first media span after ``num_computed`` whose
+        embeddings are missing; ``num_tokens`` when none is."""
+        m = self.media
+        if m is None:
+            return self.num_tokens
+        for i, s in enumerate(m.spans):
+            if s.end > self.num_computed and i not in m.embeds:
+                return max(s.start, self.num_computed)
+        return self.num_tokens
+
+    def media_missing(self) -> list[int]:
+        """Indices of the spans past ``num_computed`` (a prefix hit) that still need embeddings."""
+        m = self.media
+        if m is None:
+            return []
+        return [i for i, s in enumerate(m.spans) if s.end > self.num_computed and i not in m.embeds]

@@ -298,6 +298,10 @@ class Scheduler:
         draft = min(len(req.spec_drafts), budget - 1, req.max_total_tokens - start - 1) if left == 1 else 0
         draft = max(0, draft)
         want = min(left + draft, budget)
+        if req.media is not None and (stop := req.media_ready_end()) < req.num_tokens:
+            want = min(want, stop - start)  # not into a media span whose embeddings have not come
+            if want <= 0:
+                return None
         room = 0  # positions past the chunk it samples whose pages it gets (``lookahead``)
         if self.lookahead and want == left + draft:
             room = max(0, min(self.lookahead, req.max_total_tokens - (start + want)))

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, get_args
 
+from swaserve.media.placeholders import check_spans
+
 
 class FinishReason(StrEnum):
     """Why a request stopped (OpenAI ``finish_reason`` values, plus ``abort``)."""
@@ -195,14 +197,20 @@ class EngineLimits:
     page_size: int
     kv_pages: int
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError with a user-facing message if the request cannot be served."""
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, media: Any = None) -> None:
+        """Raise ValueError with a user-facing message if the request cannot be served.
+        ``media`` (``MediaInputs``): the prompt's media spans, whose pad ids are allowed."""
         params.validate()
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
+        if media is not None and media.spans:
+            check_spans(prompt_token_ids, media.spans, self.vocab_size)
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs is not supported for prompts with media")
+        else:
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
         bad = [t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} out of range [0, {self.vocab_size})")

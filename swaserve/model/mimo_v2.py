@@ -45,6 +45,9 @@ class ForwardBatch:
     before_layer: Callable[[str, int], None] | None = None
     """Called with (kind, index within kind) before a layer reads its KV cache: waits for that
     layer's pages loaded back from the host tier (layer-by-layer overlap on a GPU)."""
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Rows whose input is not a token embedding: (rows [k] int64, values [k, hidden]), media
+    encoder outputs at placeholder positions (``input_ids`` holds 0 there)."""
 
 
 class DecoderLayer(nn.Module):
@@ -107,7 +110,7 @@ class MiMoV2ForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """``forward_hidden`` outside inference mode (training: ``model.train``)."""
-        h = self.embed_tokens(batch.input_ids)
+        h = self.embed(batch.input_ids, batch.embeds)
         cos_sin = {
             kind: cast(PartialRope, rope).cos_sin(batch.positions, h.dtype)
             for kind, rope in self.rope.items()
@@ -133,6 +136,17 @@ class MiMoV2ForCausalLM(nn.Module):
         return h
 
     @torch.inference_mode()
+    def embed(
+        self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Token embeddings [T, hidden] of ``input_ids`` [T], with ``embeds`` (rows [k], values
+        [k, hidden]) written over their rows: media placeholders take the encoder's outputs."""
+        h: torch.Tensor = self.embed_tokens(input_ids)
+        if embeds is not None:
+            rows, values = embeds
+            h = h.index_copy(0, rows, values.to(h.dtype))
+        return h
+
     def mtp_forward(
         self,
         k: int,
@@ -142,10 +156,11 @@ class MiMoV2ForCausalLM(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: KindMeta,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """MTP layer ``k`` over T rows: input_ids [T] the shifted tokens (row t: token t+1+k),
         positions [T], hidden [T, H] the target's ``forward_hidden`` at those positions; its own
-        SWA caches and metadata. Returns final-normed [T, H] (``logits`` of it: the drafts').
+        SWA caches and metadata; ``embeds`` as in ``embed`` (media rows). Returns final-normed [T, H] (``logits`` of it: the drafts').
 
         Raises:
             IndexError: no MTP layer ``k`` in this checkpoint."""
@@ -153,7 +168,7 @@ class MiMoV2ForCausalLM(nn.Module):
         cos_sin = rope.cos_sin(positions, hidden.dtype)
         layer = cast(MTPLayer, self.mtp[k])
         out: torch.Tensor = layer(
-            self.embed_tokens(input_ids), hidden, cos_sin, k_cache, v_cache, meta, self.backend
+            self.embed(input_ids, embeds), hidden, cos_sin, k_cache, v_cache, meta, self.backend
         )
         return out
 
