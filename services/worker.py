@@ -72,7 +72,8 @@ class WorkerService(wgrpc.WorkerServicer):
         self.open = 0
         self.draining = False  # shutting down: new Generate calls refused, streams in flight finish
         cfg = engine.model_config
-        self.identity = model_identity(cfg, engine.tokenizer, engine.model_name)
+        mdigest = None if engine.media_config is None else engine.media_config.digest()
+        self.identity = model_identity(cfg, engine.tokenizer, engine.model_name, mdigest)
         self.boot_id = uuid.uuid4().hex  # this process: a restart draws a new one
         self.sender: KVSender = GrpcKVSender(
             engine.engine_config.page_size,

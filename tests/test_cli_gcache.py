@@ -75,7 +75,7 @@ def test_up_with_a_gcache_node(tiny_dir: Path) -> None:
         assert ready, out
         nvme = re.search(r"\[gcache-0\] gcache node gcache-0 listening .* at (\S+), O_DIRECT", out)
         assert nvme and Path(nvme.group(1)).is_dir(), out
-        body = {"model": "mimo-v2-tiny-v1", "prompt": list(range(3, 40)), "max_tokens": 4, "temperature": 0}
+        body = {"model": "mimo-v2-tiny-v2", "prompt": list(range(3, 40)), "max_tokens": 4, "temperature": 0}
         r = httpx.post(f"{ready.group(1)}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
     finally:

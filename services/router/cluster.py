@@ -40,6 +40,7 @@ from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.metrics import DiscoveryStats, RouterStats
 from swaserve.model.identity import model_identity
+from swaserve.model.multimodal import MultimodalConfig
 from swaserve.routing.dispatch import NoInstanceError
 from swaserve.routing.load import Lease
 from swaserve.transfer.kv_transfer import KVPayload
@@ -103,7 +104,9 @@ class ClusterEngine(EngineClient):
         self.max_model_len = self.model_config.max_position_embeddings
         self.request_timeout_s, self.max_retries, self.poll_s = request_timeout_s, max_retries, poll_s
         self.routing = RouterRouting(routing or RoutingOptions())
-        self.model = model_identity(self.model_config, self.tokenizer, self.model_dir.name)
+        self.media_config = MultimodalConfig.from_pretrained(self.model_dir)
+        mdigest = None if self.media_config is None else self.media_config.digest()
+        self.model = model_identity(self.model_config, self.tokenizer, self.model_dir.name, mdigest)
         self.pool = WorkerPool(self.routing, poll_s, poll_timeout_s, hung_polls, self.model, dialer)
         flags = {a: "decode" for a in decode} | {a: "prefill" for a in prefill}
         self.admin = WorkerAdmin(self.pool, self.routing, flags)

@@ -93,6 +93,7 @@ class AsyncLLMEngine(LocalEngineClient):
         self.on_dead = on_dead
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
+        self.media_config = engine.media_config
         self.engine_config = engine.config
         self.kv_dtype = engine.core.dtype
         self.max_model_len = engine.max_model_len

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
+from swaserve.model.multimodal import MultimodalConfig
 
 if TYPE_CHECKING:
     import torch
@@ -44,12 +45,14 @@ class EngineClient(ABC):
     Attributes:
         model_name: the served model name. tokenizer: the model's (a transformers tokenizer).
         model_config: the model's shape. max_model_len: longest prompt + output (tokens).
+        media_config: the checkpoint's towers and media parameters (None: text only).
     """
 
     model_name: str
     tokenizer: Any
     model_config: ModelConfig
     max_model_len: int
+    media_config: MultimodalConfig | None = None
 
     @property
     @abstractmethod

@@ -27,6 +27,7 @@ from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
 from swaserve.media.placeholders import MediaInputs
+from swaserve.model.multimodal import MultimodalConfig
 from swaserve.transfer.kv_transfer import KVPayload
 
 
@@ -52,6 +53,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.media_config = MultimodalConfig.from_pretrained(model_dir)
         self.core = EngineCore(model_dir, config, eos_token_ids(self.tokenizer), clock)
         self.processor = OutputProcessor(self.tokenizer)
 

@@ -54,6 +54,7 @@ from swaserve.engine.output import OutputProcessor
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, RequestOutput, SamplingParams
 from swaserve.kvcache.block_events import BlockEvent
+from swaserve.model.multimodal import MultimodalConfig
 from swaserve.transfer.kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class MPEngineClient(LocalEngineClient):
         self.engine_config = engine_config or EngineConfig()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.media_config = MultimodalConfig.from_pretrained(model_dir)
         self.max_model_len = min(
             self.engine_config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,

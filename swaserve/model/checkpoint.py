@@ -26,14 +26,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from swaserve.model.multimodal import MEDIA_TOKENS, TOKEN_TEXT
 from swaserve.model.train import DistillConfig, PretrainConfig, corpus_prompts, distill, pretrain
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # trained first, so their ids are 0, 1, 2
+# trained first, so their ids are 0, 1, 2, then the media markers 3 .. 11
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, *MEDIA_TOKENS)
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
-CHECKPOINT_VERSION = 1  # bump when the generated weights or tokenizer change
+CHECKPOINT_VERSION = 2  # bump when the generated weights or tokenizer change
 CORPUS_PATH = Path(__file__).resolve().parents[2] / "data" / "corpus" / "agent_messages.jsonl"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -155,7 +157,7 @@ PRESETS: dict[str, Preset] = {
         # a tiny language model (repetitive, text-like greedy output) with 3 self-distilled MTP
         # layers: what speculative decoding needs to be worth it (docs/BENCHMARKS.md#mtp-speculative-decoding-swaserve-bench-mtp)
         train=TrainPlan(),
-        version=2,
+        version=3,
     ),
 }
 
@@ -236,8 +238,8 @@ def train_tokenizer(vocab_size: int, corpus: Path = CORPUS_PATH) -> Any:
     tok.train_from_iterator(texts, trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer trained to {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != [ENDOFTEXT_ID, IM_START_ID, IM_END_ID]:
-        raise RuntimeError("special tokens did not get ids 0, 1, 2")
+    if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
+        raise RuntimeError(f"special tokens did not get ids 0 .. {len(SPECIAL_TOKENS) - 1}")
     return tok
 
 
@@ -250,7 +252,7 @@ def write_tokenizer(tok: Any, out_dir: Path, model_max_length: int) -> None:
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END],
+        "additional_special_tokens": [IM_START, IM_END, *MEDIA_TOKENS],
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
@@ -267,6 +269,7 @@ def make_checkpoint(
     overwrite: bool = False,
     mtp_layers: int = 0,
     train: bool = True,
+    media: bool = True,
 ) -> Path:
     """Write a random MiMo-V2 checkpoint (weights, config, generation config, tokenizer).
 
@@ -281,6 +284,8 @@ def make_checkpoint(
             (0: the preset's own count).
         train: run the preset's ``TrainPlan`` (``default``: a few CPU minutes); False: the
             random model only.
+        media: add small random vision and audio towers (``write_media_towers``): the model
+            takes images, video and audio.
 
     Returns:
         ``out_dir`` as a Path.
@@ -297,6 +302,8 @@ def make_checkpoint(
         model = build_model(preset, seed)
         model.save_pretrained(tmp)
         write_tokenizer(train_tokenizer(model.config.vocab_size), tmp, model.config.max_position_embeddings)
+        if media:
+            write_media_towers(tmp, seed)
         if plan is not None:
             train_checkpoint(tmp, preset, plan, seed, mtp_layers or plan.mtp_layers)
         elif mtp_layers:
@@ -329,6 +336,112 @@ def train_checkpoint(model_dir: Path, preset: str, plan: TrainPlan, seed: int, m
             report["distill"] = asdict(distill(model, prompts, dc))
             save_weights(model, model_dir)
     (model_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _tiny_towers(hidden: int) -> tuple[Any, Any]:
+    """(VisionConfig, AudioConfig) of the small random towers: the real layouts (GQA, row and
+    column windows with sinks, a full block at each end; hybrid-window audio tokenizer with a skip,
+    RVQ, bidirectional local transformer) at widths a CPU runs in milliseconds."""
+    from swaserve.model.audio import AudioConfig
+    from swaserve.model.audio_tokenizer import AudioTokenizerConfig
+    from swaserve.model.vision import VisionConfig
+
+    vision = VisionConfig(
+        depth=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        out_hidden_size=hidden,
+        window_types=(-1, 0, 1, -1),
+        window_size=8,
+        use_sink=True,
+    )
+    tok = AudioTokenizerConfig(
+        n_mels=128,
+        d_model=32,
+        avg_pooler=2,
+        encoder_layers=4,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        encoder_skip_layer_id=2,
+        encoder_attn_window_size=(8, 8),
+        hybrid_attention=True,
+        swa_per_block=2,
+        num_quantizers=4,
+        codebook_size=(16, 16, 8, 8),
+    )
+    audio = AudioConfig(
+        speech_vocab_size=(17, 17, 9, 9),
+        speech_zeroemb_idx=(16, 16, 8, 8),
+        audio_channels=4,
+        input_local_layers=2,
+        input_local_dim=32,
+        input_local_attn_heads=4,
+        input_local_head_dim=8,
+        input_local_intermediate_size=64,
+        out_hidden_size=hidden,
+        partial_rotary_factor=1.0,
+        projection_layers=2,
+        tokenizer=tok,
+    )
+    return vision, audio
+
+
+# Small media limits for CPU checkpoints: <= 64 tokens per image or frame pair, <= 16 frames.
+TINY_PROCESSOR = {
+    "image_min_pixels": 4 * 32 * 32,
+    "image_max_pixels": 64 * 32 * 32,
+    "video_min_pixels": 4 * 32 * 32,
+    "video_max_pixels": 16 * 32 * 32,
+    "video_total_max_pixels": 128 * 32 * 32,
+    "fps": 2.0,
+    "min_frames": 2,
+    "max_frames": 16,
+}
+
+
+def write_media_towers(model_dir: Path, seed: int) -> None:
+    """Add random vision (``visual.*`` in ``visual.safetensors``) and audio towers
+    (``speech_embeddings.*``/``audio_encoder.*`` in ``audio.safetensors``, the tokenizer in
+    ``audio_tokenizer/``) in the hub layout, the media token ids in config.json and a
+    ``processor_config.json`` (``TINY_PROCESSOR``)."""
+    from tokenizers import Tokenizer
+
+    from swaserve.model.audio import random_audio_weights
+    from swaserve.model.multimodal import TOKEN_KEYS
+    from swaserve.model.vision import random_vision_weights
+
+    cfg_path = model_dir / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    vision, audio = _tiny_towers(int(raw["hidden_size"]))
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    for field_name, key in TOKEN_KEYS.items():
+        tid = tok.token_to_id(TOKEN_TEXT[field_name])
+        if tid is None:
+            raise RuntimeError(f"the tokenizer has no {TOKEN_TEXT[field_name]}")
+        raw[key] = tid
+    raw["vision_config"] = vision.to_hf()
+    audio_cfg, tok_cfg = audio.to_hf()
+    raw["audio_config"] = audio_cfg
+    visual = {f"visual.{k}": v.contiguous() for k, v in random_vision_weights(vision, seed + 2).items()}
+    main, tok_tensors = random_audio_weights(audio, seed + 3)
+    save_file(visual, str(model_dir / "visual.safetensors"), metadata={"format": "pt"})
+    save_file(main, str(model_dir / "audio.safetensors"), metadata={"format": "pt"})
+    (model_dir / "audio_tokenizer").mkdir(exist_ok=True)
+    save_file(
+        tok_tensors, str(model_dir / "audio_tokenizer" / "model.safetensors"), metadata={"format": "pt"}
+    )
+    (model_dir / "audio_tokenizer" / "config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        idx = json.loads(index.read_text())
+        idx["weight_map"].update({k: "visual.safetensors" for k in visual})
+        idx["weight_map"].update({k: "audio.safetensors" for k in main})
+        index.write_text(json.dumps(idx, indent=2))
+    (model_dir / "processor_config.json").write_text(json.dumps(TINY_PROCESSOR, indent=2) + "\n")
+    cfg_path.write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def write_mtp_layers(model_dir: Path, preset: str, n: int, seed: int) -> None:

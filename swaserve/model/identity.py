@@ -83,19 +83,25 @@ def weights_digest(model_dir: str | Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def model_identity(config: ModelConfig, tokenizer: Any, name: str) -> ModelIdentity:
+def model_identity(
+    config: ModelConfig, tokenizer: Any, name: str, media_digest: str | None = None
+) -> ModelIdentity:
     """The identity of a loaded model (module docstring).
 
     Args:
         config: its parsed config. tokenizer: its transformers tokenizer (``get_vocab``,
             ``all_special_ids``, ``bos/eos/pad_token_id``). name: how people know it (the
-            checkpoint directory's name); only in ``description``.
+            checkpoint directory's name); only in ``description``. media_digest: a multimodal
+            checkpoint's ``MultimodalConfig.digest()`` (towers, preprocessing, media token ids:
+            they decide the placeholder ids and embeddings), None for text only.
     """
-    payload = {
+    payload: dict[str, Any] = {
         "version": IDENTITY_VERSION,
         "config": _config_fields(config),
         "tokenizer": _tokenizer_digest(tokenizer),
     }
+    if media_digest is not None:
+        payload["media"] = media_digest
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     desc = f"{name}: vocab {config.vocab_size}, {config.num_layers} layers, hidden {config.hidden_size}"
     return ModelIdentity(digest, desc)

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from swaserve.config import ModelConfig
 from swaserve.model.mimo_v2 import MiMoV2ForCausalLM
 from swaserve.model.mtp import count_mtp_layers
+from swaserve.model.multimodal import TOWER_PREFIXES
 
 
 class LoadError(RuntimeError):
@@ -136,7 +137,9 @@ def load_model(
         _load_attention(cfg.swa, p + "self_attn.", o + "self_attn.", raw, take, params, missing, want)
         for name in ("gate_proj", "up_proj", "down_proj"):
             want(o + f"mlp.{name}.weight", p + f"mlp.{name}.weight")
-    leftovers = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
+    leftovers = sorted(
+        k for k in raw if not k.endswith("rotary_emb.inv_freq") and not k.startswith(TOWER_PREFIXES)
+    )
     if missing or leftovers:
         raise LoadError(
             f"{model_dir}: checkpoint does not match config: missing {missing[:10]}"
@@ -252,6 +255,12 @@ def save_weights(model: MiMoV2ForCausalLM, model_dir: str | Path) -> None:
         with safe_open(str(f), framework="pt") as fh:
             meta = fh.metadata()
             old = {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118
+        if all(n.startswith(TOWER_PREFIXES) for n in old):
+            continue  # a media tower's file: not the language model's
         if any(t.dtype == torch.float8_e4m3fn for t in old.values()):
             raise LoadError(f"{f}: FP8 checkpoints are not written back")
-        save_file({n: hub_tensor(model, n, t) for n, t in old.items()}, str(f), metadata=meta)
+        save_file(
+            {n: t if n.startswith(TOWER_PREFIXES) else hub_tensor(model, n, t) for n, t in old.items()},
+            str(f),
+            metadata=meta,
+        )

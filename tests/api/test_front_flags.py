@@ -228,7 +228,7 @@ def test_the_middleware_refuses_an_empty_or_padded_key() -> None:
 async def test_the_served_name_is_the_only_model(live: Live) -> None:
     client = live.client()
     with pytest.raises(openai.NotFoundError) as e:
-        await client.completions.create(model="mimo-v2-tiny-v1", prompt="hello", max_tokens=1)
+        await client.completions.create(model="mimo-v2-tiny-v2", prompt="hello", max_tokens=1)
     assert e.value.code == "model_not_found" and e.value.param == "model"
     assert NAME in e.value.message
 

@@ -33,7 +33,7 @@ platform.platform()
 ENGINE_CONFIG = EngineConfig(
     kv_cache_memory=8 << 20, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, device="cpu"
 )
-MODEL = "mimo-v2-tiny-v1"
+MODEL = "mimo-v2-tiny-v2"
 COLORS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4}
 CODE = {"type": "string", "pattern": "^[A-Z][a-z]{1,5}-[0-9]{2}$"}
 SCHEMAS = {"person": PERSON, "nested": NESTED, "colors": COLORS, "code": CODE}

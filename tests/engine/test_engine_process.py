@@ -355,7 +355,7 @@ def test_up_outputs_equal_inline_and_separate(tiny_dir: Path) -> None:
     def outputs(url: str) -> list[Any]:
         out = []
         for b in bodies:
-            body = {**b, "model": "mimo-v2-tiny-v1", "return_token_ids": True}
+            body = {**b, "model": "mimo-v2-tiny-v2", "return_token_ids": True}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             if b.get("stream"):

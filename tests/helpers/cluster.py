@@ -19,7 +19,7 @@ from swaserve.launcher import Cluster
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 
-MODEL = "mimo-v2-tiny-v1"
+MODEL = "mimo-v2-tiny-v2"
 WORKER_ARGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", "16MiB", "--page-size", "4"]
 CLIENT_TIMEOUT = 60.0  # < the routers' --request-timeout
 # a short poll deadline: a worker that does not answer is marked down within about 2 x 1.2 s
@@ -99,7 +99,7 @@ def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    return samples.get((name, frozenset({"model_name": "mimo-v2-tiny-v1", **labels}.items())), 0.0)
+    return samples.get((name, frozenset({"model_name": "mimo-v2-tiny-v2", **labels}.items())), 0.0)
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -13,7 +13,7 @@ __all__ = ["WORKER_ARGS", "body", "cached", "metric", "send"]
 
 
 def body(prompt: list[int], max_tokens: int = 4) -> dict[str, object]:
-    return {"model": "mimo-v2-tiny-v1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    return {"model": "mimo-v2-tiny-v2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
 
 

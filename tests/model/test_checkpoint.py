@@ -40,11 +40,15 @@ def _keys_and_dtypes(model_dir: Path) -> dict[str, torch.dtype]:
 def test_tiny_shape_and_files(tiny: Path) -> None:
     files = sorted(p.name for p in tiny.iterdir())
     assert files == [
+        "audio.safetensors",
+        "audio_tokenizer",
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "processor_config.json",
         "tokenizer.json",
         "tokenizer_config.json",
+        "visual.safetensors",
     ]
     mc = ModelConfig.from_pretrained(tiny)
     assert mc.layer_types == (FULL, SWA, SWA, SWA, SWA, FULL, SWA, SWA)

@@ -72,7 +72,7 @@ def test_fp8_block_weights_match_dequantized_reference(tiny_dir: Path, tmp_path:
 
 def test_fused_expert_keys_load_to_same_logits(tiny_dir: Path, tmp_path: Path, hf_tiny) -> None:  # type: ignore[no-untyped-def]
     d = _copy(tiny_dir, tmp_path / "fused")
-    (f,) = list(d.glob("*.safetensors"))
+    f = d / "model.safetensors"
     sd = load_file(str(f))
     cfg = ModelConfig.from_pretrained(d)
     for i in range(cfg.num_layers):
@@ -90,7 +90,7 @@ def test_fused_expert_keys_load_to_same_logits(tiny_dir: Path, tmp_path: Path, h
 
 def _edit_weights(tiny_dir: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
     d = _copy(tiny_dir, dst)
-    (f,) = list(d.glob("*.safetensors"))
+    f = d / "model.safetensors"
     sd = load_file(str(f))
     edit(sd)
     save_file(sd, str(f))

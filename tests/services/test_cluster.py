@@ -61,7 +61,7 @@ async def complete_all(url: str, ps: list[list[int]], max_tokens: int = NEW) -> 
 
         async def one(p: list[int]) -> dict:
             body = {
-                "model": "mimo-v2-tiny-v1", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                "model": "mimo-v2-tiny-v2", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
             }  # fmt: skip
             r = await client.post(f"{url}/v1/completions", json=body)
@@ -81,7 +81,7 @@ def test_outputs_equal_single_engine_and_transformers(cluster: Cluster, tiny_dir
     for r, w in zip(got, want, strict=True):
         assert r["choices"][0]["token_ids"] == w
         assert r["usage"]["completion_tokens"] == NEW
-    seeded = {"model": "mimo-v2-tiny-v1", "prompt": ps[1], "max_tokens": NEW, "temperature": 0.9,
+    seeded = {"model": "mimo-v2-tiny-v2", "prompt": ps[1], "max_tokens": NEW, "temperature": 0.9,
               "seed": 2**63 + 11, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
     r = httpx.post(f"{cluster.url}/v1/completions", json=seeded, timeout=60)
     assert r.status_code == 200, r.text
@@ -118,7 +118,7 @@ def test_kv_bytes_are_full_prompt_plus_swa_window(cluster: Cluster, tiny_dir: Pa
 
 
 def test_client_disconnect_frees_pages_on_both_workers(cluster: Cluster) -> None:
-    body = {"model": "mimo-v2-tiny-v1", "prompt": prompts(1, 3)[0], "max_tokens": 400, "temperature": 0,
+    body = {"model": "mimo-v2-tiny-v2", "prompt": prompts(1, 3)[0], "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     for leave_after in (5, 1, 1, 1, 1):  # mid-decode, and right after the first token (KV in flight)
         with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
@@ -176,7 +176,7 @@ def test_openai_client_through_the_cluster(cluster: Cluster, hf_tiny) -> None:  
 
     platform.processor()  # the client's headers run `uname -p`; once, before it is needed
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    model = "mimo-v2-tiny-v1"
+    model = "mimo-v2-tiny-v2"
     ids = [7, 19, 44, 301, 12, 9, 250, 77, 3, 18, 120, 64]
     ref = torch.log_softmax(reference_logits(hf_tiny, ids), dim=-1)
     for max_tokens in (0, 1):
@@ -232,7 +232,7 @@ def test_sse_chunks_equal_serve(cluster: Cluster, tiny_dir: Path) -> None:
 
     rng = random.Random(11)
     ps = [[rng.randrange(3, 500) for _ in range(rng.randrange(6, 40))] for _ in range(6)]
-    model = "mimo-v2-tiny-v1"
+    model = "mimo-v2-tiny-v2"
     base = {"model": model, "temperature": 0, "stream": True}
     usage = {"stream_options": {"include_usage": True}}
 
@@ -349,7 +349,7 @@ def _worker_view(
     """What the router's /metrics says about one worker."""
     w = {"role": role, "worker": addr}
     view: dict[Any, Any] = {
-        g: value(m, f"swaserve:{g}", **w) if (f"swaserve:{g}", frozenset({"model_name": "mimo-v2-tiny-v1", **w}.items())) in m else None
+        g: value(m, f"swaserve:{g}", **w) if (f"swaserve:{g}", frozenset({"model_name": "mimo-v2-tiny-v2", **w}.items())) in m else None
         for g in ("worker_up", "worker_num_requests_running", "worker_num_requests_waiting",
                   "worker_outstanding_tokens", "worker_kv_staged_bytes")
     }  # fmt: skip
@@ -414,7 +414,7 @@ def test_structured_output_holds_across_pd(cluster: Cluster, tiny_dir: Path) -> 
         for p in ps:
             want = eng.generate([p], SamplingParams(max_tokens=200, structured=so, **sampling))[0]
             r = client.completions.create(
-                model="mimo-v2-tiny-v1", prompt=p, max_tokens=200, **sampling,
+                model="mimo-v2-tiny-v2", prompt=p, max_tokens=200, **sampling,
                 extra_body={"guided_json": schema, "return_token_ids": True},
             )  # fmt: skip
             (choice,) = r.choices
@@ -423,20 +423,20 @@ def test_structured_output_holds_across_pd(cluster: Cluster, tiny_dir: Path) -> 
             assert choice.model_extra is not None and choice.model_extra["token_ids"] == want
         fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
         stream = client.completions.create(
-            model="mimo-v2-tiny-v1", prompt=ps[0], max_tokens=200, stream=True, **sampling,
+            model="mimo-v2-tiny-v2", prompt=ps[0], max_tokens=200, stream=True, **sampling,
             extra_body={"response_format": fmt},
         )  # fmt: skip
         text = "".join(c.choices[0].text for c in stream if c.choices)
         jsonschema.validate(json.loads(text), schema)
     for p in ps:  # a choice can end at the prefill worker's first token
         r = client.completions.create(
-            model="mimo-v2-tiny-v1", prompt=p, max_tokens=8, temperature=0,
+            model="mimo-v2-tiny-v2", prompt=p, max_tokens=8, temperature=0,
             extra_body={"guided_choice": ["yes", "no", "maybe not"]},
         )  # fmt: skip
         assert r.choices[0].text in ("yes", "no", "maybe not") and r.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(
-            model="mimo-v2-tiny-v1", prompt="x", max_tokens=4, extra_body={"guided_regex": "(("}
+            model="mimo-v2-tiny-v2", prompt="x", max_tokens=4, extra_body={"guided_regex": "(("}
         )
     assert e.value.param == "guided_regex"
     wait_idle(cluster)
@@ -444,7 +444,7 @@ def test_structured_output_holds_across_pd(cluster: Cluster, tiny_dir: Path) -> 
 
 def _stream_outcome(url: str, prompt: list[int], max_tokens: int) -> str:
     """'done' (finish_reason seen), 'error' (error event), or raises on a hang (timeout)."""
-    body = {"model": "mimo-v2-tiny-v1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": "mimo-v2-tiny-v2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():

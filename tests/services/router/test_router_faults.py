@@ -27,7 +27,7 @@ pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as c
 # stage a 40-token prompt (33.8 KB) but never a 120-token one (64.5 KB)
 STAGING = 48 * 1024
 SHORT, LONG = 40, 120
-MODEL = "mimo-v2-tiny-v1"
+MODEL = "mimo-v2-tiny-v2"
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ def test_shared_prefix_lands_where_it_is_cached_across_routers(cluster: Cluster)
     got = [cached(r) for r in second]
     assert all(g >= 32 for g in got), got  # the 48-token stem, page- and window-safe aligned
     decisions = metric(cluster.urls[1], "swaserve:router_decisions_total")
-    assert decisions.get('model_name="mimo-v2-tiny-v1",reason="affinity"', 0) >= 4
+    assert decisions.get('model_name="mimo-v2-tiny-v2",reason="affinity"', 0) >= 4
 
 
 def test_hot_prefix_spreads_over_both_prefill_workers(cluster: Cluster) -> None:

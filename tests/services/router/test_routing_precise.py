@@ -80,7 +80,7 @@ def test_index_follows_worker_events(cluster: Cluster) -> None:
         metric(cluster.url, "swaserve:prefix_cache_pages"),
     )  # fmt: skip
     decisions = metric(cluster.url, "swaserve:router_decisions_total")
-    assert decisions.get('model_name="mimo-v2-tiny-v1",reason="affinity"', 0) >= 4
+    assert decisions.get('model_name="mimo-v2-tiny-v2",reason="affinity"', 0) >= 4
     # every index entry came from an event: each instance's entries are blocks its cache stored
     stored = {a: len(r.hkeys(f"{{swaserve}}:i:{a}")) for a in cluster.worker_addresses["prefill"]}
     assert sum(stored.values()) >= 4 * 3  # 4 stems x 3 whole 16-token blocks at least
