@@ -19,14 +19,18 @@ from swaserve.engine.types import MAX_LOGPROBS  # light: no torch
 from swaserve.options import (
     API_KEY_ENV,
     AdminTokenOption,
+    AllowedLocalMediaPathOption,
+    AllowedMediaDomainsOption,
     ApiKeyOption,
     ChatTemplateOption,
+    LimitMMOption,
     MaxLogprobsOption,
     ServedModelNameOption,
     SslCertfileOption,
     SslKeyfileOption,
     check_ssl_files,
     engine_options,
+    media_args,
     size_option,
 )
 
@@ -78,6 +82,9 @@ def serve(
     max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
     ssl_certfile: SslCertfileOption = None,
     ssl_keyfile: SslKeyfileOption = None,
+    limit_mm_per_prompt: LimitMMOption = None,
+    allowed_media_domains: AllowedMediaDomainsOption = None,
+    allowed_local_media_path: AllowedLocalMediaPathOption = None,
     num_threads: Annotated[
         int | None,
         typer.Option(
@@ -91,6 +98,7 @@ def serve(
     check_ssl_files(ssl_certfile, ssl_keyfile)
     model_dir = _model_dir(model)
     template = _chat_template(chat_template, model_dir)
+    from swaserve.api.media import media_options
     from swaserve.api.server import serve as run_server
 
     code = run_server(
@@ -98,6 +106,7 @@ def serve(
         api_key=api_key, chat_template=template, max_logprobs=max_logprobs, num_threads=num_threads,
         ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
         ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
+        media_options=media_options(limit_mm_per_prompt, allowed_media_domains, allowed_local_media_path),
     )  # fmt: skip
     if code:
         raise typer.Exit(code)
@@ -119,6 +128,9 @@ def up(
     admin_token: AdminTokenOption = None,
     chat_template: ChatTemplateOption = None,
     max_logprobs: MaxLogprobsOption = MAX_LOGPROBS,
+    limit_mm_per_prompt: LimitMMOption = None,
+    allowed_media_domains: AllowedMediaDomainsOption = None,
+    allowed_local_media_path: AllowedLocalMediaPathOption = None,
     worker_arg: Annotated[
         list[str] | None,
         typer.Option(help="Extra worker argument (repeatable), e.g. --worker-arg=--max-num-seqs=16."),
@@ -193,6 +205,7 @@ def up(
     model_dir = _model_dir(model)
     _chat_template(chat_template, model_dir)  # a bad one stops here, before any process starts
     front = ["--max-logprobs", str(max_logprobs)]
+    front += media_args(limit_mm_per_prompt, allowed_media_domains, allowed_local_media_path)
     if served_model_name is not None:
         front += ["--served-model-name", served_model_name]
     if chat_template is not None:

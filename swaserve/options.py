@@ -23,6 +23,7 @@ import typer
 
 from swaserve.config import EngineConfig
 from swaserve.engine.types import MAX_LOGPROBS
+from swaserve.media import parse_limits
 
 _SIZE_UNITS = {
     "": 1,
@@ -370,6 +371,47 @@ MaxLogprobsOption = Annotated[
         "prompt_logprobs); more is a 400. At most the engine's bound.",
     ),
 ]
+
+
+def _mm_limits(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            parse_limits(value)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--limit-mm-per-prompt") from e
+    return value
+
+
+LimitMMOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="JSON",
+        callback=_mm_limits,
+        help='Most media items per request, e.g. \'{"image": 4, "video": 1, "audio": 2}\' (more is a 400; '
+        "default image 8, video 1, audio 4).",
+    ),
+]
+AllowedMediaDomainsOption = Annotated[
+    list[str] | None,
+    typer.Option(help="A host http(s) media URLs may name (repeatable); none: media only as data: URLs."),
+]
+AllowedLocalMediaPathOption = Annotated[
+    Path | None,
+    typer.Option(help="A directory file:// media URLs may read under; none: no local files."),
+]
+
+
+def media_args(limit: str | None, domains: list[str] | None, local: Path | None) -> list[str]:
+    """The media flags as a command line (``up`` passes them to its routers)."""
+    out: list[str] = []
+    if limit is not None:
+        out += ["--limit-mm-per-prompt", limit]
+    for d in domains or []:
+        out += ["--allowed-media-domains", d]
+    if local is not None:
+        out += ["--allowed-local-media-path", str(local)]
+    return out
+
 
 ADMIN_TOKEN_ENV = "SWASERVE_ADMIN_TOKEN"
 """The environment variable ``--admin-token`` is read from when the flag is absent."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -380,6 +380,58 @@ class TextPart(_Strict):
     text: str
 
 
+class MediaURL(_Strict):
+    """``{"url": ...}``: a ``data:`` URL (base64), or http(s)/file where the server allows it.
+    ``detail`` (images): only "auto" (the model has one resolution policy)."""
+
+    url: str
+    detail: Literal["auto"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: MediaURL | str
+
+
+class InputAudio(_Strict):
+    data: str  # base64
+    format: str  # wav, mp3, flac, ogg, m4a, ... (the container PyAV reads)
+
+
+class AudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURLPart(_Strict):  # vLLM's extension
+    type: Literal["audio_url"]
+    audio_url: MediaURL | str
+
+
+class VideoPart(_Strict):  # vLLM's extension
+    type: Literal["video_url"]
+    video_url: MediaURL | str
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | AudioPart | AudioURLPart | VideoPart, Field(discriminator="type")
+]
+MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+
+
+def part_modality(part: Any) -> str | None:
+    """The modality of a content part (None: text)."""
+    return MEDIA_PART_TYPES.get(part.type)
+
+
+def part_url(part: Any) -> str:
+    """A media part's URL (``input_audio`` as a data URL of its format, as vLLM does)."""
+    if isinstance(part, AudioPart):
+        return f"data:audio/{part.input_audio.format};base64,{part.input_audio.data}"
+    value = getattr(part, part.type)
+    return value if isinstance(value, str) else value.url
+
+
 class ChatMessage(_Strict):
     """One chat message: OpenAI's fields, each honored or refused. ``tool_calls`` (assistant) and
     ``tool_call_id`` (tool, required there) and vLLM's ``reasoning_content`` (assistant) go to the
@@ -387,7 +439,7 @@ class ChatMessage(_Strict):
     as null (the openai client sends them back that way when a response message is replayed)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -407,16 +459,35 @@ class ChatMessage(_Strict):
             raise ValueError("only assistant messages carry reasoning_content")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("tool messages need a tool_call_id, and only they carry one")
+        if self.role != "user" and self.media_parts():
+            raise ValueError("only user messages may carry images, audio or video")
         return self
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text parts joined by newlines into one string;
-        ``developer`` (OpenAI's newer name for the system role) as ``system``, which templates know."""
+    def media_parts(self) -> list[Any]:
+        """The image/audio/video parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p for p in self.content if part_modality(p) is not None]
+
+    def template_dict(self, markers: dict[str, str] | None = None) -> dict[str, Any]:
+        """The message as chat templates expect it: parts joined by newlines into one string, a
+        media part as its modality's marker text (``markers``, e.g. ``<|vision_start|><|image_pad|>
+        <|vision_end|>``, expanded after tokenization); ``developer`` (OpenAI's newer name for the
+        system role) as ``system``, which templates know."""
         out = self.model_dump(exclude_none=True)
         if out["role"] == "developer":
             out["role"] = "system"
         if isinstance(self.content, list):
-            out["content"] = "\n".join(p.text for p in self.content)
+            pieces = []
+            for p in self.content:
+                m = part_modality(p)
+                if m is None:
+                    pieces.append(p.text)
+                elif markers is None or m not in markers:
+                    raise ProtocolError(f"this model does not take {m} input", param="messages")
+                else:
+                    pieces.append(markers[m])
+            out["content"] = "\n".join(pieces)
         elif self.content is None:
             out["content"] = ""
         return out
@@ -436,8 +507,13 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_dict() for m in self.messages]
+    def template_messages(self, markers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """The messages for the chat template (``ChatMessage.template_dict``)."""
+        return [m.template_dict(markers) for m in self.messages]
+
+    def media_parts(self) -> list[Any]:
+        """Every image/audio/video part of the conversation, in order."""
+        return [p for m in self.messages for p in m.media_parts()]
 
     def template_options(self) -> dict[str, Any]:
         """Keyword arguments for ``apply_chat_template`` besides the messages.

@@ -43,6 +43,7 @@ from swaserve.api.tools import (
     new_call_id,
 )
 from swaserve.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from swaserve.media.placeholders import MediaInputs
 
 
 def sse_data(payload: dict[str, Any]) -> str:
@@ -76,6 +77,7 @@ class Choice:
     text_len: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     last: RequestOutput | None = None
+    media: MediaInputs | None = None  # the prompt's media (each choice its own copy)
     streamed: int = 0  # characters streamed so far (echo included)
 
     def add(self, out: RequestOutput) -> None:

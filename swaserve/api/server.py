@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swaserve.api.auth import ADMIN_PATHS, AdminTokenAuth, ApiKeyAuth
 from swaserve.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from swaserve.api.media import MediaOptions
 from swaserve.api.offloop import OffLoopJSONRoute
 from swaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from swaserve.api.responses import (
@@ -168,6 +169,7 @@ def build_app(
     chat_template: str | None = None,
     max_logprobs: int = MAX_LOGPROBS,
     admin_token: str | None = None,
+    media_options: MediaOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
@@ -185,6 +187,7 @@ def build_app(
         admin_token: The admin paths (``api.auth.ADMIN_PATHS``: the router's ``/workers``) need
             ``Authorization: Bearer admin_token`` instead of the API key; None: they are
             guarded like the rest (by ``api_key`` if given).
+        media_options: media limits and sources of a multimodal model (``api.media``).
 
     Raises:
         ValueError: ``max_logprobs`` out of ``[0, MAX_LOGPROBS]``; an empty or padded ``api_key``
@@ -200,7 +203,7 @@ def build_app(
     )
     if not 0 <= max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {max_logprobs}")
-    server = OpenAIServer(engine, metrics, max_logprobs, chat_template)
+    server = OpenAIServer(engine, metrics, max_logprobs, chat_template, media_options)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -286,6 +289,7 @@ def serve(
     num_threads: int | None = None,
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
+    media_options: MediaOptions | None = None,
 ) -> int:
     """Load the model, then serve it with uvicorn until interrupted.
 
@@ -330,6 +334,7 @@ def serve(
         api_key=api_key,
         chat_template=chat_template,
         max_logprobs=max_logprobs,
+        media_options=media_options,
     )
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,

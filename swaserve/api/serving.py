@@ -24,12 +24,15 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from swaserve.api.logprobs import TokenTexts
+from swaserve.api.media import MediaFront, MediaOptions
 from swaserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Prompt,
     ProtocolError,
     check_token_ids,
+    part_modality,
+    part_url,
 )
 from swaserve.api.render import ChatRenderer, Choice, CompletionRenderer, Job, Renderer, sse_data
 from swaserve.api.responses import ModelCard, ModelList, error_body
@@ -47,6 +50,8 @@ from swaserve.api.tokenize import (
 from swaserve.api.tools import plan_tools
 from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams
+from swaserve.media import MediaError
+from swaserve.media.placeholders import MediaInputs, text_ids
 from swaserve.metrics import RequestTimer, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -119,7 +124,7 @@ class _Streams:
         self.readers: list[asyncio.Task[None]] = []  # n > 1: one task reads each choice's stream
 
     async def _first(self, c: Choice) -> None:
-        gen = self.engine.generate(c.prompt_ids, c.params, c.engine_id)
+        gen = self.engine.generate(c.prompt_ids, c.params, c.engine_id, media=c.media)
         self.gens[c.index] = gen
         try:
             self.firsts[c.index] = await anext(gen)
@@ -212,6 +217,7 @@ class OpenAIServer:
         metrics: Where to record latencies and finished requests.
         max_logprobs: Largest ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` accepted.
         chat_template: Jinja chat template used instead of the tokenizer's (``api.chat_template``).
+        media_options: media limits and sources (``api.media``) of a multimodal model.
     """
 
     def __init__(
@@ -220,8 +226,11 @@ class OpenAIServer:
         metrics: ServerMetrics,
         max_logprobs: int = MAX_LOGPROBS,
         chat_template: str | None = None,
+        media_options: MediaOptions | None = None,
     ) -> None:
         self.engine = engine
+        mm = engine.media_config
+        self.media = None if mm is None else MediaFront(mm, engine.tokenizer, media_options)
         self.metrics = metrics
         self.model_name = engine.model_name
         self.max_logprobs = max_logprobs
@@ -246,6 +255,8 @@ class OpenAIServer:
         self._check_model(req.model)
         max_len = self.engine.max_model_len
         if isinstance(req, TokenizeChatRequest):
+            if any(m.media_parts() for m in req.messages):
+                raise ProtocolError("/tokenize does not lay out images, audio or video", param="messages")
             text = await self._render_chat(
                 [m.template_dict() for m in req.messages],
                 {"add_generation_prompt": req.add_generation_prompt},
@@ -283,16 +294,23 @@ class OpenAIServer:
         params: SamplingParams,
         prompt_param: str,
         echo: str | None,
+        media: MediaInputs | None = None,
     ) -> None:
-        """Choices ``k * n ..`` of prompt ``k`` (ids checked against the vocabulary)."""
+        """Choices ``k * n ..`` of prompt ``k`` (ids checked against the vocabulary; media
+        placeholders by the engine)."""
         vocab = self.engine.model_config.vocab_size
-        check_token_ids(prompt_ids, vocab, prompt_param)
+        check_token_ids(prompt_ids if media is None else text_ids(prompt_ids), vocab, prompt_param)
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         check_token_ids([t for t, _ in params.logit_bias], vocab, "logit_bias")
         for j in range(job.n):
             index = k * job.n + j
             engine_id = job.request_id if index == 0 else f"{job.request_id}-{index}"
-            job.choices.append(Choice(index, k, engine_id, prompt_ids, choice_params(params, j), echo))
+            mine = (
+                None if media is None else MediaInputs(media.spans, dict(media.embeds), dict(media.sources))
+            )
+            job.choices.append(
+                Choice(index, k, engine_id, prompt_ids, choice_params(params, j), echo, media=mine)
+            )
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
@@ -341,10 +359,22 @@ class OpenAIServer:
         options = req.template_options()
         if tools.render is not None:
             options["tools"] = tools.render
-        text = await self._render_chat(req.template_messages(), options)
+        parts = req.media_parts()
+        loaded = await self._load_media(parts) if parts else []
+        markers = self.media.markers if self.media is not None else None
+        text = await self._render_chat(req.template_messages(markers), options)
         prompt_ids = await self.encoder.encode(text, self.engine.max_model_len, "messages", False)
         if not prompt_ids:
             raise ProtocolError("messages render to an empty prompt", param="messages")
+        media = None
+        if loaded:
+            assert self.media is not None
+            mp = await asyncio.to_thread(self.media.expand, prompt_ids, loaded)
+            prompt_ids = mp.ids
+            try:
+                media = await self.engine.media_inputs(mp.spans, mp.items, mp.item_spans)
+            except (MediaError, ValueError) as e:
+                raise ProtocolError(str(e), param="messages") from e
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len, self.max_logprobs)
         params = dataclasses.replace(params, structured=structured)
         if tools.constraint is not None:
@@ -356,11 +386,22 @@ class OpenAIServer:
                 )
             params = dataclasses.replace(params, structured=await checked(tools.constraint, "tools"))
         job = self._job("chatcmpl", req.return_token_ids, req.num_choices)
-        self._add_choices(job, 0, prompt_ids, params, "messages", None)
+        self._add_choices(job, 0, prompt_ids, params, "messages", None, media)
         renderer = ChatRenderer(
             self.texts, req.include_usage, req.top_logprobs or 0, tools, req.continuous_usage
         )
         return await self._run(job, renderer, req, raw)
+
+    async def _load_media(self, parts: list[Any]) -> list[tuple[str, bytes]]:
+        """The bytes of each media part, after the count limits (ProtocolError: 400)."""
+        if self.media is None:
+            raise ProtocolError("this model takes no images, audio or video", param="messages")
+        modalities = [str(part_modality(p)) for p in parts]
+        self.media.check_counts(modalities)
+        datas = await asyncio.gather(
+            *(self.media.load(part_url(p), m) for p, m in zip(parts, modalities, strict=True))
+        )
+        return list(zip(modalities, datas, strict=True))
 
     async def _run(
         self, job: Job, renderer: Renderer, req: CompletionRequest | ChatCompletionRequest, raw: Request

@@ -28,6 +28,7 @@ from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.block_events import BlockEvent
+from swaserve.media.placeholders import MediaInputs
 from swaserve.transfer.kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class AsyncLLMEngine(LocalEngineClient):
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.media_config = engine.media_config
+        self.model_dir = engine.model_dir
         self.engine_config = engine.config
         self.kv_dtype = engine.core.dtype
         self.max_model_len = engine.max_model_len
@@ -190,16 +192,17 @@ class AsyncLLMEngine(LocalEngineClient):
         request_id: str,
         export_kv: bool = False,
         prefilled: tuple[int, KVPayload] | None = None,
+        media: MediaInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``EngineClient.generate``."""
         if not self.running:
             raise self._dead or RuntimeError("engine loop is not running (call start())")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, media)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        extra = {"export_kv": export_kv, "prefilled": prefilled}
+        extra = {"export_kv": export_kv, "prefilled": prefilled, "media": media}
         self._submit("add", (request_id, list(prompt_token_ids), params, self.engine.core.clock(), extra))
         async with contextlib.aclosing(
             queue_stream(queue, lambda ended: self._closed(request_id, ended))
@@ -233,7 +236,7 @@ class AsyncLLMEngine(LocalEngineClient):
                         self.engine.add_prefilled(rid, prompt, first, params, payload, arrival_time=arrival)
                     else:
                         self.engine.add_request(
-                            rid, prompt, params, arrival_time=arrival, export_kv=extra["export_kv"]
+                            rid, prompt, params, arrival, extra["export_kv"], extra["media"]
                         )
                 except ValueError as e:
                     self._queues[rid].put_nowait(e)

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
+from swaserve.media.placeholders import MediaInputs, MediaSpan, split_embeds
 from swaserve.model.multimodal import MultimodalConfig
 
 if TYPE_CHECKING:
     import torch
 
+    from swaserve.encoder.runner import EncodeItem, MediaEncoder
     from swaserve.kvcache.block_events import BlockEvent
     from swaserve.transfer.kv_transfer import KVPayload
 
@@ -75,6 +78,7 @@ class EngineClient(ABC):
         request_id: str,
         export_kv: bool = False,
         prefilled: tuple[int, KVPayload] | None = None,
+        media: MediaInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request; closing the iterator aborts the request.
 
@@ -85,6 +89,7 @@ class EngineClient(ABC):
             export_kv: prefill role: stop after the first token; the last delta carries the
                 prompt's KV (``kv_payload``).
             prefilled: decode role: ``(first_token, KVPayload)`` of a prompt prefilled elsewhere.
+            media: the prompt's media spans and embeddings (``media_inputs``).
 
         Raises:
             ValueError: the request is refused (before any output), or failed alone (its
@@ -92,6 +97,19 @@ class EngineClient(ABC):
             Unavailable: no capacity or no engine now (503).
             RuntimeError: the engine failed while the request ran.
         """
+
+    async def media_inputs(
+        self, spans: Sequence[MediaSpan], items: Sequence[EncodeItem], item_spans: Sequence[Sequence[int]]
+    ) -> MediaInputs:
+        """The ``media`` argument of ``generate`` for a prompt's media: ``items`` (in order; item i
+        covers ``spans[j]`` for j in ``item_spans[i]``) encoded here, or (a router) sent to
+        encoders that the prefill worker fetches from.
+
+        Raises:
+            MediaError: an item that does not decode. Unavailable: no encoder now.
+            ValueError: this model takes no media.
+        """
+        raise ValueError("this model takes no images, audio or video")
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -115,6 +133,30 @@ class LocalEngineClient(EngineClient):
 
     engine_config: EngineConfig
     kv_dtype: torch.dtype
+    model_dir: Path
+    _media_encoder: MediaEncoder | None = None
+    _media_lock: asyncio.Lock | None = None
+
+    async def media_inputs(
+        self, spans: Sequence[MediaSpan], items: Sequence[EncodeItem], item_spans: Sequence[Sequence[int]]
+    ) -> MediaInputs:
+        """``EngineClient.media_inputs``: the items encoded by this process's ``MediaEncoder`` (built
+        on first use, on the engine's device and dtype), off the event loop."""
+        if self.media_config is None:
+            raise ValueError("this model takes no images, audio or video")
+        if self._media_lock is None:
+            self._media_lock = asyncio.Lock()
+        async with self._media_lock:
+            if self._media_encoder is None:
+                from swaserve.encoder.runner import MediaEncoder
+                from swaserve.engine.core import default_device
+
+                device = self.engine_config.device or default_device()
+                self._media_encoder = await asyncio.to_thread(
+                    MediaEncoder, self.model_dir, device, self.kv_dtype
+                )
+        embeds = await asyncio.to_thread(self._media_encoder.encode, list(items))
+        return MediaInputs(tuple(spans), split_embeds(spans, item_spans, embeds))
 
     @abstractmethod
     def has_request(self, request_id: str) -> bool:

@@ -40,6 +40,7 @@ from swaserve.engine.ipc import (
     encode,
 )
 from swaserve.kvcache.block_events import BlockEvent
+from swaserve.media.placeholders import MediaInputs
 
 log = logging.getLogger("swaserve.engine.core_proc")
 _IDLE_POLL_MS = 500  # while idle, how often the parent's liveness is checked
@@ -100,8 +101,16 @@ class CoreLoop:
                         msg.arrival_time,
                     )  # fmt: skip
                 else:
+                    media = None
+                    if msg.media_spans:
+                        media = MediaInputs(tuple(msg.media_spans), dict(msg.media_embeds or {}))
                     core.add_request(
-                        msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, msg.export_kv
+                        msg.request_id,
+                        msg.prompt_token_ids,
+                        msg.params,
+                        msg.arrival_time,
+                        msg.export_kv,
+                        media,
                     )
             except ValueError as e:
                 self._refused.append(Refused(msg.request_id, str(e)))

@@ -19,6 +19,7 @@ from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, SamplingParams
 from swaserve.kvcache.block_events import BlockEvent
+from swaserve.media.placeholders import MediaSpan
 from swaserve.transfer.kv_transfer import KVPayload
 
 MAX_HEADER_BYTES = 64 << 20  # frame 0: token ids, outputs, stats
@@ -44,6 +45,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     export_kv: bool = False
     first_token: int | None = None
     payload: KVPayload | None = None
+    media_spans: list[MediaSpan] | None = None
+    media_embeds: dict[int, torch.Tensor] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -53,6 +53,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model_dir = Path(model_dir)
         self.media_config = MultimodalConfig.from_pretrained(model_dir)
         self.core = EngineCore(model_dir, config, eos_token_ids(self.tokenizer), clock)
         self.processor = OutputProcessor(self.tokenizer)
@@ -98,9 +99,11 @@ class LLMEngine:
         return self.core.clock
 
     # -- requests -------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, media: MediaInputs | None = None
+    ) -> None:
         """Raise ValueError with a user-facing message if the request cannot be served."""
-        self.core.limits.check(prompt_token_ids, params)
+        self.core.limits.check(prompt_token_ids, params, media)
 
     def add_request(
         self,

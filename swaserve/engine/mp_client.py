@@ -54,6 +54,7 @@ from swaserve.engine.output import OutputProcessor
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, RequestOutput, SamplingParams
 from swaserve.kvcache.block_events import BlockEvent
+from swaserve.media.placeholders import MediaInputs
 from swaserve.model.multimodal import MultimodalConfig
 from swaserve.transfer.kv_transfer import KVPayload
 
@@ -290,13 +291,16 @@ class MPEngineClient(LocalEngineClient):
         request_id: str,
         export_kv: bool = False,
         prefilled: tuple[int, KVPayload] | None = None,
+        media: MediaInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``EngineClient.generate``."""
         if not self.running or self.limits is None:
             raise self._dead or RuntimeError("engine core is not running (call start())")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.limits.check(prompt_token_ids, params)
+        self.limits.check(prompt_token_ids, params, media)
+        if media is not None:
+            media.check_embeds(self.model_config.hidden_size)
         first, payload = prefilled if prefilled is not None else (None, None)
         if prefilled is not None:
             self.limits.check_prefilled(request_id, prompt_token_ids, prefilled[0], prefilled[1])
@@ -306,7 +310,11 @@ class MPEngineClient(LocalEngineClient):
         arrival = time.monotonic()  # CLOCK_MONOTONIC: the core's clock too
         self._expect(arrival)
         self._in_core.add(request_id)
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, arrival, export_kv, first, payload))
+        msg = AddRequest(request_id, list(prompt_token_ids), params, arrival, export_kv, first, payload)
+        if media is not None and media.spans:
+            msg.media_spans = list(media.spans)
+            msg.media_embeds = {i: e.contiguous() for i, e in media.embeds.items()}
+        self._send(msg)
         async with contextlib.aclosing(
             queue_stream(queue, lambda ended: self._closed(request_id, ended))
         ) as s:

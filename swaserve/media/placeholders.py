@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -39,12 +39,15 @@ class MediaSpan:
     Attributes:
         start: position of the first placeholder token. length: placeholder tokens (= encoder
             output rows). key: the item's 16-byte content key. modality: image, video or audio.
+        offset: the span's first row in its item's embeddings (a video item has one span per
+            frame pair, timestamps between them); its pad ids are the item's from ``offset`` on.
     """
 
     start: int
     length: int
     key: bytes
     modality: str
+    offset: int = 0
 
     @property
     def end(self) -> int:
@@ -67,18 +70,20 @@ def item_key(encoder_id: str, modality: str, params: Mapping[str, Any], data: by
     return h.digest()
 
 
-def pad_ids(key: bytes, n: int) -> list[int]:
-    """The ``n`` placeholder ids of an item with content ``key`` (module docstring)."""
+def pad_ids(key: bytes, n: int, offset: int = 0) -> list[int]:
+    """The placeholder ids of positions ``offset .. offset + n - 1`` of the item with content
+    ``key`` (module docstring)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"a media key has {KEY_BYTES} bytes, got {len(key)}")
-    # one BLAKE2b stream: digest i covers positions 8i..8i+7 (4 bytes each)
-    out = np.empty(0, dtype=np.uint32)
-    chunks = []
-    for i in range((n + 7) // 8):
-        d = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32, key=key).digest()
-        chunks.append(np.frombuffer(d, dtype="<u4"))
-    if chunks:
-        out = np.concatenate(chunks)[:n]
+    # one BLAKE2b stream: digest i covers item positions 8i..8i+7 (4 bytes each)
+    lo, hi = offset // 8, (offset + n + 7) // 8
+    chunks = [
+        np.frombuffer(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32, key=key).digest(), dtype="<u4")
+        for i in range(lo, hi)
+    ]
+    if not chunks:
+        return []
+    out = np.concatenate(chunks)[offset - 8 * lo : offset - 8 * lo + n]
     return (PAD_BASE + (out.astype(np.int64) % PAD_SPAN)).tolist()
 
 
@@ -101,7 +106,7 @@ def check_spans(prompt: Sequence[int], spans: Sequence[MediaSpan], vocab_size: i
     pos = 0
     for s in spans:
         _check_ids(prompt, pos, s.start, vocab_size)
-        if list(prompt[s.start : s.end]) != pad_ids(s.key, s.length):
+        if list(prompt[s.start : s.end]) != pad_ids(s.key, s.length, s.offset):
             raise ValueError(
                 f"the prompt's ids at [{s.start}, {s.end}) are not the media item's placeholders"
             )
@@ -129,10 +134,13 @@ class MediaInputs:
         embeds: span index -> encoder output [span.length, hidden] (any float dtype; cast to the
             model's). A span the prefix cache covers needs none; one it does not is waited for
             (``EngineCore.supply_media``) before the prefill reaches it.
+        sources: span index -> where its embeddings are fetched from (an encoder's address; a
+            router fills it in, a prefill worker fetches what its prefix hit does not cover).
     """
 
     spans: tuple[MediaSpan, ...]
     embeds: dict[int, Any]
+    sources: dict[int, str] = field(default_factory=dict)
 
     def check_embeds(self, hidden: int) -> None:
         """Raise ValueError unless every embedding is [span.length, hidden]."""
@@ -142,3 +150,16 @@ class MediaInputs:
             want = (self.spans[i].length, hidden)
             if tuple(t.shape) != want:
                 raise ValueError(f"media item {i}: embeddings of shape {tuple(t.shape)}, expected {want}")
+
+
+def split_embeds(
+    spans: Sequence[MediaSpan], item_spans: Sequence[Sequence[int]], embeds: Sequence[Any]
+) -> dict[int, Any]:
+    """Per span index, its rows of its item's embeddings (``embeds[i]``: item i's [rows, hidden];
+    ``item_spans[i]``: the spans it covers)."""
+    out: dict[int, Any] = {}
+    for idx, e in zip(item_spans, embeds, strict=True):
+        for j in idx:
+            s = spans[j]
+            out[j] = e[s.offset : s.offset + s.length]
+    return out

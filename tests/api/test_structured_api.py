@@ -121,8 +121,13 @@ async def test_completions_take_response_format_and_guided_json(client: openai.A
 
 async def test_json_object_is_an_object(client: openai.AsyncOpenAI) -> None:
     for stream in (False, True):
-        text, reason = await chat_text(
-            client, stream, response_format={"type": "json_object"}, temperature=0, max_tokens=400
+        text, reason = await chat_text(  # a prompt the tiny random model closes its object on
+            client,
+            stream,
+            messages=[{"role": "user", "content": "Describe a pet as JSON!"}],
+            response_format={"type": "json_object"},
+            temperature=0,
+            max_tokens=400,
         )
         assert reason == "stop" and isinstance(json.loads(text), dict), text
     text, _ = await chat_text(client, False, response_format={"type": "text"}, temperature=0, max_tokens=8)

@@ -122,8 +122,8 @@ async def test_a_named_call_cut_by_max_tokens_is_the_same_partial_call_streamed_
 async def test_required_tool_choice_calls_some_tool(served) -> None:  # type: ignore[no-untyped-def]
     client, engine = served
     kw: dict[str, Any] = dict(
-        model=engine.model_name, messages=MSGS, tools=TOOLS, tool_choice="required", temperature=0,
-        parallel_tool_calls=False, max_tokens=96,
+        model=engine.model_name, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=TOOLS, tool_choice="required", temperature=0, parallel_tool_calls=False, max_tokens=96,
     )  # fmt: skip
     r = await client.chat.completions.create(**kw)
     calls = r.choices[0].message.tool_calls
