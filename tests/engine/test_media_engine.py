@@ -12,8 +12,9 @@ import torch
 from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
-from swaserve.media.placeholders import PAD_BASE, MediaInputs, MediaSpan, item_key, pad_ids
+from swaserve.media.placeholders import MediaInputs, MediaSpan, item_key, pad_ids
 from swaserve.model.checkpoint import make_checkpoint
+from tests.helpers.media import reference_greedy
 
 NEW = 12
 
@@ -39,19 +40,7 @@ def _prompt(
 
 
 def _reference(hf, ids: list[int], media: MediaInputs, new: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """Greedy tokens of transformers' MiMo-V2 over ``inputs_embeds`` with the media rows overwritten."""
-    emb = hf.get_input_embeddings()
-    clean = torch.tensor([[0 if t >= PAD_BASE else t for t in ids]])
-    x = emb(clean)[0].detach().clone()
-    for i, s in enumerate(media.spans):
-        x[s.start : s.end] = media.embeds[i]
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(new):
-            tok = int(hf(inputs_embeds=x[None]).logits[0, -1].argmax())
-            out.append(tok)
-            x = torch.cat([x, emb(torch.tensor([tok]))])
-    return out
+    return reference_greedy(hf, ids, media.spans, media.embeds, new)
 
 
 @pytest.fixture(scope="module")
