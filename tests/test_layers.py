@@ -24,6 +24,7 @@ SANS_IO = (
     "swaserve.transfer",
     "swaserve.routing",
     "swaserve.engine",
+    "swaserve.encoder",
     "swaserve.sim",
 )
 # ... except these I/O shells (and what only they import); names not in the tree are skipped
