@@ -218,6 +218,10 @@ class AsyncLLMEngine(LocalEngineClient):
     async def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
 
+    async def supply_media(self, request_id: str, index: int, embeds: torch.Tensor) -> None:
+        """``LocalEngineClient.supply_media``: applied between steps."""
+        self._submit("media", (request_id, index, embeds))
+
     def _submit(self, op: str, arg: Any) -> None:
         self._pending.append((op, arg))
         if self._wake is not None:
@@ -240,6 +244,15 @@ class AsyncLLMEngine(LocalEngineClient):
                         )
                 except ValueError as e:
                     self._queues[rid].put_nowait(e)
+            elif op == "media":
+                rid, index, embeds = arg
+                try:
+                    self.engine.core.supply_media(rid, index, embeds)
+                except ValueError as e:  # the request fails alone
+                    out = self.engine.abort_request(rid)
+                    q = self._queues.get(rid)
+                    if q is not None:
+                        q.put_nowait(e)
             else:
                 out = self.engine.abort_request(arg)
                 q = self._queues.get(arg)

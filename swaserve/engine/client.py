@@ -134,6 +134,12 @@ class LocalEngineClient(EngineClient):
     engine_config: EngineConfig
     kv_dtype: torch.dtype
     model_dir: Path
+
+    @abstractmethod
+    async def supply_media(self, request_id: str, index: int, embeds: torch.Tensor) -> None:
+        """Hand an open request the embeddings [span.length, hidden] of its media span ``index``
+        (after a ``RequestOutput.media_wanted``); a bad shape fails the request with its message."""
+
     _media_encoder: MediaEncoder | None = None
     _media_lock: asyncio.Lock | None = None
 

@@ -314,6 +314,23 @@ class EngineCore:
             raise
         return True
 
+    def _media_asks(self) -> list[CoreOutput]:
+        """One output per request admitted since the last step whose prefill waits for media
+        (``media_wanted``: the spans past its prefix hit without embeddings)."""
+        out = []
+        for req in self.scheduler.running:
+            if req.media is not None and not req.media_asked and req.num_computed < req.num_prompt:
+                req.media_asked = True
+                missing = req.media_missing()
+                if missing:
+                    o = self._output(req, [], [])
+                    o.media_wanted = missing
+                    out.append(o)
+        return out
+
+    def _waits_for_media(self) -> bool:
+        return any(r.media is not None and r.media_ready_end() < r.num_tokens for r in self.scheduler.running)
+
     def media_missing(self) -> dict[str, list[int]]:
         """Admitted requests whose prefill waits for embeddings: id -> the media items (spans
         past the prefix hit) still missing. A span the hit covers is never asked for."""
@@ -365,10 +382,13 @@ class EngineCore:
                 if req.status == RequestStatus.WAITING:
                     self.scheduler.add(req)
         chunks = self.scheduler.schedule(now)
+        asks = self._media_asks()
         if not chunks:
             if self.l3 is not None and self.l3.pending():
                 self.l3.wait(0.005)  # nothing to compute: wait for a fetch rather than spin
-            return []
+            elif not asks and self._waits_for_media():
+                time.sleep(0.002)  # nothing to compute until embeddings come (``supply_media``)
+            return asks
         logits, prompt_lps, hidden = self.runner.run(chunks, keep_hidden=self.spec is not None)
         self.steps += 1
         self.computed_tokens += sum(c.n for c in chunks)
@@ -378,7 +398,7 @@ class EngineCore:
                 have.extend(lps)
         if self.spec is not None:
             assert hidden is not None
-            return self.spec.finish_step(chunks, logits, hidden)
+            return asks + self.spec.finish_step(chunks, logits, hidden)
         ends = [c for c in chunks if c.samples]
         sampling = [c for c in ends if c.req.params.max_tokens > 0]  # max_tokens 0: the prompt only
         if len(sampling) < len(ends):
@@ -396,7 +416,7 @@ class EngineCore:
             if c.start < c.req.num_prompt and self.kv.cache is not None:
                 self.kv.cache_partial(c.req.request_id, c.req.token_slice(0, c.req.num_computed))
         now = self.clock()
-        outputs = [self._prompt_only(c.req) for c in ends if c.req.params.max_tokens == 0]
+        outputs = asks + [self._prompt_only(c.req) for c in ends if c.req.params.max_tokens == 0]
         outputs += [
             self._append(c.req, s.token_id, s.logprob, now) for c, s in zip(sampling, sampled, strict=True)
         ]

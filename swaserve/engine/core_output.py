@@ -34,6 +34,7 @@ class CoreOutput:
     kv_payload: KVPayload | None = None
     structured_end: bool = False
     error: str = ""
+    media_wanted: list[int] | None = None  # admitted, waiting: these media spans' embeddings
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,7 @@ from swaserve.engine.ipc import (
     Refused,
     Reply,
     StartupFailed,
+    SupplyMedia,
     ToCore,
     encode,
 )
@@ -113,6 +114,12 @@ class CoreLoop:
                         media,
                     )
             except ValueError as e:
+                self._refused.append(Refused(msg.request_id, str(e)))
+        elif isinstance(msg, SupplyMedia):
+            try:
+                core.supply_media(msg.request_id, msg.index, msg.embeds.clone())
+            except ValueError as e:  # the request fails alone
+                core.abort_request(msg.request_id)
                 self._refused.append(Refused(msg.request_id, str(e)))
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:

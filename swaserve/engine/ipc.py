@@ -53,6 +53,14 @@ class Abort(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
+class SupplyMedia(msgspec.Struct, tag="media"):
+    """Embeddings of an open request's media span (``EngineCore.supply_media``)."""
+
+    request_id: str
+    index: int
+    embeds: torch.Tensor
+
+
 class Call(msgspec.Struct, tag="call"):
     """A utility call answered by a ``Reply`` with the same ``call_id``, between steps."""
 
@@ -98,7 +106,7 @@ class Reply(msgspec.Struct, tag="reply"):
     events: list[BlockEvent] = []
 
 
-ToCore = AddRequest | Abort | Call
+ToCore = AddRequest | Abort | SupplyMedia | Call
 FromCore = Ready | StartupFailed | Outputs | Reply
 
 

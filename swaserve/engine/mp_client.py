@@ -46,6 +46,7 @@ from swaserve.engine.ipc import (
     Ready,
     Reply,
     StartupFailed,
+    SupplyMedia,
     ToCore,
     encode,
 )
@@ -320,6 +321,11 @@ class MPEngineClient(LocalEngineClient):
         ) as s:
             async for out in s:
                 yield out
+
+    async def supply_media(self, request_id: str, index: int, embeds: torch.Tensor) -> None:
+        """``LocalEngineClient.supply_media``: sent to the core (a bad shape: the core refuses it)."""
+        if request_id in self._in_core:
+            self._send(SupplyMedia(request_id, index, embeds.contiguous()))
 
     def _closed(self, request_id: str, ended: bool) -> None:
         self._queues.pop(request_id, None)

@@ -139,4 +139,5 @@ class OutputProcessor:
             first_token_time=o.first_token_time,
             kv_payload=o.kv_payload if finished else None,
             error=o.error,
+            media_wanted=o.media_wanted,
         )

@@ -58,6 +58,7 @@ class Request:
     spec_end: int = 0
     mtp: MTPState | None = None
     media: MediaInputs | None = None  # media items' spans and embeddings (``media.placeholders``)
+    media_asked: bool = False  # its missing media spans were reported (``CoreOutput.media_wanted``)
 
     @property
     def num_prompt(self) -> int:

@@ -174,6 +174,9 @@ class RequestOutput:
     kv_payload: Any = None  # prefill role, final output: the prompt's KV (``transfer.kv_transfer.KVPayload``)
     prompt_logprobs: list[TokenLogprob] | None = None  # once, with the output that completed the prompt
     error: str = ""  # set on the last output of a request the engine failed (its grammar broke): why
+    # admitted, its prefill waits at these media spans (indices) past its prefix hit: the caller
+    # fetches their embeddings and hands them over (``supply_media``); no tokens in this delta
+    media_wanted: list[int] | None = None
     # per new token, where its text starts in ``new_text`` (several tokens per delta with MTP;
     # empty: every token at 0); completions' ``text_offset``
     token_text_starts: list[int] = field(default_factory=list)

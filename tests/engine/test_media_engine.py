@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swaserve.config import EngineConfig
+from swaserve.engine.factory import build_engine_client
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 from swaserve.media.placeholders import MediaInputs, MediaSpan, item_key, pad_ids
@@ -128,8 +129,14 @@ def test_prefill_waits_at_a_span_until_its_embeddings_come(tiny_dir: Path, case)
     eng = LLMEngine(tiny_dir, EngineConfig(page_size=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20))
     eng.add_request("w", ids, SamplingParams(max_tokens=NEW, temperature=0.0), media=_copy(media, (1,)))
     req = eng.core.requests["w"]
-    for _ in range(3):
-        assert eng.step() == []
+    for i in range(3):
+        out = eng.step()
+        if i == 0:  # admitted: the span past its hit without embeddings is asked for, once
+            assert [(d.request_id, d.media_wanted, d.new_token_ids, d.finished) for d in out] == [
+                ("w", [1], [], False)
+            ]
+        else:
+            assert out == []
         assert req.num_computed == media.spans[1].start  # up to the missing span, no further
         assert eng.core.media_missing() == {"w": [1]}
     with pytest.raises(ValueError, match="shape"):
@@ -158,3 +165,38 @@ def test_bad_media_inputs_are_refused(tiny_dir: Path, case, mutate, msg: str) ->
     with pytest.raises(ValueError, match=msg):
         eng.add_request("bad", bad_ids, SamplingParams(max_tokens=2), media=bad_media)
     assert eng.core.requests == {}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("process", ["inline", pytest.param("separate", marks=pytest.mark.cluster)])
+async def test_engine_clients_ask_for_media_and_take_it(tiny_dir: Path, case, process: str) -> None:  # type: ignore[no-untyped-def]
+    """What a prefill worker does: the stream's first delta names the spans to fetch; the
+    embeddings handed over (one of them malformed first, in a second request) finish it."""
+    ids, media, ref = case
+    cfg = EngineConfig(
+        page_size=4, kv_cache_memory=4 << 20, dtype="float32", device="cpu", engine_process=process
+    )
+    eng = build_engine_client(str(tiny_dir), cfg)
+    await eng.start()
+    try:
+        params = SamplingParams(max_tokens=NEW, temperature=0.0)
+        got: list[int] = []
+        async for d in eng.generate(ids, params, "a", media=_copy(media, (0, 1))):
+            if d.media_wanted is not None:
+                assert d.media_wanted == [0, 1] and not d.new_token_ids
+                for i in d.media_wanted:
+                    await eng.supply_media("a", i, media.embeds[i])
+            got += d.new_token_ids
+        assert got == ref
+        with pytest.raises(ValueError, match="shape"):
+            other = [7, *ids[1:]]  # no prefix hit: span 1 is asked for
+            async for d in eng.generate(other, params, "b", media=_copy(media, (1,))):
+                if d.media_wanted:
+                    await eng.supply_media("b", 1, media.embeds[0])
+    finally:
+        await eng.stop()
