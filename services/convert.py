@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, StructuredOutput, TokenLogprob
+from swaserve.media.placeholders import KEY_BYTES, MODALITIES, MediaInputs, MediaSpan
 from swaserve.transfer.kv_transfer import (
     DTYPES,
     KVPage,
@@ -25,6 +26,7 @@ ENGINE_NOT_RUNNING = "engine not running"  # how a worker's GetLoad UNAVAILABLE 
 # how a draining worker's UNAVAILABLE refusal of Generate or KVTransfer.Push begins (the router keeps
 # its requests in flight there and sends it nothing new)
 WORKER_DRAINING = "worker is draining"
+MEDIA_FETCH_FAILED = "media fetch"  # a prefill worker's error: its encoder failed (retry, items resubmitted)
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -219,3 +221,34 @@ def transfer_messages(
     )
     for pg in to_pages(payload, page_size, pages_per_message):
         yield kvpb.TransferMessage(page=page_to_proto(pg))
+
+
+def media_to_proto(media: MediaInputs | None) -> list[pb.MediaSpan]:
+    """A prompt's media spans with the encoder each is fetched from."""
+    if media is None:
+        return []
+    return [
+        pb.MediaSpan(
+            start=s.start,
+            length=s.length,
+            key=s.key,
+            modality=s.modality,
+            offset=s.offset,
+            encoder=media.sources.get(i, ""),
+        )
+        for i, s in enumerate(media.spans)
+    ]
+
+
+def media_from_proto(spans: Iterable[pb.MediaSpan]) -> MediaInputs | None:
+    """``MediaInputs`` without embeddings (a worker fetches what its prefix hit does not cover);
+    None for a text prompt. Raises ValueError on a malformed span (the engine checks the rest)."""
+    out: list[MediaSpan] = []
+    sources: dict[int, str] = {}
+    for i, m in enumerate(spans):
+        if len(m.key) != KEY_BYTES or m.modality not in MODALITIES or m.length == 0:
+            raise ValueError(f"media span {i} is malformed (a {KEY_BYTES}-byte key, a modality, rows > 0)")
+        out.append(MediaSpan(m.start, m.length, bytes(m.key), m.modality, m.offset))
+        if m.encoder:
+            sources[i] = m.encoder
+    return MediaInputs(tuple(out), {}, sources) if out else None

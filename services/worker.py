@@ -23,14 +23,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.convert import ENGINE_NOT_RUNNING, WORKER_DRAINING, chunk_message, params_from_proto, usage
+from services.convert import (
+    ENGINE_NOT_RUNNING,
+    WORKER_DRAINING,
+    chunk_message,
+    media_from_proto,
+    params_from_proto,
+    usage,
+)
 from services.index_events import EventPump
 from services.kv_receiver import KVTransferService, staging_for, transfer_layers
+from services.media_fetch import MediaFetcher, MediaFetchError
 from services.tls import Dialer
 from services.transport import GrpcKVSender, KVSender
 from services.worker_metrics import WorkerLoadCollector, WorkerMetrics, serve_metrics
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.types import FinishReason, SamplingParams
+from swaserve.media.placeholders import MediaInputs
 from swaserve.model.identity import model_identity
 from swaserve.routing.buckets import ALL_LENGTHS
 from swaserve.routing.redis.events import RedisEventPublisher, stream_key
@@ -61,6 +70,8 @@ class WorkerOptions:
     credentials: grpc.ServerCredentials | None = None  # TLS on the main port (services.tls); None: plaintext
     dialer: Dialer = field(default_factory=Dialer)  # how a prefill worker dials decode workers (KV push)
     served_model_name: str | None = None  # the model_name label of its metrics (default: the checkpoint's)
+    media_staging_bytes: int = 1 << 30  # prefill: media embeddings fetched and held at once
+    media_fetch_timeout_s: float = 60.0  # prefill: one media item's fetch from its encoder
 
 
 class WorkerService(wgrpc.WorkerServicer):
@@ -68,6 +79,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self.engine, self.opts, self.metrics = engine, opts, metrics
         self.staging = staging_for(engine, opts.staging_bytes) if opts.role == "decode" else None
         self.staged_at: dict[str, float] = {}  # staged transfers (open or complete) -> when begun
+        self.media = MediaFetcher(opts.dialer, opts.media_staging_bytes, opts.media_fetch_timeout_s)
         self.aborted: dict[str, float] = {}  # recently aborted ids: a late transfer for them is refused
         self.open = 0
         self.draining = False  # shutting down: new Generate calls refused, streams in flight finish
@@ -116,13 +128,18 @@ class WorkerService(wgrpc.WorkerServicer):
             except TransferError as e:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no KV staged: {e}")
             self.staged_at.pop(rid, None)
+        try:
+            media = media_from_proto(request.media)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         export = self.opts.role == "prefill" and bool(request.kv_target)
         self.open += 1
         try:
-            async for m in self._generate(rid, prompt, params, request.kv_target, export, prefilled):
+            async for m in self._generate(rid, prompt, params, request.kv_target, export, prefilled, media):
                 yield m
         finally:
             self.open -= 1
+            self.media.release(rid)
 
     async def _generate(
         self,
@@ -132,10 +149,26 @@ class WorkerService(wgrpc.WorkerServicer):
         kv_target: str,
         export: bool,
         prefilled: tuple[int, KVPayload] | None,
+        media: MediaInputs | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
+        fetch: asyncio.Task[None] | None = None
+        failed: list[str] = []
         try:
-            gen = self.engine.generate(prompt, params, rid, export_kv=export, prefilled=prefilled)
+            gen = self.engine.generate(
+                prompt, params, rid, export_kv=export, prefilled=prefilled, media=media
+            )
             async for o in gen:
+                if o.media_wanted and media is not None:
+                    fetch = asyncio.create_task(self._fetch_media(rid, media, o.media_wanted, failed))
+                    continue
+                if o.new_token_ids:
+                    self.media.release(rid)  # the prompt (its media) is in the KV now
+                if failed and o.finished:
+                    err = pb.Error(
+                        message=failed[0], retryable=True, code=grpc.StatusCode.UNAVAILABLE.value[0]
+                    )
+                    yield pb.GenerateResponse(error=err, usage=usage(o))
+                    return
                 if o.new_token_ids or o.new_text or o.prompt_logprobs is not None:
                     m = chunk_message(o)
                     if o.finished and o.finish_reason not in (None, FinishReason.HANDOFF):
@@ -171,6 +204,22 @@ class WorkerService(wgrpc.WorkerServicer):
             yield pb.GenerateResponse(error=pb.Error(message=str(e), retryable=False))
         except RuntimeError as e:  # engine stopped or failed: another worker may do it
             yield pb.GenerateResponse(error=pb.Error(message=str(e), retryable=True))
+        finally:
+            if fetch is not None and not fetch.done():
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fetch
+
+    async def _fetch_media(self, rid: str, media: MediaInputs, wanted: list[int], failed: list[str]) -> None:
+        """Fetch and hand over a request's missing media; on failure end it (``failed`` says why:
+        the stream then ends with a retryable error)."""
+        try:
+            await self.media.supply(self.engine, rid, media, wanted, self.engine.model_config.hidden_size)
+        except MediaFetchError as e:
+            log.warning("request %s: %s", rid, e)
+            self.metrics.media_fetch_failed.inc()
+            failed.append(str(e))
+            await self.engine.abort(rid)
 
     async def _push(self, target: str, payload: KVPayload) -> int:
         """Send ``payload`` to ``target`` (``self.sender``); returns the K/V bytes sent."""

@@ -76,6 +76,18 @@ def worker_app(role: str) -> typer.Typer:
             int, typer.Option(parser=size_option, metavar="BYTES", help="decode: host bytes for staged KV.")
         ] = "1GiB",  # type: ignore[assignment]
         staging_ttl: Annotated[float, typer.Option(min=1.0, help="decode: seconds staged KV waits.")] = 120.0,
+        media_staging_memory: Annotated[
+            int,
+            typer.Option(
+                parser=size_option,
+                metavar="BYTES",
+                help="prefill: media embeddings fetched from encoders, held at once.",
+            ),
+        ] = "1GiB",  # type: ignore[assignment]
+        media_fetch_timeout: Annotated[
+            float,
+            typer.Option(min=0.1, help="prefill: seconds one media item's fetch (its encoding) may take."),
+        ] = 60.0,
         num_threads: Annotated[
             int | None,
             typer.Option(
@@ -172,6 +184,7 @@ def worker_app(role: str) -> typer.Typer:
         opts = WorkerOptions(role, host, port, metrics_port, staging_memory, staging_ttl, prompt_range)
         opts.redis_url, opts.index_namespace, opts.instance_id = redis_url, index_namespace, instance_id
         opts.served_model_name = served_model_name
+        opts.media_staging_bytes, opts.media_fetch_timeout_s = media_staging_memory, media_fetch_timeout
         opts.shutdown_timeout_s, opts.health_port = shutdown_timeout, health_port
         opts.credentials, opts.dialer = creds, dialer
 

@@ -48,6 +48,11 @@ class WorkerMetrics:
         self.kv_failed = Counter(
             "swaserve:kv_transfer_failed", "KV transfers refused or failed", registry=self.registry
         )
+        self.media_fetch_failed = Counter(
+            "swaserve:media_fetch_failed",
+            "requests whose media embeddings could not be fetched from their encoder (retried elsewhere)",
+            registry=self.registry,
+        )
         self.index_events = Counter(
             "swaserve:index_events",
             "prefix-cache block events for the router's index, by outcome (published, dropped)",

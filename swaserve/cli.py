@@ -194,8 +194,21 @@ def up(
         list[str] | None,
         typer.Option(help="Extra GCache node argument (repeatable), e.g. --gcache-arg=--ucx-port=-1."),
     ] = None,
+    encoder: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Media encoder workers to start (0: none; images, audio and video then get a 400). "
+            "The routers get --encoder for each.",
+        ),
+    ] = 0,
+    encoder_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="Extra encoder argument (repeatable), e.g. --encoder-arg=--max-batch-items=8."),
+    ] = None,
 ) -> None:
-    """Start the disaggregated cluster (router + prefill + decode workers, optional GCache nodes) on
+    """Start the disaggregated cluster (router + prefill + decode workers, optional GCache nodes and
+    media encoders) on
     127.0.0.1 until Ctrl-C; the routers' HTTP port on --host."""
     import signal
 
@@ -237,12 +250,15 @@ def up(
         gcache_nvme=gcache_nvme,
         gcache_nvme_dir=gcache_nvme_dir,
         gcache_args=list(gcache_arg or []),
+        encoders=encoder,
+        encoder_args=list(encoder_arg or []),
     )
     try:
         url = cluster.start(startup_timeout)
         others = f"; other routers: {' '.join(cluster.urls[1:])}" if routers > 1 else ""
         shared = f"; routing state in {cluster.redis_url}" if cluster.redis_url else ""
         shared += f"; GCache: {' '.join(cluster.gcache_addresses)}" if gcache else ""
+        shared += f"; encoders: {' '.join(cluster.encoder_addresses)}" if encoder else ""
         auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""  # never the key itself
         print(
             f"\ncluster ready: {url}  ({prefill} prefill, {decode} decode{others}{shared}; "

@@ -125,6 +125,9 @@ class Cluster:
     gcache_nvme_dir: Path | None = None
     gcache_args: list[str] = field(default_factory=list)
     gcache_addresses: list[str] = field(default_factory=list)  # node i's gRPC host:port
+    encoders: int = 0  # media encoder workers (services.encoder)
+    encoder_args: list[str] = field(default_factory=list)
+    encoder_addresses: list[str] = field(default_factory=list)
     namespace: str = ""  # the routers' Redis namespace (set by ``start``)
     tmp_dir: Path | None = None  # this run's temporary directory (created with GCache nodes)
 
@@ -182,6 +185,8 @@ class Cluster:
         if self.gcache:
             self._start_gcache()
             self.prefill_args = [*self.prefill_args, *self._l3_args()]
+        if self.encoders:
+            self._start_encoders()
         addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
         self.worker_addresses = addrs
         for role, n, extra in (
@@ -211,6 +216,8 @@ class Cluster:
             for role in ("prefill", "decode"):
                 for a in addrs[role]:
                     cmd += [f"--{role}", a]
+            for a in self.encoder_addresses:
+                cmd += ["--encoder", a]
             cmd += [*shared, "--index-mode", self.index_mode, *self.router_args]
             name = "router" if self.routers == 1 else f"router-{i}"
             secrets = ((API_KEY_ENV, self.api_key), (ADMIN_TOKEN_ENV, self.admin_token))
@@ -223,6 +230,34 @@ class Cluster:
             router.wait_ready(timeout_s)
         self.url = self.urls[0]
         return self.url
+
+    def _start_encoders(self) -> None:
+        """Start the media encoders (readiness is awaited with the workers'); TLS flags given to
+        the workers are theirs too."""
+        if self.encoders < 0:
+            raise ClusterError(f"encoders must be >= 0, got {self.encoders}")
+        tls = []
+        for flag in ("--grpc-tls-cert", "--grpc-tls-key", "--grpc-tls-ca"):
+            v = _option_value(self.worker_args, flag)
+            if v is not None:
+                tls += [flag, v]
+        threads = max(1, usable_cpus() // (self.prefill + self.decode + self.encoders))
+        for i in range(self.encoders):
+            port, mport = free_port(), free_port()
+            name = f"encoder-{i}"
+            cmd = [sys.executable, "-m", "services.encoder", "--model", str(self.model), "--host", "127.0.0.1",
+                   "--port", str(port), "--metrics-port", str(mport), "--num-threads", str(threads),
+                   *tls, *self.encoder_args]  # fmt: skip
+            self.encoder_addresses.append(f"127.0.0.1:{port}")
+            probe = f"127.0.0.1:{port}"
+            if tls:  # TLS: probe its plaintext health port, as the workers'
+                hport = str(free_port())
+                cmd += ["--health-port", hport]
+                probe = f"127.0.0.1:{hport}"
+            svc = ServiceProcess(name, cmd, grpc_ready(probe))
+            self.metrics_urls[name] = f"http://127.0.0.1:{mport}/metrics"
+            self.services[name] = svc
+            svc.start()
 
     def _start_gcache(self) -> None:
         """Start the GCache nodes (readiness is awaited with the workers')."""

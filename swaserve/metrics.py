@@ -53,10 +53,11 @@ def token_buckets(max_model_len: int) -> tuple[float, ...]:
 ROUTER_STATUSES = ("ok", "invalid", "unavailable", "failed", "cancelled")
 """Outcomes of a request at the router: finished; refused as invalid (4xx); no capacity or no
 worker (503); failed otherwise (500 or an error event); the client went away first."""
-RETRY_REASONS = ("overloaded", "unavailable", "worker_down", "error", "resumed")
+RETRY_REASONS = ("overloaded", "unavailable", "worker_down", "encoder", "error", "resumed")
 """Why the router re-dispatched a request: a decode worker's staging was full; a worker could not
 be reached; the router marked a worker down (refused or missed polls) while the request was on it
-and cancelled it there; another retryable failure (these four before decode output started);
+and cancelled it there; a prefill worker could not fetch its media from an encoder (the items are
+resubmitted); another retryable failure (these five before decode output started);
 ``resumed``: any retryable failure after decode output reached the client, the request resumed
 elsewhere with its generated tokens."""
 

@@ -17,10 +17,13 @@ import typer
 from swaserve.engine.types import MAX_LOGPROBS
 from swaserve.options import (
     AdminTokenOption,
+    AllowedLocalMediaPathOption,
+    AllowedMediaDomainsOption,
     ApiKeyOption,
     ChatTemplateOption,
     GrpcTlsCaOption,
     GrpcTlsServerNameOption,
+    LimitMMOption,
     MaxLogprobsOption,
     ServedModelNameOption,
     SslCertfileOption,
@@ -46,6 +49,13 @@ def main(
         list[str] | None,
         typer.Option(help="Decode worker host:port (repeatable; required without --discovery kubernetes)."),
     ] = None,
+    encoder: Annotated[
+        list[str] | None,
+        typer.Option(help="Media encoder host:port (repeatable; none: images, audio and video get a 400)."),
+    ] = None,
+    limit_mm_per_prompt: LimitMMOption = None,
+    allowed_media_domains: AllowedMediaDomainsOption = None,
+    allowed_local_media_path: AllowedLocalMediaPathOption = None,
     model: Annotated[Path | None, typer.Option(help="Checkpoint dir (tokenizer, config).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, help="HTTP port.")] = 8000,
@@ -164,6 +174,7 @@ def main(
     from services.router.cluster import ClusterEngine
     from services.router.routing import RoutingOptions
     from swaserve.api.chat_template import resolve_chat_template
+    from swaserve.api.media import media_options
     from swaserve.api.server import build_app
     from swaserve.api.workers import install_worker_routes
     from swaserve.model.checkpoint import default_model_dir
@@ -218,6 +229,7 @@ def main(
         hung_polls,
         dialer=dialer,
         discovery=found_by,
+        encoders=encoder or [],
     )
     fastapi_app = build_app(
         engine,  # type: ignore[arg-type]
@@ -226,6 +238,7 @@ def main(
         chat_template=template,
         max_logprobs=max_logprobs,
         admin_token=admin_token,
+        media_options=media_options(limit_mm_per_prompt, allowed_media_domains, allowed_local_media_path),
     )
     install_worker_routes(fastapi_app, engine.admin)
     with contextlib.suppress(KeyboardInterrupt):

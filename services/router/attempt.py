@@ -15,11 +15,19 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.convert import WORKER_DRAINING, finish_reason, output_from_chunk, params_to_proto
+from services.convert import (
+    MEDIA_FETCH_FAILED,
+    WORKER_DRAINING,
+    finish_reason,
+    media_to_proto,
+    output_from_chunk,
+    params_to_proto,
+)
 from services.router.workers import Attempt, WorkerHandle, WorkerPool
 from swaserve.engine.client import Unavailable
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams
+from swaserve.media.placeholders import MediaInputs
 from swaserve.routing.load import Lease
 from swaserve.v1 import worker_pb2 as pb
 
@@ -131,6 +139,7 @@ class AttemptRunner:
         first_sent: int | None,
         started: list[bool],
         leases: list[Lease],
+        media: MediaInputs | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One attempt on ``p`` then ``d`` under ``wire_id``, yielding deltas of request ``rid``.
         ``first_sent``: the first token a previous attempt already sent (this one must sample
@@ -143,6 +152,7 @@ class AttemptRunner:
             RuntimeError: a retried prefill sampled another first token.
         """
         sampling = params_to_proto(params)
+        spans = media_to_proto(media)
         n = len(prompt)
         p.outstanding += n
         d.outstanding += params.max_tokens
@@ -153,7 +163,11 @@ class AttemptRunner:
                 raise _lost(att)
             att.call = p.stub.Generate(
                 pb.GenerateRequest(
-                    request_id=wire_id, prompt_token_ids=prompt, sampling=sampling, kv_target=d.address
+                    request_id=wire_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    kv_target=d.address,
+                    media=spans,
                 ),
                 timeout=self.timeout_s,
             )
@@ -199,7 +213,11 @@ class AttemptRunner:
                 raise _lost(att)
             att.call = d.stub.Generate(
                 pb.GenerateRequest(
-                    request_id=wire_id, prompt_token_ids=prompt, sampling=sampling, first_token=first
+                    request_id=wire_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    first_token=first,
+                    media=spans,
                 ),
                 timeout=self.timeout_s,
             )
@@ -248,6 +266,10 @@ class AttemptRunner:
                     if not m.error.retryable:
                         raise ValueError(msg)  # the worker refused the request itself
                     code = _CODES.get(m.error.code, grpc.StatusCode.UNKNOWN)
+                    if msg.startswith(MEDIA_FETCH_FAILED):  # the encoder's fault, not the worker's
+                        raise DispatchError(
+                            f"{worker.role} worker {worker.address}: {msg}", None, code, "encoder"
+                        )
                     if msg.startswith("KV transfer"):
                         if WORKER_DRAINING in msg:  # it refused the KV: no new requests there
                             self.pool.shutdown_seen(decode, True)

@@ -14,7 +14,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +30,17 @@ from services.router.attempt import (
     Progress,
 )
 from services.router.discovery import DiscoveryOptions, KubeDiscovery
+from services.router.encoders import EncoderPool
 from services.router.routing import RouterRouting, RoutingOptions
 from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
 from services.tls import Dialer
 from swaserve.config import ModelConfig
+from swaserve.encoder.runner import EncodeItem
 from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
+from swaserve.media.placeholders import MediaInputs, MediaSpan
 from swaserve.metrics import DiscoveryStats, RouterStats
 from swaserve.model.identity import model_identity
 from swaserve.model.multimodal import MultimodalConfig
@@ -73,6 +76,7 @@ class ClusterEngine(EngineClient):
     dialer: how channels to workers are opened (``services.tls``; default: plaintext).
     discovery: find workers among Kubernetes pods too (``services.router.discovery``); with it
     ``prefill`` and ``decode`` may be empty (requests get 503 until a worker of each role is up).
+    encoders: media encoder addresses (``services.router.encoders``; none: media requests get a 400).
 
     Raises:
         ValueError: no prefill or no decode worker (without ``discovery``), or bad poll settings.
@@ -92,6 +96,7 @@ class ClusterEngine(EngineClient):
         hung_polls: int = HUNG_POLLS,
         dialer: Dialer | None = None,
         discovery: DiscoveryOptions | None = None,
+        encoders: Sequence[str] = (),
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -108,6 +113,7 @@ class ClusterEngine(EngineClient):
         mdigest = None if self.media_config is None else self.media_config.digest()
         self.model = model_identity(self.model_config, self.tokenizer, self.model_dir.name, mdigest)
         self.pool = WorkerPool(self.routing, poll_s, poll_timeout_s, hung_polls, self.model, dialer)
+        self.encoders = EncoderPool(encoders, self.model.fingerprint, dialer, poll_s)
         flags = {a: "decode" for a in decode} | {a: "prefill" for a in prefill}
         self.admin = WorkerAdmin(self.pool, self.routing, flags)
         self.discovery = KubeDiscovery(discovery, self.admin.discover) if discovery is not None else None
@@ -159,6 +165,8 @@ class ClusterEngine(EngineClient):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.discovery.synced.wait(), self.discovery.opts.list_timeout_s)
         await self.admin.sync()  # the command line's workers with the registry's changes
+        if self.encoders.states:
+            await self.encoders.start()
         self._started = True
         self._poller = asyncio.create_task(self._poll(), name="router-poll")
 
@@ -170,6 +178,7 @@ class ClusterEngine(EngineClient):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
+        await self.encoders.stop()
         await self.pool.close()
         self._started = False
 
@@ -262,8 +271,11 @@ class ClusterEngine(EngineClient):
         request_id: str,
         export_kv: bool = False,
         prefilled: tuple[int, KVPayload] | None = None,
+        media: MediaInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas of one request through a prefill and a decode worker (module doc).
+        ``media``: its spans and the encoders holding their items (``media_inputs``); a retry
+        submits the items again (an encoder that died is passed over).
 
         Raises:
             ValueError: the workers refused the request (bad input), before any output; KV
@@ -302,10 +314,12 @@ class ClusterEngine(EngineClient):
                     continue
                 started = [False]  # decode output reached the client
                 self._current[request_id] = (p, d, wire_id)
+                if media is not None and attempt > 1 and media.items:  # resubmit: its encoder may be gone
+                    media = await self.encoders.resubmit(media)
                 first_sent = None if progress.resumed else first  # a resume samples a new token
                 try:
                     run = self.runner.run(
-                        p, d, wire_id, request_id, prompt, wparams, first_sent, started, leases
+                        p, d, wire_id, request_id, prompt, wparams, first_sent, started, leases, media
                     )
                     async with contextlib.aclosing(run) as outs:
                         async for raw in outs:
@@ -374,6 +388,12 @@ class ClusterEngine(EngineClient):
             current = self._current.pop(request_id, None)
             if not finished and current is not None:  # client gone or failed: drop it everywhere
                 self._abort_attempt(*current)
+
+    async def media_inputs(
+        self, spans: Sequence[MediaSpan], items: Sequence[EncodeItem], item_spans: Sequence[Sequence[int]]
+    ) -> MediaInputs:
+        """``EngineClient.media_inputs``: the items submitted to encoders (``EncoderPool``)."""
+        return await self.encoders.media_inputs(spans, items, item_spans)
 
     def _abort_attempt(self, p: WorkerHandle, d: WorkerHandle, wire_id: str) -> None:
         """Abort an attempt on both its workers, in the background (staged KV included)."""

@@ -481,9 +481,9 @@ class ChatMessage(_Strict):
             pieces = []
             for p in self.content:
                 m = part_modality(p)
-                if m is None:
+                if isinstance(p, TextPart):
                     pieces.append(p.text)
-                elif markers is None or m not in markers:
+                elif m is None or markers is None or m not in markers:
                     raise ProtocolError(f"this model does not take {m} input", param="messages")
                 else:
                     pieces.append(markers[m])

@@ -305,9 +305,7 @@ class OpenAIServer:
         for j in range(job.n):
             index = k * job.n + j
             engine_id = job.request_id if index == 0 else f"{job.request_id}-{index}"
-            mine = (
-                None if media is None else MediaInputs(media.spans, dict(media.embeds), dict(media.sources))
-            )
+            mine = None if media is None else dataclasses.replace(media, embeds=dict(media.embeds))
             job.choices.append(
                 Choice(index, k, engine_id, prompt_ids, choice_params(params, j), echo, media=mine)
             )

@@ -87,10 +87,8 @@ class MediaEncoder:
 
     @property
     def hidden_size(self) -> int:
-        vision = self.config.vision
-        return (
-            vision.out_hidden_size if vision is not None else int(self.config.audio_config["out_hidden_size"])
-        )  # type: ignore[index]
+        vision, audio = self.config.vision, self.config.audio_config
+        return vision.out_hidden_size if vision is not None else int((audio or {})["out_hidden_size"])
 
     @torch.inference_mode()
     def encode(self, items: Sequence[EncodeItem]) -> list[torch.Tensor]:

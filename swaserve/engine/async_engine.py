@@ -237,7 +237,9 @@ class AsyncLLMEngine(LocalEngineClient):
                 try:
                     if extra["prefilled"] is not None:
                         first, payload = extra["prefilled"]
-                        self.engine.add_prefilled(rid, prompt, first, params, payload, arrival_time=arrival)
+                        self.engine.add_prefilled(
+                            rid, prompt, first, params, payload, arrival, extra["media"]
+                        )
                     else:
                         self.engine.add_request(
                             rid, prompt, params, arrival, extra["export_kv"], extra["media"]

@@ -227,6 +227,7 @@ class EngineCore:
         params: SamplingParams,
         payload: KVPayload,
         arrival_time: float | None = None,
+        media: MediaInputs | None = None,
     ) -> None:
         """Queue a request whose prompt another worker prefilled (decode role): ``first_token`` was
         sampled there (and already streamed to the client), ``payload`` holds the prompt's KV in
@@ -238,7 +239,7 @@ class EngineCore:
                 a structured-output constraint that does not compile or rejects ``first_token``.
         """
         self.limits.check_prefilled(request_id, prompt_token_ids, first_token, payload)
-        req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time, media)
         req.kv_payload = payload
         req.prompt_logprobs = None  # computed and sent by the prefill worker
         gen = req.sampling.generator if req.sampling is not None else None

@@ -97,9 +97,10 @@ class CoreLoop:
                 if msg.first_token is not None:
                     if msg.payload is None:
                         raise ValueError("a prefilled request needs its KV payload")
+                    spans = tuple(msg.media_spans or ())
                     core.add_prefilled(
                         msg.request_id, msg.prompt_token_ids, msg.first_token, msg.params, msg.payload,
-                        msg.arrival_time,
+                        msg.arrival_time, MediaInputs(spans, {}) if spans else None,
                     )  # fmt: skip
                 else:
                     media = None

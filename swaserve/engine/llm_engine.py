@@ -126,9 +126,12 @@ class LLMEngine:
         params: SamplingParams,
         payload: KVPayload,
         arrival_time: float | None = None,
+        media: MediaInputs | None = None,
     ) -> None:
         """Queue a prefilled request (``EngineCore.add_prefilled``). Raises ValueError."""
-        self.core.add_prefilled(request_id, prompt_token_ids, first_token, params, payload, arrival_time)
+        self.core.add_prefilled(
+            request_id, prompt_token_ids, first_token, params, payload, arrival_time, media
+        )
         self.processor.add(request_id, prompt_token_ids, params, first_token)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

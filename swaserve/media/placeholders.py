@@ -141,6 +141,8 @@ class MediaInputs:
     spans: tuple[MediaSpan, ...]
     embeds: dict[int, Any]
     sources: dict[int, str] = field(default_factory=dict)
+    items: tuple[Any, ...] = ()  # a router's: the items to submit again on a retry
+    item_spans: tuple[tuple[int, ...], ...] = ()
 
     def check_embeds(self, hidden: int) -> None:
         """Raise ValueError unless every embedding is [span.length, hidden]."""
