@@ -15,4 +15,3 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     for p in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
-

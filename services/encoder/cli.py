@@ -14,10 +14,8 @@ entries are keyed by content and CRC-checked, so a restarted encoder finds them 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.servicer import SERVICE, Encoder, EncoderServicer, EncodeScheduler, Limits
 from services.encoder.wire import DTYPES, MAX_SUBMIT_BYTES
+from services.lifecycle import serve_until_signalled
 from swaserve.encoder.cache import EmbeddingCache
 from swaserve.encoder.runner import MediaEncoder
 from swaserve.encoder.shm_cache import ShmEmbeddingCache
@@ -300,28 +299,4 @@ def main(
 
 
 async def _serve(server: EncoderServer) -> None:
-    stop, signals = asyncio.Event(), 0
-    drained: asyncio.Task[bool] | None = None
-
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal signals
-        signals += 1
-        log.info("%s: %s", sig.name, "draining (again to stop now)" if signals == 1 else "stopping now")
-        stop.set()
-        if signals > 1 and drained is not None:
-            drained.cancel()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        await server.start()
-        await stop.wait()
-        if signals == 1:
-            drained = asyncio.create_task(server.drain())
-            with contextlib.suppress(asyncio.CancelledError):
-                if not await drained:
-                    log.warning("drain: work left after %.0f s: stopping anyway", server.opts.grace_s)
-    finally:
-        await server.stop()
-    log.info("stopped")
+    await serve_until_signalled(server, log, server.opts.grace_s)

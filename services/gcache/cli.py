@@ -13,7 +13,6 @@ import contextlib
 import errno
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from services.gcache.metrics import GCacheMetrics
 from services.gcache.node import GCacheNode, Limits
 from services.gcache.registry import Registration, index_instance
 from services.gcache.servicer import GrpcServer, start_grpc
+from services.lifecycle import serve_until_signalled
 from swaserve.gcache.store import PageStore
 from swaserve.gcache.tiers import DirectoryInUse, DramTier, NvmeTier
 from swaserve.options import size_option
@@ -261,29 +261,4 @@ def main(
 
 
 async def _serve(opts: NodeOptions) -> None:
-    server = NodeServer(opts)
-    stop, signals = asyncio.Event(), 0
-
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal signals
-        signals += 1
-        log.info("%s: %s", sig.name, "draining (again to stop now)" if signals == 1 else "stopping now")
-        stop.set()
-        if signals > 1 and drained is not None:
-            drained.cancel()
-
-    drained: asyncio.Task[bool] | None = None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        await server.start()
-        await stop.wait()
-        if signals == 1:
-            drained = asyncio.create_task(server.drain())
-            with contextlib.suppress(asyncio.CancelledError):
-                if not await drained:
-                    log.warning("drain timed out after %.0f s: stopping anyway", opts.shutdown_timeout_s)
-    finally:
-        await server.stop()
-    log.info("stopped")
+    await serve_until_signalled(NodeServer(opts), log, opts.shutdown_timeout_s)
