@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from swaserve.launcher import Cluster
 from swaserve.procs import ClusterError, ServiceProcess, free_port, http_ready
@@ -88,6 +89,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--mode", choices=("cluster", "serve"), default="cluster", help="what serves (%(default)s)"
     )
+    p.add_argument(
+        "--media",
+        type=int,
+        default=12,
+        help="chat requests with images (some repeated), a video and audio after the replay (%(default)s; 0: none)",
+    )
+    p.add_argument("--encoders", type=int, default=1, help="cluster: media encoder workers (%(default)s)")
     p.add_argument("--prefill", type=int, default=1, help="cluster: prefill workers (%(default)s)")
     p.add_argument("--decode", type=int, default=1, help="cluster: decode workers (%(default)s)")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             worker_args=list(args.server_arg),
             router_args=["--request-timeout", str(args.request_timeout)],
             show_access_log=args.access_log,
+            encoders=args.encoders if args.media else 0,
         )
     try:
         if isinstance(server, ServerProcess):
@@ -161,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
             server.wait_ready(args.startup_timeout)
         else:
+            encoders = f" + {server.encoders} media encoders" if server.encoders else ""
             print(
-                f"starting the cluster: {args.prefill} prefill + {args.decode} decode workers",
+                f"starting the cluster: {args.prefill} prefill + {args.decode} decode workers{encoders}",
                 file=sys.stderr,
             )
             server.start(args.startup_timeout)
@@ -181,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         trace = read_mooncake(DEFAULT_MOONCAKE_TRACE, args.limit)
         report = run_replay(trace, opts, args.json, trace_name=DEFAULT_MOONCAKE_TRACE.name)
         print(format_report(report), flush=True)
+        failed = report["failed"]
+        if args.media:
+            media = media_requests(url, args.media, model_dir.name, args.request_timeout)
+            print(format_media(media), flush=True)
+            failed += media["failed"]
         if args.once:
-            return 0 if report["failed"] == 0 else 1
+            return 0 if failed == 0 else 1
         print(f"\nstill serving at {url} - press Ctrl-C to stop", flush=True)
         if isinstance(server, ServerProcess):
             code = server.wait()
@@ -202,6 +217,120 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
+
+
+def _media_bodies(n: int, model: str) -> list[tuple[str, dict[str, Any]]]:
+    """``n`` chat requests: images (every third one repeats an earlier image: a prefix hit), one
+    short video and one audio clip when ``n`` allows; media made here (pillow, PyAV)."""
+    import base64
+    import io
+
+    import av
+    import numpy as np
+    from PIL import Image
+
+    def url(mime: str, data: bytes) -> str:
+        return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+    rng = np.random.default_rng(0)
+    images: list[bytes] = []
+    out: list[tuple[str, dict[str, Any]]] = []
+
+    def body(kind: str, part: dict[str, Any]) -> None:
+        text = {"type": "text", "text": f"Describe this {kind} in one sentence."}
+        msg = {"role": "user", "content": [part, text]}
+        out.append((kind, {"model": model, "messages": [msg], "max_tokens": 16, "temperature": 0}))
+
+    if n >= 3:
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mp4") as c:
+            s = c.add_stream("libx264", rate=8)
+            s.width, s.height, s.pix_fmt = 96, 64, "yuv420p"
+            for i in range(24):
+                frame = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+                frame[:, (i * 4) % 96 :][:, :4] = 255
+                for packet in s.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    c.mux(packet)
+            for packet in s.encode():
+                c.mux(packet)
+        body("video", {"type": "video_url", "video_url": {"url": url("video/mp4", buf.getvalue())}})
+        t = np.arange(24000) / 24000
+        pcm = (0.3 * np.sin(2 * np.pi * 330 * t) * 32767).astype("<i2")
+        wav = io.BytesIO()
+        with av.open(wav, "w", format="wav") as c:
+            a = c.add_stream("pcm_s16le", rate=24000, layout="mono")
+            samples = av.AudioFrame.from_ndarray(pcm[None, :], format="s16", layout="mono")
+            samples.sample_rate = 24000
+            for packet in a.encode(samples):
+                c.mux(packet)
+            for packet in a.encode():
+                c.mux(packet)
+        b64 = base64.b64encode(wav.getvalue()).decode()
+        body("audio", {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}})
+    while len(out) < n:
+        if images and len(out) % 3 == 2:
+            data = images[len(out) % len(images)]
+        else:
+            h, w = (int(x) for x in rng.integers(40, 200, 2))
+            img = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(img, "PNG")
+            data = img.getvalue()
+            images.append(data)
+        body("image", {"type": "image_url", "image_url": {"url": url("image/png", data)}})
+    return out[:n]
+
+
+def media_requests(url: str, n: int, model: str, timeout_s: float) -> dict[str, Any]:
+    """Send the media requests (8 at a time); counts, latencies and cached prompt tokens."""
+    import asyncio
+    import time
+
+    import httpx
+
+    bodies = _media_bodies(n, model)
+
+    async def run() -> list[tuple[str, int, float, dict[str, Any]]]:
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+
+            async def one(kind: str, body: dict[str, Any]) -> tuple[str, int, float, dict[str, Any]]:
+                async with sem:
+                    t0 = time.monotonic()
+                    r = await client.post(f"{url}/v1/chat/completions", json=body)
+                    usage = r.json().get("usage", {}) if r.status_code == 200 else {"error": r.text[:200]}
+                    return kind, r.status_code, time.monotonic() - t0, usage
+
+            return await asyncio.gather(*(one(k, b) for k, b in bodies))
+
+    results = asyncio.run(run())
+    ok = [r for r in results if r[1] == 200]
+    lat = sorted(r[2] for r in ok)
+    kinds: dict[str, int] = {}
+    for kind, *_ in ok:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    prompt = sum(int(r[3].get("prompt_tokens", 0)) for r in ok)
+    cached = sum(int((r[3].get("prompt_tokens_details") or {}).get("cached_tokens", 0)) for r in ok)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "failed": len(results) - len(ok),
+        "by_kind": kinds,
+        "latency_p50_s": lat[len(lat) // 2] if lat else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "errors": [r[3].get("error") for r in results if r[1] != 200][:3],
+    }
+
+
+def format_media(m: dict[str, Any]) -> str:
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(m["by_kind"].items()))
+    lines = [
+        f"media requests: {m['ok']}/{m['requests']} ok ({kinds}); latency p50 {m['latency_p50_s'] or 0:.2f} s; "
+        f"prompt tokens {m['prompt_tokens']}, of them cached {m['cached_tokens']} (repeated images)"
+    ]
+    if m["failed"]:
+        lines.append(f"media failures: {m['errors']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -301,6 +301,8 @@ def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
             "4",
             "--time-scale",
             "100",
+            "--media",
+            "4",
             "--json",
             str(report),
         ),
@@ -311,6 +313,7 @@ def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 ok, 0 failed" in proc.stdout
+    assert "media requests: 4/4 ok (1 audio, 2 image, 1 video)" in proc.stdout, proc.stdout
     assert re.search(r"server ready at http://127\.0\.0\.1:\d+", proc.stdout)
     assert report.is_file()
 
