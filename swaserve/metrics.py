@@ -97,6 +97,18 @@ class RouterStats:
     index_entries: int = 0  # prefix index (block, instance) entries
     shared_state_up: bool | None = None  # Redis reachable (None: no Redis)
     discovery: DiscoveryStats | None = None  # Kubernetes discovery (None: off)
+    encoders: tuple[EncoderStats, ...] = ()  # media encoders (none: no media)
+
+
+@dataclass(frozen=True)
+class EncoderStats:
+    """A media encoder as a router sees it: reachable at the last ``GetLoad``, its queued + running
+    items then, and the items this router submitted there."""
+
+    address: str
+    up: bool
+    load: float
+    submitted: int
 
 
 @dataclass(frozen=True)
@@ -258,6 +270,30 @@ class EngineStatsCollector(Collector):
             yield from self._router_families(r)
         if r is not None and r.discovery is not None:
             yield from self._discovery_families(r.discovery)
+        if r is not None and r.encoders:
+            yield from self._encoder_families(r.encoders)
+
+    def _encoder_families(self, encoders: tuple[EncoderStats, ...]) -> Iterator[Metric]:
+        labels = ["model_name", "encoder"]
+        up = GaugeMetricFamily(
+            PREFIX + "router_encoder_up", "1 if the encoder answered the last poll.", labels=labels
+        )
+        load = GaugeMetricFamily(
+            PREFIX + "router_encoder_load",
+            "The encoder's queued + running media items at the last poll.",
+            labels=labels,
+        )
+        for e in encoders:
+            up.add_metric([self._model, e.address], int(e.up))
+            load.add_metric([self._model, e.address], e.load)
+        yield up
+        yield load
+        yield self._counter(
+            "router_encoder_items",
+            "Media items this router submitted to each encoder.",
+            ["encoder"],
+            (((e.address,), e.submitted) for e in encoders),
+        )
 
     def _discovery_families(self, d: DiscoveryStats) -> Iterator[Metric]:
         yield self._counter(

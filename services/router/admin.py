@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from services.router.encoders import EncoderPool
 from services.router.routing import RouterRouting
 from services.router.workers import WorkerHandle, WorkerPool, in_routing, parse_address
 from swaserve.api.protocol import ProtocolError
@@ -45,6 +46,7 @@ class WorkerAdmin:
         self.check_timeout_s = check_timeout_s
         self.shared = False  # the shared registry answered at the last sync
         self._settled = False  # the first sync waited for the workers' first polls
+        self.encoders: EncoderPool | None = None  # the router's media encoders (listed, not managed here)
 
     def _sync_now(self, entry: WorkerEntry | None) -> tuple[dict[str, str], bool]:
         """(routing thread) apply ``entry``, sync with the shared registry; the effective workers."""
@@ -194,6 +196,7 @@ class WorkerAdmin:
             "registry": "shared" if self.shared else "local",
             "model_fingerprint": model.fingerprint if model is not None else None,  # the router's
             "model": model.description if model is not None else None,
+            "encoders": self.encoders.describe() if self.encoders is not None else [],
         }
 
     # -- helpers ------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class ClusterEngine(EngineClient):
         self.encoders = EncoderPool(encoders, self.model.fingerprint, dialer, poll_s)
         flags = {a: "decode" for a in decode} | {a: "prefill" for a in prefill}
         self.admin = WorkerAdmin(self.pool, self.routing, flags)
+        self.admin.encoders = self.encoders
         self.discovery = KubeDiscovery(discovery, self.admin.discover) if discovery is not None else None
         self.runner = AttemptRunner(self.pool, self._release, request_timeout_s)
         self.in_flight = 0
@@ -226,6 +227,7 @@ class ClusterEngine(EngineClient):
             index_entries=self.index_entries,
             shared_state_up=self.routing.shared_up,
             discovery=self._discovery_stats(),
+            encoders=self.encoders.stats(),
         )
 
     def _discovery_stats(self) -> DiscoveryStats | None:

@@ -22,6 +22,7 @@ from swaserve.encoder.placement import choose
 from swaserve.encoder.runner import EncodeItem
 from swaserve.engine.client import Unavailable
 from swaserve.media.placeholders import MediaInputs, MediaSpan
+from swaserve.metrics import EncoderStats
 
 log = logging.getLogger("swaserve.router.encoders")
 
@@ -101,6 +102,17 @@ class EncoderPool:
             st.load = float(m.queued_items + m.running_items)
 
         await asyncio.gather(*(one(s) for s in self.states.values()))
+
+    def stats(self) -> tuple[EncoderStats, ...]:
+        return tuple(EncoderStats(s.address, s.up, s.load, s.submitted) for s in self.states.values())
+
+    def describe(self) -> list[dict[str, object]]:
+        """The encoders for ``GET /workers``."""
+        return [
+            {"url": s.address, "role": "encoder", "state": "up" if s.up else "down", "load": s.load,
+             "submitted": s.submitted, "failures": s.failures}
+            for s in self.states.values()
+        ]  # fmt: skip
 
     def live(self) -> list[str]:
         return [a for a, s in self.states.items() if s.up]

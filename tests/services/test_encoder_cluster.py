@@ -126,6 +126,12 @@ def test_media_requests_equal_serve(cluster: Cluster, tiny_dir: Path) -> None:
         assert got["token_ids"] == ref["token_ids"], name
         assert r.json()["usage"]["prompt_tokens"] == want[name]["usage"]["prompt_tokens"]
     assert _total(cluster, "swaserve:encoder_items_total", outcome="encoded") == 6  # each distinct item once
+    listing = httpx.get(f"{cluster.url}/workers", timeout=10).json()
+    assert sorted(e["url"] for e in listing["encoders"]) == sorted(cluster.encoder_addresses)
+    assert all(e["state"] == "up" for e in listing["encoders"])
+    samples = scrape(cluster.url)
+    submitted = sum(v for (n, _), v in samples.items() if n == "swaserve:router_encoder_items_total")
+    assert submitted == 6 and sum(v for (n, _), v in samples.items() if n == "swaserve:router_encoder_up") == 2
 
 
 def test_a_repeated_image_is_a_prefix_hit_that_fetches_nothing(cluster: Cluster) -> None:
