@@ -4,8 +4,8 @@
     python deploy/grafana/dashboards.py --check   # exit 1 if a file differs from what this makes
 
 Plain dashboard JSON (schemaVersion 39), one Prometheus datasource picked by the ``datasource``
-variable, series filtered by the ``model_name`` variable (worker-side transfer series and the
-GCache nodes' series carry no ``model_name``). A service that comes later adds its row to ``OVERVIEW`` (or a ``Dashboard`` of its
+variable, series filtered by the ``model_name`` variable (worker-side transfer series, the
+GCache nodes' and the encoders' series carry no ``model_name``). A service that comes later adds its row to ``OVERVIEW`` (or a ``Dashboard`` of its
 own to ``DASHBOARDS``); tests/deploy/test_observability.py checks every query of every panel
 against exact values, so a new query needs its expected values there.
 
@@ -238,6 +238,51 @@ GCACHE = Row(
     width=6,
 )  # fmt: skip
 
+ENC_HITS = f"rate(swaserve:encoder_cache_hits_total{R})"
+ENC_LOOKUPS = f"(sum({ENC_HITS}) + sum(rate(swaserve:encoder_cache_misses_total{R})))"
+ENCODER = Row(
+    "Media encoders",
+    (
+        Panel("Encoder items by modality and outcome",
+              ((f"sum by (modality, outcome) (rate(swaserve:encoder_items_total{R}))", "{{modality}} {{outcome}}"),),
+              "short", "Media items per second submitted to the encoders (encoder series: no model_name label): "
+                       "encoded (a forward), cached (no new forward: a cache hit or joined to an identical item "
+                       "in flight), failed (the media did not decode, or the forward failed)."),
+        Panel("Encoder batch size", quantiles("swaserve:encoder_batch_items", (0.5, 0.9), sel=""), "short",
+              "Items per encoder forward: how much the encoders fuse the items of different requests."),
+        Panel("Encoder queue", (
+            ("sum by (instance) (swaserve:encoder_queue_items)", "{{instance}} queued"),
+            ("sum by (instance) (swaserve:encoder_running_items)", "{{instance}} running"),
+        ), description="Items waiting for a forward and in the forward now, per encoder (what the "
+                        "autoscaler and the backlog alert read)."),
+        Panel("Encoder cache hit ratio by tier", (
+            (f"sum by (tier) ({ENC_HITS}) / ignoring (tier) group_left () {ENC_LOOKUPS}", "{{tier}}"),
+            (f"sum({ENC_HITS}) / {ENC_LOOKUPS}", "total"),
+        ), "percentunit", "Submitted items found in the process's memory tier or the shared-memory tier, over "
+                          "the items looked up (items joined to one in flight are neither)."),
+        Panel("Encode latency by modality", (
+            (f"histogram_quantile(0.5, sum by (le, modality) (rate(swaserve:encoder_encode_seconds_bucket{R})))",
+             "{{modality}} p50"),
+            (f"histogram_quantile(0.9, sum by (le, modality) (rate(swaserve:encoder_encode_seconds_bucket{R})))",
+             "{{modality}} p90"),
+        ), "s", "Seconds of one encoder forward, media decoding and preprocessing included."),
+        Panel("Embedding fetch throughput",
+              ((f"sum(rate(swaserve:encoder_fetch_bytes_total{R}))", "fetched by prefill workers"),), "Bps",
+              "Embedding bytes the encoders streamed to prefill workers."),
+        Panel("Media fetch failures", (
+            (f"sum(rate(swaserve:media_fetch_failed_total{R}))", "prefill: requests failed"),
+            (f'sum by (outcome) (rate(swaserve:encoder_fetches_total{{outcome!="served"}}{R}))',
+             "encoder: fetches {{outcome}}"),
+        ), "short", "Per second. A request whose embeddings a prefill worker could not fetch is retried "
+                    "elsewhere with its items submitted again; the encoders' side by outcome."),
+        Panel("Encoder cache size", (
+            ("sum by (instance) (swaserve:encoder_cache_bytes)", "{{instance}} memory"),
+            ("sum by (instance) (swaserve:encoder_shm_cache_bytes)", "{{instance}} shared memory"),
+        ), "bytes", "Bytes held by each encoder's memory tier and its shared-memory tier."),
+    ),
+    width=6,
+)  # fmt: skip
+
 DRAFTS = f"sum(rate(swaserve:spec_decode_num_drafts_total{{{M}}}{R}))"
 SPEC = Row(
     "Speculative decoding (MTP)",
@@ -270,7 +315,7 @@ VARIABLES: tuple[dict[str, Any], ...] = (
 OVERVIEW = Dashboard(
     "swaserve-overview",
     "swaserve overview",
-    (LATENCY, TRAFFIC, QUEUES, KV, SPEC, ROUTER, TRANSFER, GCACHE),
+    (LATENCY, TRAFFIC, QUEUES, KV, SPEC, ROUTER, TRANSFER, GCACHE, ENCODER),
     variables=VARIABLES,
 )
 DASHBOARDS = {"swaserve-overview.json": OVERVIEW}

@@ -140,12 +140,18 @@ class EncoderServer:
         self._health = health.aio.HealthServicer()
         self._httpd: Any = None
 
+    def shm_segment(self) -> str:
+        """The shared tier's segment name: ``--shm-cache`` and the towers' weights digest, so
+        encoders of other weights on the machine never read each other's embeddings."""
+        digest = getattr(self.encoder, "weights_digest", "")
+        return f"{self.opts.shm_cache}-{digest[:12]}" if digest else str(self.opts.shm_cache)
+
     async def start(self) -> None:
         """Open the caches, bind the ports, start the loop, go SERVING. Raises what opening the
         shared tier (ValueError, OSError) or binding a port (RuntimeError) raises."""
         o = self.opts
         if o.shm_cache and self.shm is None:
-            self.shm = open_shm(o.shm_cache, o.shm_cache_bytes)
+            self.shm = open_shm(self.shm_segment(), o.shm_cache_bytes)
         self.scheduler = EncodeScheduler(
             self.encoder,
             self.fingerprint,
@@ -291,7 +297,7 @@ def main(
         raise typer.Exit(2) from None
     if shm_cache:
         try:
-            server.shm = open_shm(shm_cache, shm_cache_bytes)
+            server.shm = open_shm(server.shm_segment(), shm_cache_bytes)
         except (OSError, ValueError) as e:
             raise typer.BadParameter(str(e), param_hint="--shm-cache") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s encoder %(levelname)s %(message)s")

@@ -13,7 +13,8 @@ placeholder run and its embeddings always agree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class MediaEncoder:
             from swaserve.model.audio import load_audio_encoder
 
             self.audio = load_audio_encoder(model_dir, dtype, self.device)
+        self.weights_digest = _digest(m for m in (self.vit, self.audio) if m is not None)
 
     @property
     def hidden_size(self) -> int:
@@ -151,6 +153,17 @@ class MediaEncoder:
                     f"the audio decodes to {e.shape[0]} tokens but its metadata gave {it.num_tokens}"
                 )
         return [e.cpu() for e in outs]
+
+
+def _digest(modules: Iterable[torch.nn.Module]) -> str:
+    """BLAKE2b-128 (hex) over the towers' loaded tensors (names, dtypes, shapes, bytes): what keys
+    a cache shared between encoder processes, so towers of other weights never share entries."""
+    h = hashlib.blake2b(digest_size=16)
+    for m in modules:
+        for name, t in sorted(m.state_dict().items()):
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _load_vision(

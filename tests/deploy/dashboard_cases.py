@@ -3,7 +3,7 @@
 
 Model ``m``: routers r1 and r2 (both report the same workers p1, p2 prefill and d1 decode), a
 ``serve`` process s1, prefill worker w1 and decode worker w2 (transfer series, no ``model_name``),
-GCache nodes g1 and g2 (their own series, no ``model_name``).
+GCache nodes g1 and g2 and media encoders e1 and e2 (their own series, no ``model_name``).
 Every ``model_name="m"`` series also exists for a model ``other`` with other values (gauges and
 counters x3, histograms with all observations in the first bucket): a query that forgets the
 ``$model_name`` filter gets other numbers. Counters grow linearly from 0, one sample a minute, so a
@@ -23,6 +23,8 @@ P2 = {"role": "prefill", "worker": "p2"}
 D1 = {"role": "decode", "worker": "d1"}
 G1 = {"job": "gcache", "instance": "g1:9090"}  # GCache nodes: no model_name
 G2 = {"job": "gcache", "instance": "g2:9090"}
+E1 = {"job": "encoder", "instance": "e1:9090"}  # media encoders: no model_name
+E2 = {"job": "encoder", "instance": "e2:9090"}
 
 Series = tuple[str, dict[str, str], str, float]  # (metric, labels, kind: counter|gauge|bucket, value)
 
@@ -169,6 +171,36 @@ SERIES: list[Series] = [
     _c("swaserve:gcache_corrupt_pages_total", 0, **G1, tier="nvme", kind="full"),
     _g("swaserve:gcache_draining", 0, **G1),
     _g("swaserve:gcache_draining", 1, **G2),
+    # media encoders e1 (images) and e2 (audio, a few images); the prefill worker's failed fetches
+    _c("swaserve:encoder_items_total", 360, **E1, modality="image", outcome="encoded"),
+    _c("swaserve:encoder_items_total", 120, **E1, modality="image", outcome="cached"),
+    _c("swaserve:encoder_items_total", 60, **E1, modality="image", outcome="failed"),
+    _c("swaserve:encoder_items_total", 120, **E2, modality="image", outcome="encoded"),
+    _c("swaserve:encoder_items_total", 180, **E2, modality="audio", outcome="encoded"),
+    *_h("swaserve:encoder_batch_items", {"1.0": 60, "2.0": 60, "4.0": 120, "8.0": 240, "16.0": 240, "+Inf": 240}, **E1),
+    _g("swaserve:encoder_queue_items", 12, **E1),
+    _g("swaserve:encoder_queue_items", 3, **E2),
+    _g("swaserve:encoder_running_items", 4, **E1),
+    _g("swaserve:encoder_running_items", 0, **E2),
+    _c("swaserve:encoder_cache_hits_total", 180, **E1, tier="memory"),
+    _c("swaserve:encoder_cache_hits_total", 60, **E1, tier="shm"),
+    _c("swaserve:encoder_cache_hits_total", 120, **E2, tier="memory"),
+    _c("swaserve:encoder_cache_hits_total", 0, **E2, tier="shm"),
+    _c("swaserve:encoder_cache_misses_total", 120, **E1),
+    _c("swaserve:encoder_cache_misses_total", 120, **E2),
+    *_h("swaserve:encoder_encode_seconds", {"0.01": 0, "0.025": 60, "0.05": 120, "+Inf": 120}, **E1, modality="image"),
+    *_h("swaserve:encoder_encode_seconds", {"0.1": 0, "0.25": 60, "+Inf": 60}, **E2, modality="audio"),
+    _c("swaserve:encoder_fetch_bytes_total", 6000, **E1),
+    _c("swaserve:encoder_fetch_bytes_total", 3000, **E2),
+    _c("swaserve:encoder_fetches_total", 600, **E1, outcome="served"),
+    _c("swaserve:encoder_fetches_total", 6, **E1, outcome="not_found"),
+    _c("swaserve:encoder_fetches_total", 0, **E1, outcome="timeout"),
+    _c("swaserve:encoder_fetches_total", 12, **E2, outcome="failed"),
+    _c("swaserve:media_fetch_failed_total", 3, **WP),
+    _g("swaserve:encoder_cache_bytes", 1000, **E1),
+    _g("swaserve:encoder_cache_bytes", 500, **E2),
+    _g("swaserve:encoder_shm_cache_bytes", 4000, **E1),
+    _g("swaserve:encoder_shm_cache_bytes", 0, **E2),
 ]  # fmt: skip
 
 
@@ -307,4 +339,27 @@ EXPECTED: dict[tuple[str, str, str], list[tuple[str, float]]] = {
     (OV, "GCache refusals and faults", "corrupt pages"): [("{}", 0)],
     (OV, "GCache nodes serving and draining", "serving"): [("{}", 1)],
     (OV, "GCache nodes serving and draining", "draining"): [("{}", 1)],
+    # encoders: items/s by modality and outcome over both encoders
+    (OV, "Encoder items by modality and outcome", "{{modality}} {{outcome}}"): [
+        ('{modality="image",outcome="encoded"}', 8), ('{modality="image",outcome="cached"}', 2),
+        ('{modality="image",outcome="failed"}', 1), ('{modality="audio",outcome="encoded"}', 3)],
+    # batch rates 1, 1, 2, 4, 4 at le 1, 2, 4, 8, 16: rank 2 -> 2 + 2 x 1/1; 3.6 -> 4 + 4 x 1.6/2
+    (OV, "Encoder batch size", "p50"): [("{}", 4)],
+    (OV, "Encoder batch size", "p90"): [("{}", 7.2)],
+    (OV, "Encoder queue", "{{instance}} queued"): [('{instance="e1:9090"}', 12), ('{instance="e2:9090"}', 3)],
+    (OV, "Encoder queue", "{{instance}} running"): [('{instance="e1:9090"}', 4), ('{instance="e2:9090"}', 0)],
+    # lookups 10/s: memory hits 3 + 2, shm 1, misses 2 + 2
+    (OV, "Encoder cache hit ratio by tier", "{{tier}}"): [('{tier="memory"}', 0.5), ('{tier="shm"}', 0.1)],
+    (OV, "Encoder cache hit ratio by tier", "total"): [("{}", 0.6)],
+    # image rates 0, 1, 2 at le 0.01, 0.025, 0.05: rank 1 -> 0.025; 1.8 -> 0.025 + 0.025 x 0.8 (f64);
+    # audio 0, 1 at le 0.1, 0.25: rank 0.5 -> 0.1 + 0.15 x 0.5; 0.9 -> 0.1 + 0.15 x 0.9 (f64)
+    (OV, "Encode latency by modality", "{{modality}} p50"): [('{modality="image"}', 0.025), ('{modality="audio"}', 0.175)],
+    (OV, "Encode latency by modality", "{{modality}} p90"): [
+        ('{modality="image"}', 0.045000000000000005), ('{modality="audio"}', 0.23500000000000001)],  # (f64)
+    (OV, "Embedding fetch throughput", "fetched by prefill workers"): [("{}", 150)],
+    (OV, "Media fetch failures", "prefill: requests failed"): [("{}", 0.05)],
+    (OV, "Media fetch failures", "encoder: fetches {{outcome}}"): [
+        ('{outcome="not_found"}', 0.1), ('{outcome="timeout"}', 0), ('{outcome="failed"}', 0.2)],
+    (OV, "Encoder cache size", "{{instance}} memory"): [('{instance="e1:9090"}', 1000), ('{instance="e2:9090"}', 500)],
+    (OV, "Encoder cache size", "{{instance}} shared memory"): [('{instance="e1:9090"}', 4000), ('{instance="e2:9090"}', 0)],
 }  # fmt: skip

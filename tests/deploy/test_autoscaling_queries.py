@@ -76,3 +76,41 @@ def test_keda_queries_select_the_buckets_own_pods(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(test, sort_keys=False))
     out = run_promtool("test", "rules", path.name, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_keda_query_of_the_encoders_reads_this_releases_encoder_queues(tmp_path: Path) -> None:
+    docs = render(yaml.safe_load(Path("deploy/helm/examples/values-encoder.yaml").read_text()))
+    [so] = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert so["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": f"{RELEASE}-swaserve-encoder",
+    }
+    [trigger] = so["spec"]["triggers"]
+    assert trigger["metricType"] == "AverageValue"  # KEDA divides the sum by the replica count
+
+    def queue(pod: str, value: float, release: str = RELEASE, namespace: str = NAMESPACE) -> dict[str, str]:
+        lb = {"namespace": namespace, "pod": pod, "release": release, "component": "encoder"}
+        body = ",".join(f'{k}="{v}"' for k, v in lb.items())
+        return {"series": f"swaserve:encoder_queue_items{{{body}}}", "values": f"{value:g}x10"}
+
+    inputs = [
+        queue("enc-0", 30), queue("enc-1", 50),  # this release's encoders: 80 queued
+        queue("other-enc-0", 500, release="other"),  # another release, another namespace: not counted
+        queue("enc-0", 700, namespace="elsewhere"),
+    ]  # fmt: skip
+    test = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": inputs,
+            "promql_expr_test": [
+                {"expr": trigger["metadata"]["query"], "eval_time": "5m", "exp_samples": [{"labels": "{}", "value": 80}]},
+            ],
+        }],
+    }  # fmt: skip
+    path = tmp_path / "keda_encoder_test.yaml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    out = run_promtool("test", "rules", path.name, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr

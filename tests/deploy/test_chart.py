@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import typer
 
+from swaserve.routing.registry import ROLES
 from tests.helpers.chart import (
     CHART,
     NAMESPACE,
@@ -114,6 +115,24 @@ TYPOS = [
     ({"gcache": {"antiAffinity": "strict"}}, "/gcache/antiAffinity"),
     ({"gcache": {"prefill": {"transport": "tcp"}}}, "/gcache/prefill/transport"),
     ({"gcache": {"replicas": 0}}, "/gcache/replicas"),
+    ({"encoder": {"enable": True}}, "additional properties 'enable'"),
+    ({"encoder": {"device": "gpu"}}, "/encoder/device"),
+    ({"encoder": {"dtype": "fp16"}}, "/encoder/dtype"),
+    ({"encoder": {"cacheBytes": "lots"}}, "/encoder/cacheBytes"),
+    ({"encoder": {"shmCache": {"name": "a/b"}}}, "/encoder/shmCache/name"),
+    ({"encoder": {"shmSize": "1GiB"}}, "/encoder/shmSize"),  # a Kubernetes quantity, not a flag's size
+    ({"encoder": {"batching": {"maxItem": 2}}}, "additional properties 'maxItem'"),
+    ({"encoder": {"batching": {"maxItems": 0}}}, "/encoder/batching/maxItems"),
+    ({"encoder": {"replicas": 0}}, "/encoder/replicas"),
+    ({"encoder": {"autoscaling": {"minReplicas": 0}}}, "/encoder/autoscaling/minReplicas"),
+    ({"encoder": {"autoscaling": {"kvUsageThreshold": 0.8}}}, "additional properties 'kvUsageThreshold'"),
+    ({"encoder": {"image": {"pullPolicy": "Sometimes"}}}, "/encoder/image/pullPolicy"),
+    ({"encoder": {"prefill": {"fetchTimeout": 0}}}, "/encoder/prefill/fetchTimeout"),
+    ({"router": {"media": {"limitPerPrompt": {"images": 2}}}}, "additional properties 'images'"),
+    ({"router": {"media": {"limitPerPrompt": {"image": -1}}}}, "/router/media/limitPerPrompt/image"),
+    ({"router": {"media": {"allowedDomains": ["https://x.com"]}}}, "/router/media/allowedDomains/0"),
+    ({"router": {"media": {"allowedLocalPath": "media"}}}, "/router/media/allowedLocalPath"),
+    ({"clusterDomain": "Cluster.Local"}, "/clusterDomain"),
 ]
 
 
@@ -163,6 +182,11 @@ FAILS = [
     ),
     ({"gcache": {"enabled": True, "nvme": {"volume": {"type": "hostPath"}}}}, "hostPath.path is required"),
     ({"gcache": {"enabled": True, "ucx": {"tcpPortRange": "50200-50100"}}}, "needs 1 <= LO <= HI <= 65535"),
+    ({"encoder": {"enabled": True, "device": "cuda"}}, "encoder.device cuda needs encoder.gpus >= 1"),
+    (
+        {"encoder": {"enabled": True, "autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+        "encoder autoscaling: minReplicas 5 > maxReplicas 2",
+    ),
 ]
 
 
@@ -375,6 +399,9 @@ def test_router_discovers_exactly_this_releases_workers(name: str) -> None:
     for _, t in _pod_templates(docs):
         labels = t["metadata"]["labels"]
         if _selector_string_matches(selector, labels) and "swaserve.io/role" in labels:
+            if labels["swaserve.io/role"] not in ROLES:  # encoders: given by --encoder, not discovered
+                assert labels["swaserve.io/role"] == "encoder" and "--encoder" in args
+                continue
             roles.setdefault(labels["swaserve.io/role"], []).append(labels.get("swaserve.io/bucket"))
             assert (
                 t["metadata"]["annotations"]["swaserve.io/grpc-port"] == args[args.index("--worker-port") + 1]
@@ -395,8 +422,10 @@ def test_workers_and_routers_drain_within_their_grace_period(name: str) -> None:
         c = t["spec"]["containers"][0]
         if t["metadata"]["labels"]["app.kubernetes.io/component"] == "redis":
             continue
-        pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-        flag = "--shutdown-timeout-s" if c["name"] == "gcache" else "--shutdown-timeout"
+        hook = c.get("lifecycle", {}).get("preStop")
+        assert hook or c["name"] == "encoder", c["name"]  # encoders learn nothing from a preStop sleep
+        pre_stop = int(hook["exec"]["command"][1]) if hook else 0
+        flag = {"gcache": "--shutdown-timeout-s", "encoder": "--grace-s"}.get(c["name"], "--shutdown-timeout")
         timeout = float(c["args"][c["args"].index(flag) + 1])
         assert t["spec"]["terminationGracePeriodSeconds"] >= pre_stop + timeout + 10
 
@@ -668,3 +697,246 @@ def test_gcache_soft_anti_affinity_and_notes() -> None:
     text = notes(values)
     assert f"StatefulSet {GCACHE}" in text and f"swaserve.{NAMESPACE}.{RELEASE}" in text
     assert "GCache" not in notes({})
+
+
+# -- media encoders ------------------------------------------------------------------------------------
+ENCODER = f"{RELEASE}-swaserve-encoder"
+ROUTER = f"{RELEASE}-swaserve-router"
+
+
+def _encoder_addresses(docs: list[dict[str, Any]]) -> list[str]:
+    args = _container(docs, "Deployment", ROUTER)["args"]
+    return [args[i + 1] for i, a in enumerate(args) if a == "--encoder"]
+
+
+def test_encoders_are_off_by_default() -> None:
+    docs = render({})
+    assert not [d for d in docs if "encoder" in d["metadata"]["name"]]
+    router = _container(docs, "Deployment", ROUTER)["args"]
+    assert not {
+        "--encoder",
+        "--limit-mm-per-prompt",
+        "--allowed-media-domains",
+        "--allowed-local-media-path",
+    } & set(router)
+    prefill = _container(docs, "Deployment", f"{RELEASE}-swaserve-prefill-all")["args"]
+    assert not [a for a in prefill if a.startswith("--media-")]
+    assert "Media encoders" not in notes({})
+
+
+def test_encoder_pod_names_are_the_addresses_the_routers_dial() -> None:
+    """The routers get one --encoder per StatefulSet ordinal: <pod>.<headless svc>.<ns>.svc.<domain>
+    on the encoders' gRPC port, which the Service publishes even for pods not Ready (draining)."""
+    docs = render({"encoder": {"enabled": True, "replicas": 3}, "clusterDomain": "k8s.example"})
+    sts = _by_name(docs, "StatefulSet", ENCODER)
+    svc = _by_name(docs, "Service", ENCODER)
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert _matches({"matchLabels": svc["spec"]["selector"]}, sts["spec"]["template"]["metadata"]["labels"])
+    [grpc] = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+    port = next(
+        p["containerPort"] for p in _container(docs, "StatefulSet", ENCODER)["ports"] if p["name"] == "grpc"
+    )
+    assert grpc["port"] == port == 50071
+    assert _encoder_addresses(docs) == [
+        f"{ENCODER}-{i}.{ENCODER}.{NAMESPACE}.svc.k8s.example:{port}" for i in range(3)
+    ]
+    # autoscaled: every name up to maxReplicas (a name without a pod is down at the routers' polls)
+    scaled = render(
+        {"encoder": {"enabled": True, "autoscaling": {"enabled": True, "type": "hpa", "maxReplicas": 5}}}
+    )
+    assert "replicas" not in _by_name(scaled, "StatefulSet", ENCODER)["spec"]
+    assert [a.split(".")[0] for a in _encoder_addresses(scaled)] == [f"{ENCODER}-{i}" for i in range(5)]
+    assert "helm upgrade" in notes({"encoder": {"enabled": True}})
+
+
+def test_encoder_statefulset_runs_the_service_with_the_values() -> None:
+    docs = render(EXAMPLES["encoder"])
+    sts = _by_name(docs, "StatefulSet", ENCODER)
+    pod = sts["spec"]["template"]["spec"]
+    c = _container(docs, "StatefulSet", ENCODER)
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert labels["swaserve.io/role"] == "encoder" and labels["swaserve.io/role"] not in ROLES
+    assert c["command"] == ["python", "-m", "services.encoder"]
+    assert c["image"] == "registry.example.com/swaserve:0.1.0-cuda" and c["imagePullPolicy"] == "IfNotPresent"
+    flags = {
+        "--port": "50071", "--metrics-port": "9090", "--device": "cuda", "--dtype": "bfloat16",
+        "--max-batch-items": "16", "--max-batch-tokens": "16384", "--max-wait-ms": "5",
+        "--max-queued-items": "1024", "--fetch-timeout-s": "60", "--cache-bytes": "8GiB",
+        "--shm-cache": "swaserve-encoder", "--shm-cache-bytes": "8GiB", "--video-threads": "4", "--grace-s": "10",
+    }  # fmt: skip
+    assert {f: _arg(c, f) for f in flags} == flags
+    assert _arg(c, "--host") == "0.0.0.0" and "--num-threads" not in c["args"]
+    res = c["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 1
+    assert pod["runtimeClassName"] == "nvidia" and pod["automountServiceAccountToken"] is False
+    assert pod["tolerations"] == EXAMPLES["encoder"]["encoder"]["tolerations"]
+    # ports, probes: gRPC health on the gRPC port (NOT_SERVING while draining), liveness only the port
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50071, "metrics": 9090}
+    assert c["startupProbe"]["grpc"]["port"] == c["readinessProbe"]["grpc"]["port"] == 50071
+    assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+    # drain: no preStop by default, grace = --grace-s + 15
+    assert "lifecycle" not in c and pod["terminationGracePeriodSeconds"] == 25
+    # /dev/shm: a memory emptyDir of shmSize (1Gi) + the shared tier (8GiB)
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": 9 << 30}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    # the prefill workers fetch with the values' staging and timeout
+    prefill = _container(docs, "Deployment", f"{RELEASE}-swaserve-prefill-all")
+    assert (
+        _arg(prefill, "--media-staging-memory") == "4GiB" and _arg(prefill, "--media-fetch-timeout") == "30"
+    )
+    assert (
+        "--media-staging-memory" not in _container(docs, "Deployment", f"{RELEASE}-swaserve-decode")["args"]
+    )
+    # the routers' media flags
+    from swaserve.media import parse_limits
+
+    router = _container(docs, "Deployment", ROUTER)
+    assert parse_limits(_arg(router, "--limit-mm-per-prompt")) == {"image": 4, "video": 1, "audio": 2}
+    assert _arg(router, "--allowed-media-domains") == "images.example.com"
+    assert "--allowed-local-media-path" not in router["args"]
+    assert len(_encoder_addresses(docs)) == 4  # autoscaling.maxReplicas
+
+
+@pytest.mark.parametrize(
+    ("shm", "expected"),
+    [
+        ({}, 1 << 30),  # shmSize only
+        ({"shmSize": "512Mi", "shmCache": {"enabled": True, "bytes": "1.5GiB"}}, (512 << 20) + (3 << 29)),
+        ({"shmSize": "1G", "shmCache": {"enabled": True, "bytes": "500MB"}}, 10**9 + 500 * 10**6),
+        ({"shmSize": 1048576, "shmCache": {"enabled": True, "bytes": "1073741824"}}, (1 << 20) + (1 << 30)),
+    ],
+)
+def test_encoder_shm_volume_holds_the_shared_tier(shm: dict[str, Any], expected: int) -> None:
+    """The sizes as the encoder reads its flag (swaserve.options.parse_size) and Kubernetes its quantity."""
+    from swaserve.options import parse_size
+
+    docs = render({"encoder": {"enabled": True, **shm}})
+    pod = _by_name(docs, "StatefulSet", ENCODER)["spec"]["template"]["spec"]
+    [vol] = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert vol["emptyDir"]["sizeLimit"] == expected
+    c = pod["containers"][0]
+    if shm.get("shmCache"):
+        assert vol["emptyDir"]["sizeLimit"] - parse_size(_arg(c, "--shm-cache-bytes")) > 0
+    else:
+        assert "--shm-cache" not in c["args"]
+
+
+def test_encoder_options_image_threads_prestop_and_local_media() -> None:
+    values = {
+        "encoder": {"enabled": True, "image": {"repository": "r/enc", "tag": "t1", "pullPolicy": "Always"},
+                    "numThreads": 3, "preStopSleep": 4, "graceSeconds": 7.5, "extraArgs": ["--max-wait-ms", "2"],
+                    "env": [{"name": "X", "value": "1"}]},
+        "router": {"media": {"allowedLocalPath": "/models/media", "allowedDomains": ["a.example", "b.example"]}},
+    }  # fmt: skip
+    docs = render(values)
+    pod = _by_name(docs, "StatefulSet", ENCODER)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "r/enc:t1" and c["imagePullPolicy"] == "Always"
+    assert _arg(c, "--num-threads") == "3" and c["args"][-2:] == ["--max-wait-ms", "2"]
+    assert c["env"] == [{"name": "X", "value": "1"}]
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "4"]
+    assert pod["terminationGracePeriodSeconds"] == 4 + 8 + 15
+    router = _container(docs, "Deployment", ROUTER)["args"]
+    assert [router[i + 1] for i, a in enumerate(router) if a == "--allowed-media-domains"] == [
+        "a.example",
+        "b.example",
+    ]
+    assert _arg({"args": router}, "--allowed-local-media-path") == "/models/media"
+    # the other pods keep the chart's image
+    assert _container(docs, "Deployment", ROUTER)["image"] == "swaserve:0.1.0"
+
+
+def test_encoder_network_policy_admits_routers_and_prefill_workers_only() -> None:
+    """Across every rendered policy (they add up): the encoders' gRPC port is reachable from the
+    routers and prefill workers only, their metrics port from networkPolicy.metricsFrom; no other
+    policy (the workers') selects the encoders, and the encoders reach no worker's gRPC port."""
+    values = {**EXAMPLES["encoder"], "gcache": {"enabled": True}}
+    docs = render(values)
+    pods = {w["metadata"]["name"]: t["metadata"]["labels"] for w, t in _pod_templates(docs)}
+    enc = pods[ENCODER]
+    policies = [p["spec"] for p in _objects(docs, "NetworkPolicy") if _matches(p["spec"]["podSelector"], enc)]
+    assert [p["podSelector"] for p in policies] == [
+        _by_name(docs, "NetworkPolicy", ENCODER)["spec"]["podSelector"]
+    ]
+
+    def admitted(port: str) -> set[str]:
+        out = set()
+        for pol in policies:
+            for rule in pol["ingress"]:
+                if {"port": port} not in rule["ports"]:
+                    continue
+                for name, labels in pods.items():
+                    if any(
+                        "podSelector" in f and _matches(f["podSelector"], labels)
+                        for f in rule.get("from", [])
+                    ):
+                        out.add(name)
+        return out
+
+    assert admitted("grpc") == {ROUTER, f"{RELEASE}-swaserve-prefill-all"}
+    [metrics] = [r for pol in policies for r in pol["ingress"] if {"port": "metrics"} in r["ports"]]
+    assert metrics["from"] == values["networkPolicy"]["metricsFrom"]
+    # the workers' policy: neither selects encoders nor admits them as peers
+    workers = _by_name(docs, "NetworkPolicy", f"{RELEASE}-swaserve-workers")["spec"]
+    assert not _matches(workers["podSelector"], enc)
+    assert _matches(workers["podSelector"], pods[f"{RELEASE}-swaserve-decode"])
+    peers = [f["podSelector"] for r in workers["ingress"] for f in r.get("from", []) if "podSelector" in f]
+    assert peers and not any(_matches(s, enc) for s in peers)
+
+
+def test_encoder_pdb_podmonitor_and_autoscaler() -> None:
+    docs = render(EXAMPLES["encoder"])
+    labels = _by_name(docs, "StatefulSet", ENCODER)["spec"]["template"]["metadata"]["labels"]
+    pdb = _by_name(docs, "PodDisruptionBudget", ENCODER)["spec"]
+    assert _matches(pdb["selector"], labels) and pdb["maxUnavailable"] == 1
+    monitors = {m["metadata"]["name"]: m["spec"] for m in _objects(docs, "PodMonitor")}
+    assert _matches(monitors[ENCODER]["selector"], labels)
+    assert monitors[ENCODER]["podMetricsEndpoints"][0]["port"] == "metrics"
+    others = [n for n, m in monitors.items() if n != ENCODER and _matches(m["selector"], labels)]
+    assert others == [], f"{others} scrape the encoders too"  # no series twice
+    # KEDA on the encoders' own queue, this release's
+    so = _by_name(docs, "ScaledObject", ENCODER)["spec"]
+    assert so["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": ENCODER}
+    assert (so["minReplicaCount"], so["maxReplicaCount"]) == (2, 4)
+    [trigger] = so["triggers"]
+    query = trigger["metadata"]["query"]
+    assert query.startswith("sum(swaserve:encoder_queue_items{") and trigger["metadata"]["threshold"] == "64"
+    for sel in (f'namespace="{NAMESPACE}"', f'release="{RELEASE}"', 'component="encoder"'):
+        assert sel in query
+    # an HPA through prometheus-adapter instead
+    hpa_values = {"encoder": {"enabled": True, "autoscaling": {"enabled": True, "type": "hpa"}}}
+    hpa = _by_name(render(hpa_values), "HorizontalPodAutoscaler", ENCODER)["spec"]
+    assert hpa["scaleTargetRef"]["kind"] == "StatefulSet"
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "swaserve_encoder_queue_items"
+    keda = {"encoder": {"enabled": True, "autoscaling": {"enabled": True}}}
+    with pytest.raises(
+        helm_python.HelmError, match=re.escape("encoder.autoscaling.type keda needs KEDA's CRDs")
+    ):
+        render(keda, api_versions=())
+    # pdb off
+    off = render({"encoder": {"enabled": True, "pdb": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == ENCODER]
+
+
+def test_encoders_with_grpc_tls() -> None:
+    """TLS as on the workers: the shared certificate, probes on the plaintext health port; the
+    routers and prefill workers that dial them trust the CA and check tls.grpc.serverName."""
+    docs = render({**EXAMPLES["secure"], "encoder": {"enabled": True}})
+    pod = _by_name(docs, "StatefulSet", ENCODER)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["startupProbe"]["grpc"]["port"] == c["readinessProbe"]["grpc"]["port"] == 50052
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["health"] == 50052
+    assert (
+        _arg(c, "--grpc-tls-cert") == "/etc/swaserve/grpc-tls/tls.crt" and _arg(c, "--health-port") == "50052"
+    )
+    assert {"name": "grpc-tls", "mountPath": "/etc/swaserve/grpc-tls", "readOnly": True} in c["volumeMounts"]
+    [vol] = [v for v in pod["volumes"] if v["name"] == "grpc-tls"]
+    for name in (ROUTER, f"{RELEASE}-swaserve-prefill-all"):
+        client = _container(docs, "Deployment", name)
+        assert _arg(client, "--grpc-tls-ca") == "/etc/swaserve/grpc-tls/ca.crt"
+        assert _arg(client, "--grpc-tls-server-name") == "swaserve-worker"  # the chart's tls.grpc.serverName
+        secret = next(v for v in _by_name(docs, "Deployment", name)["spec"]["template"]["spec"]["volumes"]
+                      if v["name"] == "grpc-tls")  # fmt: skip
+        assert secret == vol

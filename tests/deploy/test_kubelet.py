@@ -331,3 +331,108 @@ def test_the_chart_runs_gcache_nodes_that_prefill_workers_find(tiny_dir: Path, t
     finally:
         kubelet.close()
         kube.stop_thread()
+
+
+ENCODER = f"{FULL}-encoder"
+
+
+def encoder_values(model_dir: Path, shm_name: str) -> dict[str, Any]:
+    """``chart_values`` with one encoder: one torch thread, small caches, a shared-memory tier under
+    a name of this test's own, a 1 s preStop (the default has none) and a short grace."""
+    values = chart_values(model_dir)
+    values["encoder"] = {
+        "enabled": True,
+        "replicas": 1,
+        "numThreads": 1,
+        "cacheBytes": "64MiB",
+        "shmCache": {"enabled": True, "name": shm_name, "bytes": "16MiB"},
+        "shmSize": "64Mi",
+        "preStopSleep": 1,
+        "graceSeconds": 5,
+    }
+    return values
+
+
+def test_the_chart_runs_an_encoder_pod_under_the_name_routers_dial(tiny_dir: Path, tmp_path: Path) -> None:
+    """The rendered encoder StatefulSet runs: its pod is the one the routers' first ``--encoder``
+    names, its gRPC health probes pass on the pod's address, it serves the router's model (same
+    fingerprint), encodes an image submitted and fetched there, keeps it in its shared-memory tier,
+    shows every encoder name the dashboards and rules use on its /metrics, and a scale-down runs
+    the preStop hook, then SIGTERM: it drains and exits 0 within its grace period."""
+    import asyncio
+    import uuid
+
+    import promql_parser as pp
+
+    from bench.fake_kube import FakeKube
+    from bench.kubelet import Kubelet
+    from services.encoder.cli import model_fingerprint
+    from services.encoder.client import EncoderClient
+    from swaserve.encoder.runner import EncodeItem
+    from swaserve.encoder.shm_cache import ShmEmbeddingCache
+    from swaserve.media.image import image_num_tokens
+    from swaserve.media.placeholders import item_key
+    from swaserve.model.multimodal import MultimodalConfig
+    from tests.helpers import promql as h
+    from tests.helpers.media import png
+
+    shm_name = f"swaserve-test-{uuid.uuid4().hex[:12]}"
+    docs = render(encoder_values(tiny_dir, shm_name))
+    kube = FakeKube(namespace=NAMESPACE)
+    kube.start_in_thread()
+    kubelet = Kubelet(docs, kube, kube.write_kubeconfig(tmp_path / "kubeconfig"), tmp_path / "pods")
+    try:
+        [pod] = kubelet.scale(ENCODER, 1)  # the encoder alone: no router or worker needed here
+        kubelet.wait_ready([pod.name], timeout_s=120)
+        router = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == ROUTER)
+        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+        [address] = [args[i + 1] for i, a in enumerate(args) if a == "--encoder"]
+        host, _, port = address.rpartition(":")
+        assert host.split(".")[:3] == [pod.name, ENCODER, NAMESPACE]  # <pod>.<headless svc>.<ns>.svc...
+        argv = (pod.dir / "argv").read_text().splitlines()
+        assert argv[argv.index("--host") + 1] == pod.ip and argv[argv.index("--model") + 1] == str(tiny_dir)
+
+        mm = MultimodalConfig.from_pretrained(tiny_dir)
+        assert mm is not None and mm.image is not None and mm.vision is not None
+        data = png(64, 48, 7)
+        item = EncodeItem(item_key("t", "image", {}, data), "image", data, image_num_tokens(48, 64, mm.image))
+        fingerprint = model_fingerprint(tiny_dir)
+
+        async def encode() -> tuple[str, tuple[int, ...]]:
+            client = EncoderClient(f"{pod.ip}:{port}", timeout_s=30)
+            try:
+                load = await client.load()
+                assert await client.submit([item], fingerprint) == [True]
+                emb = await client.fetch(item.key, timeout_s=60)
+                return load.model_fingerprint, tuple(emb.shape)
+            finally:
+                await client.close()
+
+        served, shape = asyncio.run(encode())
+        assert served == fingerprint and shape == (item.num_tokens, mm.vision.out_hidden_size)
+        from swaserve.encoder.runner import MediaEncoder
+
+        segment = f"{shm_name}-{MediaEncoder(tiny_dir).weights_digest[:12]}"  # keyed by the towers' weights
+        shm = ShmEmbeddingCache.attach(segment, "/dev/shm")  # emulated pods share this machine's /dev/shm
+        try:
+            assert item.key in shm
+        finally:
+            shm.close()
+
+        metrics = _scrape(f"http://{pod.ip}:9090/metrics")
+        assert (
+            metrics["swaserve:encoder_items_total"] == 1 and metrics["swaserve:encoder_fetch_bytes_total"] > 0
+        )
+        used = {n for _, e in h.all_exprs() for n in h.selector_names(pp.parse(e)) if "encoder_" in n}
+        assert used and used <= set(metrics), used - set(metrics)
+
+        kubelet.scale(ENCODER, 0)
+        gone = kubelet.wait_gone(pod.name, timeout_s=60)
+        assert gone.exit_code == 0 and not gone.killed, gone.log_text()[-2000:]
+        grace = pod.template["spec"]["terminationGracePeriodSeconds"]
+        assert gone.terminated_in_s is not None and 1.0 <= gone.terminated_in_s < grace
+    finally:
+        kubelet.close()
+        kube.stop_thread()
+        for leftover in Path("/dev/shm").glob(f"{shm_name}*"):  # the segment and its lock file
+            leftover.unlink(missing_ok=True)

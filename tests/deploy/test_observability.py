@@ -126,9 +126,33 @@ def gcache_exported_names() -> set[str]:
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def encoder_exported_names() -> set[str]:
+    """Every sample name a media encoder exposes: its metrics code (services/encoder/metrics.py),
+    one forward and one fetch observed, gauges read from a stand-in scheduler, rendered and parsed
+    back."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.encoder.metrics import EncoderMetrics
+    from swaserve.encoder.cache import EmbeddingCache
+
+    metrics = EncoderMetrics()
+    metrics.batch_items.observe(2)
+    metrics.encode_seconds.labels("image").observe(0.01)
+    metrics.fetch_bytes.inc(1024)
+    metrics.watch(
+        SimpleNamespace(batcher=[], running=0, memory=EmbeddingCache(1 << 20), shm=None, draining=False)
+    )
+    text = generate_latest(metrics.registry).decode()
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def known_names() -> set[str]:
-    """What a query may name: the serve/router/worker series, the GCache nodes', the recorded ones."""
-    return h.exported_names() | gcache_exported_names() | h.recorded_names()
+    """What a query may name: the serve/router/worker series, the GCache nodes', the encoders',
+    the recorded ones."""
+    return h.exported_names() | gcache_exported_names() | encoder_exported_names() | h.recorded_names()
 
 
 def test_rules_and_dashboards_pass_the_lint() -> None:
@@ -152,6 +176,9 @@ def test_rules_and_dashboards_pass_the_lint() -> None:
         ("swaserve:num_requests_pending", "not exported"),
         ("sum(swaserve:gcache_hits)", "not exported"),  # a counter family's name, not its sample's
         ("sum(rate(swaserve:gcache_lookups_total[5m]))", "not exported"),
+        ("sum(rate(swaserve:encoder_items[5m]))", "not exported"),  # the family, not its sample
+        ("histogram_quantile(0.9, sum by (modality) (rate(swaserve:encoder_encode_seconds_bucket[5m])))", "histogram_quantile"),
+        ("sum(swaserve:encoder_fetch_bytes_total)", "outside rate"),
         ("vllm:num_requests_waiting or swaserve:kv_cache_usage", "not exported"),
         ('{__name__="swaserve:worker_up"}', "without a metric name"),
         ("sum(", "does not parse"),
@@ -201,6 +228,34 @@ def test_gcache_names_come_from_the_code() -> None:
     }  # fmt: skip
 
 
+def test_encoder_names_come_from_the_code() -> None:
+    """The encoder's names the lint trusts (the brief's list and the gauges read at scrape), the
+    prefill workers' failed fetches; the dashboards and rules use each of the brief's families."""
+    names = encoder_exported_names()
+    for n in (
+        "swaserve:encoder_items_total",
+        "swaserve:encoder_batch_items_bucket",
+        "swaserve:encoder_queue_items",
+        "swaserve:encoder_running_items",
+        "swaserve:encoder_cache_hits_total",
+        "swaserve:encoder_cache_misses_total",
+        "swaserve:encoder_cache_bytes",
+        "swaserve:encoder_shm_cache_bytes",
+        "swaserve:encoder_encode_seconds_bucket",
+        "swaserve:encoder_fetch_bytes_total",
+        "swaserve:encoder_fetches_total",
+    ):
+        assert n in names, n  # fmt: skip
+    assert "swaserve:media_fetch_failed_total" in h.exported_names()  # a prefill worker's
+    used = {n for _, expr in h.all_exprs() for n in h.selector_names(pp.parse(expr))}
+    assert {n for n in used if n.startswith("swaserve:encoder_") or n.startswith("swaserve:media_")} >= {
+        "swaserve:encoder_items_total", "swaserve:encoder_batch_items_bucket", "swaserve:encoder_queue_items",
+        "swaserve:encoder_cache_hits_total", "swaserve:encoder_cache_misses_total", "swaserve:encoder_cache_bytes",
+        "swaserve:encoder_encode_seconds_bucket", "swaserve:encoder_fetch_bytes_total",
+        "swaserve:media_fetch_failed_total",
+    }  # fmt: skip
+
+
 # -- dashboards --------------------------------------------------------------------------------------
 def test_dashboard_files_are_what_the_generator_makes() -> None:
     gen = h.dashboard_generator()
@@ -234,7 +289,10 @@ def test_dashboard_structure() -> None:
             assert p["datasource"]["uid"] == "${datasource}", p["title"]
             for t in p["targets"]:
                 assert t["datasource"]["uid"] == "${datasource}"
-                worker_side = any(s in t["expr"] for s in ("kv_transfer_", "index_events", "gcache_"))
+                worker_side = any(
+                    s in t["expr"]
+                    for s in ("kv_transfer_", "index_events", "gcache_", "encoder_", "media_fetch_")
+                )
                 assert worker_side or t["expr"].count("swaserve:") == t["expr"].count(
                     'model_name=~"$model_name"'
                 ), f"{p['title']}: every swaserve series filtered by $model_name"

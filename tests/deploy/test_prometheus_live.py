@@ -35,6 +35,9 @@ NO_DATA = {
     # no GCache node in this cluster (tests/deploy/test_kubelet.py scrapes the chart's GCache pods
     # for every name these queries use)
     **{q.key: "no GCache node" for q in h.dashboard_queries() if "swaserve:gcache_" in q.expr},
+    # no encoder either (tests/deploy/test_kubelet.py scrapes the chart's encoder pod for these);
+    # the prefill workers' failed media fetches are exported from the start (0)
+    **{q.key: "no encoder" for q in h.dashboard_queries() if "swaserve:encoder_" in q.expr},
 }
 
 

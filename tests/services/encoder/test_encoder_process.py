@@ -34,6 +34,7 @@ def test_encoder_process_serves_scrapes_and_drains(tiny_dir: Path) -> None:
     proc = ServiceProcess("encoder", cmd, grpc_ready(f"127.0.0.1:{port}"))
     enc = MediaEncoder(tiny_dir)
     it = image(enc, 70)
+    segment = f"{name}-{enc.weights_digest[:12]}"  # the tier is keyed by the towers' weights too
     proc.start()
     try:
         proc.wait_ready(60)
@@ -52,7 +53,7 @@ def test_encoder_process_serves_scrapes_and_drains(tiny_dir: Path) -> None:
                 await client.close()
 
         assert torch.equal(asyncio.run(go()), enc.encode([it])[0])
-        with ShmEmbeddingCache.attach(name, shm_lock_dir()) as shm_view:
+        with ShmEmbeddingCache.attach(segment, shm_lock_dir()) as shm_view:
             deadline = time.monotonic() + 10  # the shared put follows the answer
             while it.key not in shm_view and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -67,7 +68,7 @@ def test_encoder_process_serves_scrapes_and_drains(tiny_dir: Path) -> None:
         proc.stop(grace_s=5)
         shm: ShmEmbeddingCache | None = None
         with contextlib.suppress(FileNotFoundError):
-            shm = ShmEmbeddingCache.attach(name, shm_lock_dir())
+            shm = ShmEmbeddingCache.attach(segment, shm_lock_dir())
         if shm is not None:
             shm.unlink()
             shm.close()

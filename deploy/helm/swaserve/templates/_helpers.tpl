@@ -293,3 +293,68 @@ topologySpreadConstraints:
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* Encoders: the StatefulSet's (and its headless Service's) name. */}}
+{{- define "swaserve.encoderName" -}}
+{{- printf "%s-encoder" (include "swaserve.fullname" .) -}}
+{{- end -}}
+
+{{/* The encoders' gRPC addresses, one per pod name (a YAML list): what routers get as --encoder.
+    Every ordinal up to autoscaling.maxReplicas when an autoscaler owns the replica count (a name
+    with no pod is down at the routers' polls and gets nothing), else up to replicas. */}}
+{{- define "swaserve.encoderAddresses" -}}
+{{- $e := .Values.encoder -}}
+{{- $name := include "swaserve.encoderName" . -}}
+{{- $n := ternary $e.autoscaling.maxReplicas $e.replicas $e.autoscaling.enabled | int -}}
+{{- range $i := until $n }}
+- {{ printf "%s-%d.%s.%s.svc.%s:%d" $name $i $name $.Release.Namespace $.Values.clusterDomain (int $e.ports.grpc) }}
+{{- end }}
+{{- end -}}
+
+{{/* A byte size as swaserve's flags read it (1GiB, 1.5G, 512MiB: powers of 1024; 1GB: of 1000)
+    -> bytes (an integer). */}}
+{{- define "swaserve.bytes" -}}
+{{- $s := lower (toString .) -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $s -}}
+{{- $unit := trimPrefix $num $s -}}
+{{- $units := dict "" 1 "b" 1 "k" 1024 "ki" 1024 "kib" 1024 "kb" 1000 "m" 1048576 "mi" 1048576 "mib" 1048576 "mb" 1000000 "g" 1073741824 "gi" 1073741824 "gib" 1073741824 "gb" 1000000000 "t" 1099511627776 "ti" 1099511627776 "tib" 1099511627776 "tb" 1000000000000 -}}
+{{- if not (hasKey $units $unit) }}{{ fail (printf "%q is not a byte size (e.g. 512MiB, 1GiB)" .) }}{{ end -}}
+{{- mulf (float64 $num) (get $units $unit) | int64 -}}
+{{- end -}}
+
+{{/* A Kubernetes quantity of bytes (1Gi, 512Mi: powers of 1024; 1G, 500M, 1k: of 1000) -> bytes. */}}
+{{- define "swaserve.quantityBytes" -}}
+{{- if or (kindIs "float64" .) (kindIs "int" .) (kindIs "int64" .) -}}
+{{- . | int64 -}}
+{{- else -}}
+{{- $s := toString . -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $s -}}
+{{- $unit := trimPrefix $num $s -}}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if not (hasKey $units $unit) }}{{ fail (printf "%q is not a Kubernetes quantity of bytes (e.g. 1Gi)" .) }}{{ end -}}
+{{- mulf (float64 $num) (get $units $unit) | int64 -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Encoders' guards. */}}
+{{- define "swaserve.encoderChecks" -}}
+{{- $e := .Values.encoder }}
+{{- if $e.enabled }}
+{{- if and (hasPrefix "cuda" $e.device) (lt (int $e.gpus) 1) }}
+{{- fail (printf "encoder.device %s needs encoder.gpus >= 1 (the encoder exits without a CUDA device)" $e.device) }}
+{{- end }}
+{{- if and $e.autoscaling.enabled (gt (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) }}
+{{- fail (printf "encoder autoscaling: minReplicas %d > maxReplicas %d" (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A prefill worker's media flags while encoders are enabled. */}}
+{{- define "swaserve.encoderPrefillArgs" -}}
+{{- if .Values.encoder.enabled }}
+- --media-staging-memory
+- {{ .Values.encoder.prefill.stagingMemory | quote }}
+- --media-fetch-timeout
+- {{ .Values.encoder.prefill.fetchTimeout | quote }}
+{{- end }}
+{{- end -}}

@@ -109,6 +109,7 @@ spec:
             {{- end }}
             {{- if eq .component "prefill" }}
             {{- with include "swaserve.gcachePrefillArgs" $root }}{{ . | nindent 12 }}{{- end }}
+            {{- with include "swaserve.encoderPrefillArgs" $root }}{{ . | nindent 12 }}{{- end }}
             {{- end }}
             {{- with $spec.engineArgs }}
             {{- toYaml . | nindent 12 }}
