@@ -131,7 +131,9 @@ def test_media_requests_equal_serve(cluster: Cluster, tiny_dir: Path) -> None:
     assert all(e["state"] == "up" for e in listing["encoders"])
     samples = scrape(cluster.url)
     submitted = sum(v for (n, _), v in samples.items() if n == "swaserve:router_encoder_items_total")
-    assert submitted == 6 and sum(v for (n, _), v in samples.items() if n == "swaserve:router_encoder_up") == 2
+    assert (
+        submitted == 6 and sum(v for (n, _), v in samples.items() if n == "swaserve:router_encoder_up") == 2
+    )
 
 
 def test_a_repeated_image_is_a_prefix_hit_that_fetches_nothing(cluster: Cluster) -> None:
