@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/swaserve bench frontend --json bench/results/frontend.json
 	$(BIN)/swaserve bench guided --json bench/results/guided.json
 	$(BIN)/swaserve bench gcache --json bench/results/gcache.json
+	$(BIN)/swaserve bench encoder --json bench/results/encoder.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

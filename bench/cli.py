@@ -347,3 +347,43 @@ def bench_gcache(
     if bad := [t for t in tiers if t not in TIERS]:
         raise typer.BadParameter(f"{', '.join(bad)}: tiers are {', '.join(TIERS)}", param_hint="--tier")
     main(json_path, size_list, iters, cell_bytes, batch, tiers, limit, copies, perftest_bytes, sim)
+
+
+@app.command("encoder")
+def bench_encoder(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint with media towers (default: the default model).")
+    ] = None,
+    requests: Annotated[int, typer.Option(min=1, help="Closed-loop image requests per encoder.")] = 600,
+    open_requests: Annotated[
+        int, typer.Option(min=1, help="Open-loop (Poisson) requests per encoder.")
+    ] = 400,
+    concurrency: Annotated[int, typer.Option(min=1, help="Closed-loop clients.")] = 16,
+    repeat_share: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Share of requests drawn from the popular images.")
+    ] = 0.5,
+    open_load: Annotated[
+        float, typer.Option(min=0.01, max=2.0, help="Open-loop rate as a share of the baseline's items/s.")
+    ] = 0.6,
+    baseline_keys: Annotated[
+        Literal["unique", "content"],
+        typer.Option(
+            help="unique: a key per baseline request (nothing shared); content: the router's keys "
+            "(the baseline then joins identical items in flight)."
+        ),
+    ] = "unique",
+    video_seconds: Annotated[float, typer.Option(min=1.0, help="Length of the generated video.")] = 180.0,
+    video_repeats: Annotated[int, typer.Option(min=1, help="Decodes per thread count (best kept).")] = 3,
+    quick: Annotated[bool, typer.Option(help="A tiny run (tests): overrides the sizes above.")] = False,
+) -> None:
+    """Encoder service: items/s and p50/p90 latency with batching + cache vs one item at a time
+    without cache (same image requests); chunked video decode time at 1, 2, 4 threads."""
+    from bench.encoder import Settings, main
+
+    settings = Settings.quick() if quick else Settings(
+        requests=requests, open_requests=open_requests, concurrency=concurrency, repeat_share=repeat_share,
+        open_load=open_load, baseline_keys=baseline_keys, video_seconds=video_seconds,
+        video_repeats=video_repeats,
+    )  # fmt: skip
+    main(json_path, model, settings)
