@@ -18,6 +18,7 @@ tokenization each marker pad token becomes the item's placeholder run (``media.p
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import dataclasses
@@ -40,6 +41,7 @@ from swaserve.model.multimodal import TOKEN_TEXT, MultimodalConfig
 
 MODALITY_MIME = {"image": "image/", "video": "video/", "audio": "audio/"}
 DEFAULT_LIMITS = {"image": 8, "video": 1, "audio": 4}
+OFF_LOOP_BYTES = 256 << 10  # data URLs this long are base64-decoded in a worker thread
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,9 @@ class MediaFront:
 
     async def load(self, url: str, modality: str) -> bytes:
         """The bytes a part's URL names. Raises ProtocolError (400) with the reason."""
-        if url.startswith("data:"):
+        if url.startswith("data:"):  # a big one decodes off the event loop
+            if len(url) > OFF_LOOP_BYTES:
+                return await asyncio.to_thread(self._data_url, url, modality)
             return self._data_url(url, modality)
         parsed = urlparse(url)
         if parsed.scheme in ("http", "https"):
