@@ -88,8 +88,9 @@ class EncoderPool:
                 m = await asyncio.wait_for(self._client(st.address).load(), timeout=max(1.0, self.poll_s))
             except (grpc.aio.AioRpcError, TimeoutError, OSError) as e:
                 if st.up:
-                    log.warning("encoder %s is down: %s", st.address, e)
-                st.up = False
+                    why = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+                    log.warning("encoder %s is down: %s", st.address, why)
+                st.up, st.load = False, 0.0
                 return
             if m.model_fingerprint and m.model_fingerprint != self.fingerprint:
                 if st.up:
@@ -160,4 +161,7 @@ class EncoderPool:
                 st.load += 1
                 return address
             last = f"{address}: refused"
-        raise NoEncoder(f"no encoder took a {item.modality} item ({last or 'none live'})")
+        log.warning("no encoder took a %s item: %s", item.modality, last or "none live")
+        raise NoEncoder(
+            "no media encoder is available now; retry later (text-only requests are still served)"
+        )

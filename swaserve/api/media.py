@@ -40,6 +40,13 @@ from swaserve.media.video import frame_size, grid_timestamps, probe_video, sampl
 from swaserve.model.multimodal import TOKEN_TEXT, MultimodalConfig
 
 MODALITY_MIME = {"image": "image/", "video": "video/", "audio": "audio/"}
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm", "mp4", "pcm16")
+
+
+def _an(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
 DEFAULT_LIMITS = {"image": 8, "video": 1, "audio": 4}
 OFF_LOOP_BYTES = 256 << 10  # data URLs this long are base64-decoded in a worker thread
 
@@ -99,6 +106,25 @@ class MediaFront:
         self._pad_modality = {t.image_pad: "image", t.video_pad: "video", t.audio_pad: "audio"}
 
     # -- loading ---------------------------------------------------------------------------------
+    @staticmethod
+    def check_part(part: Any) -> None:
+        """Refuse what a part asks that is not honored (ProtocolError): an image ``detail`` other
+        than "auto", an ``input_audio`` format outside ``AUDIO_FORMATS``."""
+        value = getattr(part, "image_url", None)
+        detail = getattr(value, "detail", None)
+        if detail not in (None, "auto"):
+            raise ProtocolError(
+                f"image_url.detail {detail!r} is not supported: this model has one resolution policy "
+                "(its min/max pixels); send 'auto' or leave it out",
+                param="messages",
+            )
+        audio = getattr(part, "input_audio", None)
+        if audio is not None and audio.format.lower() not in AUDIO_FORMATS:
+            raise ProtocolError(
+                f"input_audio.format {audio.format!r} is not one of {', '.join(AUDIO_FORMATS)}",
+                param="messages",
+            )
+
     def check_counts(self, modalities: Sequence[str]) -> None:
         """Raise ProtocolError when a modality is absent from the model or over its limit."""
         for m in ("image", "video", "audio"):
@@ -140,7 +166,7 @@ class MediaFront:
             raise ProtocolError("only base64 data URLs are supported", param="messages")
         if not mime.startswith(MODALITY_MIME[modality]):
             raise ProtocolError(
-                f"a {modality} part needs a data URL of type {MODALITY_MIME[modality]}*, got {mime or 'none'!r}",
+                f"{_an(modality)} part needs a data URL of type {MODALITY_MIME[modality]}*, got {mime or 'none'!r}",
                 param="messages",
             )
         if len(payload) * 3 // 4 > self.options.max_item_bytes:
@@ -206,9 +232,11 @@ class MediaFront:
         the items' (a chat template that drops or repeats them), or media that does not load."""
         found = [(i, self._pad_modality[t]) for i, t in enumerate(ids) if t in self._pad_modality]
         if [m for _, m in found] != [m for m, _ in media]:
+            pads = {m: TOKEN_TEXT[f"{m}_pad"] for m in ("image", "video", "audio")}
             raise ProtocolError(
-                f"the chat template placed media markers {[m for _, m in found]} for parts "
-                f"{[m for m, _ in media]}",
+                f"the prompt has media markers {[m for _, m in found]} for the media parts "
+                f"{[m for m, _ in media]}: message text may not contain the markers "
+                f"{', '.join(pads.values())} itself (or a custom chat template dropped or repeated a part)",
                 param="messages",
             )
         out = MediaPrompt([], [], [], [])

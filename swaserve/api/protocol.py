@@ -385,7 +385,7 @@ class MediaURL(_Strict):
     ``detail`` (images): only "auto" (the model has one resolution policy)."""
 
     url: str
-    detail: Literal["auto"] | None = None
+    detail: str | None = None  # checked with the media (api.media.check_part): only "auto"
 
 
 class ImagePart(_Strict):

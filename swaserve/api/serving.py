@@ -375,6 +375,10 @@ class OpenAIServer:
                 raise ProtocolError(str(e), param="messages") from e
         params = req.sampling_params(len(prompt_ids), self.engine.max_model_len, self.max_logprobs)
         params = dataclasses.replace(params, structured=structured)
+        if media is not None and params.prompt_logprobs is not None:
+            raise ProtocolError(
+                "prompt_logprobs is not supported for prompts with media", param="prompt_logprobs"
+            )
         if tools.constraint is not None:
             if structured is not None:
                 raise ProtocolError(
@@ -396,6 +400,8 @@ class OpenAIServer:
             raise ProtocolError("this model takes no images, audio or video", param="messages")
         modalities = [str(part_modality(p)) for p in parts]
         self.media.check_counts(modalities)
+        for p in parts:
+            self.media.check_part(p)
         datas = await asyncio.gather(
             *(self.media.load(part_url(p), m) for p, m in zip(parts, modalities, strict=True))
         )

@@ -107,28 +107,31 @@ class MediaEncoder:
             bad = next(it.modality for it in items if it.modality not in ("image", "video", "audio"))
             raise MediaError(f"unknown media modality {bad!r}")
         if visual:
-            for i, e in zip(visual, self._visual([items[i] for i in visual]), strict=True):
+            for i, e in zip(visual, self._visual([items[i] for i in visual], visual), strict=True):
                 out[i] = e
         if audio:
-            for i, e in zip(audio, self._audio([items[i] for i in audio]), strict=True):
+            for i, e in zip(audio, self._audio([items[i] for i in audio], audio), strict=True):
                 out[i] = e
         return [e for e in out if e is not None]
 
-    def _visual(self, items: list[EncodeItem]) -> list[torch.Tensor]:
+    def _visual(self, items: list[EncodeItem], index: list[int]) -> list[torch.Tensor]:
         mm = self.config
         if self.vit is None or mm.image is None:
             raise MediaError("this model does not take images or video")
         patches: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
-        for it in items:
-            if it.modality == "image":
-                img = decode_image(it.data, self.limits.max_source_pixels)
-                p, g = preprocess_images([img], mm.image, self.device)
-            else:
-                if it.size is None or not it.times:
-                    raise MediaError("a video item without its sampling plan")
-                frames = decode_frames(it.data, list(it.times), self.video_threads)
-                p, g = preprocess_frames(frames, it.size, mm.image, self.device)
+        for k, it in zip(index, items, strict=True):
+            try:
+                if it.modality == "image":
+                    img = decode_image(it.data, self.limits.max_source_pixels)
+                    p, g = preprocess_images([img], mm.image, self.device)
+                else:
+                    if it.size is None or not it.times:
+                        raise MediaError("a video item without its sampling plan")
+                    frames = decode_frames(it.data, list(it.times), self.video_threads)
+                    p, g = preprocess_frames(frames, it.size, mm.image, self.device)
+            except MediaError as err:
+                raise MediaError(f"{it.modality} {k}: {err}") from None
             rows = int(g.prod(-1).sum()) // mm.image.merge_size**2
             if rows != it.num_tokens:
                 raise MediaError(
@@ -139,12 +142,15 @@ class MediaEncoder:
         emb = self.vit(torch.cat(patches).to(self.dtype), torch.cat(grids))
         return [e.cpu() for e in emb.split([it.num_tokens for it in items])]
 
-    def _audio(self, items: list[EncodeItem]) -> list[torch.Tensor]:
+    def _audio(self, items: list[EncodeItem], index: list[int]) -> list[torch.Tensor]:
         if self.audio is None:
             raise MediaError("this model does not take audio")
         mels = []
-        for it in items:
-            wave = decode_audio(it.data, self.limits.max_audio_seconds)
+        for k, it in zip(index, items, strict=True):
+            try:
+                wave = decode_audio(it.data, self.limits.max_audio_seconds)
+            except MediaError as err:
+                raise MediaError(f"audio {k}: {err}") from None
             mels.append(log_mel(wave, self.audio_params, self.device).to(self.dtype))
         outs = self.audio(mels)
         for it, e in zip(items, outs, strict=True):

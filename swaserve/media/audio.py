@@ -291,7 +291,11 @@ def decode_audio(data: bytes, max_seconds: float) -> torch.Tensor:
     wave = torch.from_numpy(np.concatenate(chunks, axis=1)).mean(dim=0)
     out = resample(wave, rate, SAMPLE_RATE)
     if out.shape[0] < DEFAULT_PARAMS.min_samples:
-        raise MediaError(f"audio: too short ({out.shape[0]} samples at {SAMPLE_RATE} Hz)")
+        need = DEFAULT_PARAMS.min_samples
+        raise MediaError(
+            f"too short: {out.shape[0]} samples at {SAMPLE_RATE} Hz, at least {need} "
+            f"({1000 * need / SAMPLE_RATE:.0f} ms) needed"
+        )
     return out
 
 

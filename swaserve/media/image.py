@@ -114,8 +114,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         beta = math.sqrt(min_pixels / (h * w))
         h_bar, w_bar = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
     if h_bar < factor or w_bar < factor:
+        most = max(1, max_pixels // (factor * factor))
         raise MediaError(
-            f"image {width}x{height} is too thin to fit {max_pixels} pixels in sides of {factor}"
+            f"image {width}x{height} is too thin for this model: its sides must stay >= {factor} pixels "
+            f"within {max_pixels} pixels, so at most {most}:1; crop or pad it"
         )
     return h_bar, w_bar
 
@@ -135,12 +137,12 @@ def image_num_tokens(height: int, width: int, p: ImageParams) -> int:
 def _open(data: bytes) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
-    except Image.DecompressionBombError as e:
-        raise MediaError(f"image is too large: {e}") from None
+    except Image.DecompressionBombError:
+        raise MediaError("the image is too large (its header declares over 179 million pixels)") from None
+    except Image.UnidentifiedImageError:
+        raise MediaError(f"not an image in a supported format ({', '.join(SUPPORTED_FORMATS)})") from None
     except Exception as e:  # PIL raises many kinds on malformed input
-        raise MediaError(
-            f"not a supported image ({', '.join(SUPPORTED_FORMATS)}): {type(e).__name__}: {e}"
-        ) from None
+        raise MediaError(f"not a readable image ({', '.join(SUPPORTED_FORMATS)}): {e}") from None
 
 
 def image_size(data: bytes) -> tuple[int, int]:

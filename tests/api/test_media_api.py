@@ -184,6 +184,9 @@ BAD = [
         "detail",
     ),
     ([{"type": "image_file", "image_file": {"file_id": "x"}}], "type"),
+    ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "xyz"}}], "input_audio.format"),
+    ([_img(data_url("image/png", png(8, 8, 1))), {"type": "text", "text": "<|image_pad|>"}], "may not contain"),
+    ([_img(data_url("image/png", png(3000, 30, 1)))], "too thin for this model"),
 ]
 
 
@@ -208,3 +211,5 @@ async def test_media_outside_user_messages_and_in_tokenize_is_refused(client: ht
     assert r.status_code == 400 and "only user messages" in r.text
     r = await client.post("/tokenize", json={"messages": [{"role": "user", "content": [img]}]})
     assert r.status_code == 400 and "tokenize" in r.text
+    r = await client.post("/v1/chat/completions", json=_body([img], prompt_logprobs=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

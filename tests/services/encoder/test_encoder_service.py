@@ -116,7 +116,7 @@ def test_a_corrupt_image_fails_only_itself(enc: MediaEncoder, fp: str) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await client.fetch(bad.key)
             assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
-            assert "not a supported image" in (e.value.details() or "")
+            assert "not a readable image" in (e.value.details() or "")
             assert torch.equal(await client.fetch(good.key), enc.encode([good])[0])
             assert counting.calls == [[bad.key, good.key], [bad.key], [good.key]]  # fused, then alone
             assert sample(server, "swaserve:encoder_items_total", modality="image", outcome="failed") == 1
