@@ -185,7 +185,10 @@ BAD = [
     ),
     ([{"type": "image_file", "image_file": {"file_id": "x"}}], "type"),
     ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "xyz"}}], "input_audio.format"),
-    ([_img(data_url("image/png", png(8, 8, 1))), {"type": "text", "text": "<|image_pad|>"}], "may not contain"),
+    (
+        [_img(data_url("image/png", png(8, 8, 1))), {"type": "text", "text": "<|image_pad|>"}],
+        "may not contain",
+    ),
     ([_img(data_url("image/png", png(3000, 30, 1)))], "too thin for this model"),
 ]
 
