@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in old_handlers:  # SIGINT too: a shell may start us with it ignored (`cmd &`)
         signal.signal(sig, _raise_interrupt)
     model_dir = _model_dir(args.model)
+    media = args.media if _takes_media(model_dir) else 0  # a text-only checkpoint: no media requests
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     server: ServerProcess | Cluster
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             worker_args=list(args.server_arg),
             router_args=["--request-timeout", str(args.request_timeout)],
             show_access_log=args.access_log,
-            encoders=args.encoders if args.media else 0,
+            encoders=args.encoders if media else 0,
         )
     try:
         if isinstance(server, ServerProcess):
@@ -192,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         report = run_replay(trace, opts, args.json, trace_name=DEFAULT_MOONCAKE_TRACE.name)
         print(format_report(report), flush=True)
         failed = report["failed"]
-        if args.media:
-            media = media_requests(url, args.media, model_dir.name, args.request_timeout)
-            print(format_media(media), flush=True)
-            failed += media["failed"]
+        if media:
+            done = media_requests(url, media, model_dir.name, args.request_timeout)
+            print(format_media(done), flush=True)
+            failed += done["failed"]
         if args.once:
             return 0 if failed == 0 else 1
         print(f"\nstill serving at {url} - press Ctrl-C to stop", flush=True)
@@ -217,6 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
+
+
+def _takes_media(model_dir: Path) -> bool:
+    """Whether the checkpoint has media towers (a config we cannot read: no; the servers say why)."""
+    from swaserve.model.multimodal import MultimodalConfig
+
+    try:
+        return MultimodalConfig.from_pretrained(model_dir) is not None
+    except Exception:
+        return False
 
 
 def _media_bodies(n: int, model: str) -> list[tuple[str, dict[str, Any]]]:

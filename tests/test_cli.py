@@ -130,6 +130,9 @@ def test_workers_take_every_engine_flag_of_serve() -> None:
         "max_logprobs",
         "ssl_certfile",
         "ssl_keyfile",
+        "limit_mm_per_prompt",
+        "allowed_media_domains",
+        "allowed_local_media_path",
     )  # the HTTP front's, not the engine's
     engine = [n for n in serve_flags if n not in http]
     assert {"page_size", "kv_cache_memory", "max_model_len", "seed", "host_cache_memory"} <= set(engine)

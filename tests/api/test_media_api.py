@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from base64 import b64decode
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,21 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module", params=["inline", pytest.param("separate", marks=pytest.mark.cluster)])
-async def client(tiny_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[httpx.AsyncClient]:
-    engine = build_engine_client(str(tiny_dir), dataclasses.replace(ENGINE, engine_process=request.param))
+@asynccontextmanager
+async def _serving(tiny_dir: Path, process: str) -> AsyncIterator[httpx.AsyncClient]:
+    engine = build_engine_client(str(tiny_dir), dataclasses.replace(ENGINE, engine_process=process))
     app = build_app(engine)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://swaserve", timeout=120) as c:
             yield c
+
+
+@pytest.fixture(scope="module")
+async def client(tiny_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """The app over the inline engine (the separate core: ``test_the_separate_core_takes_media_too``)."""
+    async with _serving(tiny_dir, "inline") as c:
+        yield c
 
 
 def _body(parts: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
@@ -109,6 +117,15 @@ async def test_media_chat_equals_transformers_inputs_embeds(
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     assert body["choices"][0]["token_ids"] == _reference(tiny_dir, hf_tiny, tok, prompt_ids, media)
+
+
+@pytest.mark.anyio
+@pytest.mark.cluster  # the engine core in its own process
+async def test_the_separate_core_takes_media_too(tiny_dir: Path, hf_tiny: Any) -> None:
+    async with _serving(tiny_dir, "separate") as c:
+        await test_media_chat_equals_transformers_inputs_embeds(
+            c, tiny_dir, hf_tiny, ("image", "audio", "image")
+        )
 
 
 @pytest.mark.anyio

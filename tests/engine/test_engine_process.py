@@ -46,8 +46,8 @@ def cases() -> list[tuple[list[int], SamplingParams]]:
         (STEM[:9], dataclasses.replace(greedy, max_tokens=20, presence_penalty=0.5, repetition_penalty=1.2)),
         ([5, 6, 7, 8], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, seed=1234, logprobs=0)),
         ([9, 9, 9], SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=99)),
-        (STEM[3:20], dataclasses.replace(greedy, max_tokens=40, stop=("e", "a"))),
-        ([3, 4], dataclasses.replace(greedy, max_tokens=30, stop_token_ids=(279, 205))),
+        (STEM[3:20], dataclasses.replace(greedy, max_tokens=40, stop=("me", "ot"))),  # tiny model: "as?9 me"
+        ([3, 4], dataclasses.replace(greedy, max_tokens=30, stop_token_ids=(321, 404))),  # its 4th, 8th token
     ]
 
 

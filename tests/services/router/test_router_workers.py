@@ -36,6 +36,7 @@ from transformers import AutoTokenizer
 from swaserve.config import ModelConfig
 from swaserve.launcher import Cluster
 from swaserve.model.identity import model_identity
+from swaserve.model.multimodal import media_digest
 from swaserve.procs import ServiceProcess, free_port, grpc_ready, http_ready
 from swaserve.redis_server import RedisServer
 from tests.helpers.cluster import (
@@ -366,7 +367,9 @@ def odd_worker(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     cfg = json.loads((odd / "config.json").read_text())
     cfg["rope_parameters"]["full_attention"]["rope_theta"] = 1e6
     (odd / "config.json").write_text(json.dumps(cfg))
-    fp = model_identity(ModelConfig.from_pretrained(odd), AutoTokenizer.from_pretrained(str(odd)), odd.name)
+    fp = model_identity(
+        ModelConfig.from_pretrained(odd), AutoTokenizer.from_pretrained(str(odd)), odd.name, media_digest(odd)
+    )
     addr, svc = extra_worker(cluster, "prefill", "prefill-odd", model=odd)
     try:
         yield addr, fp.fingerprint
