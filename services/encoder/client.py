@@ -54,7 +54,15 @@ class EncoderClient:
     ) -> None:
         self.address, self.timeout_s = address, timeout_s
         self._channel = (dialer or Dialer()).aio_channel(
-            address, options=[("grpc.max_send_message_length", max_submit_bytes)]
+            address,
+            options=[
+                ("grpc.max_send_message_length", max_submit_bytes),
+                # an encoder pod re-created under its name (or one that starts after the router) is
+                # dialed again within a second or two, not after gRPC's default backoff (up to 120 s)
+                ("grpc.initial_reconnect_backoff_ms", 250),
+                ("grpc.min_reconnect_backoff_ms", 250),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
         )
         self._stub = egrpc.EncoderStub(self._channel)
 

@@ -252,3 +252,38 @@ def test_tls_serves_a_trusting_client_and_refuses_plaintext(
                 await plain.close()
 
     asyncio.run(go())
+
+
+def test_a_client_reaches_an_encoder_that_starts_after_it(enc: MediaEncoder, fp: str) -> None:
+    """A router dials encoders by name before their pods exist (the chart's StatefulSet): the
+    client's channel retries within a couple of seconds, not after gRPC's default backoff."""
+    from services.encoder.cli import EncoderOptions, EncoderServer
+    from services.encoder.servicer import Limits
+    from swaserve.procs import free_port
+
+    port = free_port()
+
+    async def go() -> float:
+        client = EncoderClient(f"127.0.0.1:{port}", timeout_s=1.0)
+        server = None
+        try:
+            for _ in range(3):  # nothing there: refused a few times, so the channel backs off
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await client.load()
+            opts = EncoderOptions(port=port, limits=Limits(), grace_s=1.0)
+            server = EncoderServer(opts, encoder=enc, fingerprint=fp, modalities=frozenset({"image"}))
+            await server.start()
+            t0 = asyncio.get_running_loop().time()
+            while True:
+                try:
+                    await client.load()
+                    return asyncio.get_running_loop().time() - t0
+                except grpc.aio.AioRpcError:
+                    assert asyncio.get_running_loop().time() - t0 < 10, "not reconnected in 10 s"
+                    await asyncio.sleep(0.1)
+        finally:
+            await client.close()
+            if server is not None:
+                await server.stop()
+
+    asyncio.run(go())
