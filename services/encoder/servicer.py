@@ -180,6 +180,10 @@ class EncodeScheduler:
             if m.height < 1 or m.width < 1:
                 raise MediaError(f"a video item needs its frame size, got {m.height}x{m.width}")
             size = (m.height, m.width)
+        elif m.height or m.width:  # an image resized to a size of its own (``detail: low``)
+            if m.height < 1 or m.width < 1:
+                raise MediaError(f"an image size needs both sides, got {m.height}x{m.width}")
+            size = (m.height, m.width)
         return EncodeItem(bytes(m.key), m.modality, bytes(m.data), m.num_tokens, times, size)
 
     def _known(self, item: EncodeItem) -> bool:

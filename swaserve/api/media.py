@@ -34,7 +34,7 @@ from swaserve.api.errors import ProtocolError
 from swaserve.encoder.runner import EncodeItem
 from swaserve.media import MediaError, parse_limits
 from swaserve.media.audio import AudioParams, audio_num_tokens, decode_audio
-from swaserve.media.image import image_num_tokens, image_size
+from swaserve.media.image import image_num_tokens, image_size, smart_resize
 from swaserve.media.placeholders import MediaSpan, item_key, pad_ids
 from swaserve.media.video import frame_size, grid_timestamps, probe_video, sample_times
 from swaserve.model.multimodal import TOKEN_TEXT, MultimodalConfig
@@ -48,6 +48,7 @@ def _an(word: str) -> str:
 
 
 DEFAULT_LIMITS = {"image": 8, "video": 1, "audio": 4}
+LOW_DETAIL_PIXELS = 512 * 512  # image_url.detail "low": the resized image's area at most
 OFF_LOOP_BYTES = 256 << 10  # data URLs this long are base64-decoded in a worker thread
 
 
@@ -109,14 +110,12 @@ class MediaFront:
     @staticmethod
     def check_part(part: Any) -> None:
         """Refuse what a part asks that is not honored (ProtocolError): an image ``detail`` other
-        than "auto", an ``input_audio`` format outside ``AUDIO_FORMATS``."""
+        than auto/low/high, an ``input_audio`` format outside ``AUDIO_FORMATS``."""
         value = getattr(part, "image_url", None)
         detail = getattr(value, "detail", None)
-        if detail not in (None, "auto"):
+        if detail not in (None, "auto", "low", "high"):
             raise ProtocolError(
-                f"image_url.detail {detail!r} is not supported: this model has one resolution policy "
-                "(its min/max pixels); send 'auto' or leave it out",
-                param="messages",
+                f"image_url.detail {detail!r} is not one of auto, low, high", param="messages"
             )
         audio = getattr(part, "input_audio", None)
         if audio is not None and audio.format.lower() not in AUDIO_FORMATS:
@@ -226,7 +225,9 @@ class MediaFront:
             raise ProtocolError(f"cannot read {path}: {e.strerror}", param="messages") from e
 
     # -- layout ----------------------------------------------------------------------------------
-    def expand(self, ids: Sequence[int], media: Sequence[tuple[str, bytes]]) -> MediaPrompt:
+    def expand(
+        self, ids: Sequence[int], media: Sequence[tuple[str, bytes]], details: Sequence[str | None] = ()
+    ) -> MediaPrompt:
         """Replace each marker pad token of ``ids`` by its item's run (module docstring); blocking
         (probes headers, decodes audio). Raises ProtocolError: a marker count that differs from
         the items' (a chat template that drops or repeats them), or media that does not load."""
@@ -241,11 +242,11 @@ class MediaFront:
             )
         out = MediaPrompt([], [], [], [])
         last = 0
-        for (pos, modality), (_, data) in zip(found, media, strict=True):
+        for k, ((pos, modality), (_, data)) in enumerate(zip(found, media, strict=True)):
             out.ids.extend(ids[last:pos])
             last = pos + 1
             try:
-                self._item(out, modality, data)
+                self._item(out, modality, data, details[k] if k < len(details) else None)
             except MediaError as e:
                 raise ProtocolError(f"{modality} {len(out.items)}: {e}", param="messages") from e
         out.ids.extend(ids[last:])
@@ -260,9 +261,11 @@ class MediaFront:
             d = {"image": d, "video": dataclasses.asdict(mm.video)}
         return d
 
-    def _item(self, out: MediaPrompt, modality: str, data: bytes) -> None:
+    def _item(self, out: MediaPrompt, modality: str, data: bytes, detail: str | None = None) -> None:
         mm, opts, t = self.config, self.options, self.config.tokens
-        key = item_key(self.digest, modality, self._params(modality), data)
+        low = modality == "image" and detail == "low"
+        params = self._params(modality) | ({"detail": "low"} if low else {})
+        key = item_key(self.digest, modality, params, data)
         spans: list[int] = []
 
         def run(n: int, offset: int) -> None:
@@ -275,9 +278,14 @@ class MediaFront:
             w, h = image_size(data)
             if w * h > opts.max_image_pixels:
                 raise MediaError(f"{w}x{h} is over the {opts.max_image_pixels}-pixel limit")
-            n = image_num_tokens(h, w, mm.image)
+            size = None
+            p = mm.image
+            if low:  # OpenAI's low detail: at most a 512x512 image's pixels
+                p = dataclasses.replace(p, max_pixels=max(p.min_pixels, min(p.max_pixels, LOW_DETAIL_PIXELS)))
+                size = smart_resize(h, w, p.factor, p.min_pixels, p.max_pixels)
+            n = image_num_tokens(h, w, p)
             run(n, 0)
-            out.items.append(EncodeItem(key, modality, data, n))
+            out.items.append(EncodeItem(key, modality, data, n, (), size))
         elif modality == "video":
             assert mm.video is not None
             meta = probe_video(data)

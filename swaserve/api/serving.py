@@ -367,7 +367,8 @@ class OpenAIServer:
         media = None
         if loaded:
             assert self.media is not None
-            mp = await asyncio.to_thread(self.media.expand, prompt_ids, loaded)
+            details = [getattr(getattr(p, "image_url", None), "detail", None) for p in parts]
+            mp = await asyncio.to_thread(self.media.expand, prompt_ids, loaded, details)
             prompt_ids = mp.ids
             try:
                 media = await self.engine.media_inputs(mp.spans, mp.items, mp.item_spans)

@@ -34,7 +34,8 @@ class EncodeItem:
     Attributes:
         key: its 16-byte content key. modality: image, video or audio. data: the raw bytes.
         num_tokens: output rows expected (from metadata). times: video: the sampled frame times
-            (s). size: video: the per-frame (h, w) after resizing.
+            (s). size: video: the per-frame (h, w) after resizing; image: its (h, w) when not the
+            model's own ``smart_resize`` (``detail: low``), else None.
     """
 
     key: bytes
@@ -124,7 +125,7 @@ class MediaEncoder:
             try:
                 if it.modality == "image":
                     img = decode_image(it.data, self.limits.max_source_pixels)
-                    p, g = preprocess_images([img], mm.image, self.device)
+                    p, g = preprocess_images([img], mm.image, self.device, [it.size])
                 else:
                     if it.size is None or not it.times:
                         raise MediaError("a video item without its sampling plan")

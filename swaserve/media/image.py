@@ -227,9 +227,13 @@ def patchify(x: torch.Tensor, p: ImageParams) -> torch.Tensor:
 
 
 def preprocess_images(
-    images: Sequence[torch.Tensor], p: ImageParams, device: torch.device | str | None = None
+    images: Sequence[torch.Tensor],
+    p: ImageParams,
+    device: torch.device | str | None = None,
+    sizes: Sequence[tuple[int, int] | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (uint8 [3, H, W] RGB each) -> the ViT's fused input.
+    """Images (uint8 [3, H, W] RGB each) -> the ViT's fused input; ``sizes[i]`` (h, w, multiples
+    of the factor) replaces image i's ``smart_resize`` target (a request's ``detail: low``).
 
     Returns:
         (patches float32 [sum of t*gh*gw, 3*T*P*P] on ``device``, grid_thw int64 [items, 3] on
@@ -242,9 +246,15 @@ def preprocess_images(
         raise ValueError("no images")
     dev = torch.device(device) if device is not None else images[0].device
     rows, grids = [], []
-    for img in images:
+    for i, img in enumerate(images):
         _check_frames(img, 3)
-        h, w = smart_resize(img.shape[1], img.shape[2], p.factor, p.min_pixels, p.max_pixels)
+        size = sizes[i] if sizes is not None else None
+        if size is None:
+            h, w = smart_resize(img.shape[1], img.shape[2], p.factor, p.min_pixels, p.max_pixels)
+        elif size[0] > 0 and size[1] > 0 and not size[0] % p.factor and not size[1] % p.factor:
+            h, w = size
+        else:
+            raise ValueError(f"image size {size} must be positive multiples of {p.factor}")
         x = _resize_normalize(img[None], (h, w), p, dev)
         rows.append(patchify(x.expand(p.temporal_patch_size, -1, -1, -1), p))
         grids.append((1, h // p.patch_size, w // p.patch_size))

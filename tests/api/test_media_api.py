@@ -197,7 +197,12 @@ BAD = [
     ([{"type": "video_url", "video_url": {"url": data_url("video/mp4", make_png())}}], "video 0"),
     ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}], "audio 0"),
     (
-        [{"type": "image_url", "image_url": {"url": data_url("image/png", png(8, 8, 1)), "detail": "high"}}],
+        [
+            {
+                "type": "image_url",
+                "image_url": {"url": data_url("image/png", png(8, 8, 1)), "detail": "medium"},
+            }
+        ],
         "detail",
     ),
     ([{"type": "image_file", "image_file": {"file_id": "x"}}], "type"),
@@ -233,3 +238,29 @@ async def test_media_outside_user_messages_and_in_tokenize_is_refused(client: ht
     assert r.status_code == 400 and "tokenize" in r.text
     r = await client.post("/v1/chat/completions", json=_body([img], prompt_logprobs=1))
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_low_detail_images_are_smaller_and_encode_consistently(tiny_dir: Path, tmp_path: Path) -> None:
+    """``detail: low`` caps the resized area at 512x512 pixels (OpenAI's low-resolution image): fewer
+    placeholder tokens, another content key, and the encoder resizes to the same size."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "big"
+    shutil.copytree(tiny_dir, d)
+    proc = json.loads((d / "processor_config.json").read_text())
+    proc["image_max_pixels"] = 1024 * 32 * 32  # room above the low-detail cap
+    (d / "processor_config.json").write_text(json.dumps(proc))
+    mm = MultimodalConfig.from_pretrained(d)
+    assert mm is not None
+    tok = AutoTokenizer.from_pretrained(str(d))
+    front = MediaFront(mm, tok)
+    ids = tok.encode(front.markers["image"], add_special_tokens=False)
+    data = png(1000, 800, 5)
+    auto, low = (front.expand(ids, [("image", data)], [detail]) for detail in (None, "low"))
+    assert low.items[0].num_tokens <= 256 < auto.items[0].num_tokens
+    assert low.items[0].key != auto.items[0].key and low.items[0].size is not None
+    enc = MediaEncoder(d).encode([auto.items[0], low.items[0]])  # row counts checked inside
+    assert [e.shape[0] for e in enc] == [auto.items[0].num_tokens, low.items[0].num_tokens]

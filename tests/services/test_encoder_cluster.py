@@ -68,7 +68,7 @@ REQUESTS = {
         }
     ],
     "mixed": [
-        {"type": "image_url", "image_url": {"url": data_url("image/png", png(64, 96, 12))}},
+        {"type": "image_url", "image_url": {"url": data_url("image/png", png(64, 96, 12)), "detail": "low"}},
         {
             "type": "input_audio",
             "input_audio": {"data": data_url("audio/wav", wav(0.7, 300)).split(",")[1], "format": "wav"},
