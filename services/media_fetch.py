@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from services.encoder.client import EncoderClients
 from services.tls import Dialer
 from swaserve.engine.client import LocalEngineClient
 from swaserve.media.placeholders import MediaInputs
@@ -38,16 +39,8 @@ class MediaFetcher:
         self.staging_bytes, self.timeout_s = staging_bytes, timeout_s
         self.used = 0
         self._held: dict[str, int] = {}
-        self._clients: dict[str, object] = {}
+        self.clients = EncoderClients(self.dialer)
         self.fetched_bytes = 0
-
-    def _client(self, address: str):  # type: ignore[no-untyped-def]
-        from services.encoder.client import EncoderClient
-
-        c = self._clients.get(address)
-        if c is None:
-            c = self._clients[address] = EncoderClient(address, dialer=self.dialer)
-        return c
 
     async def supply(
         self,
@@ -81,7 +74,7 @@ class MediaFetcher:
         async def one(key: bytes, src: str, idx: list[int]) -> None:
             rows = max(media.spans[j].offset + media.spans[j].length for j in idx)
             try:
-                emb = await self._client(src).fetch(key, self.timeout_s, rows * hidden * 4 + (1 << 20))
+                emb = await self.clients.get(src).fetch(key, self.timeout_s, rows * hidden * 4 + (1 << 20))
             except grpc.aio.AioRpcError as e:
                 raise MediaFetchError(
                     f"media fetch from encoder {src} failed: {e.code().name}: {e.details()}"
@@ -104,6 +97,4 @@ class MediaFetcher:
         self.used -= self._held.pop(request_id, 0)
 
     async def close(self) -> None:
-        for c in self._clients.values():
-            await c.close()  # type: ignore[attr-defined]
-        self._clients.clear()
+        await self.clients.close()

@@ -454,6 +454,7 @@ async def serve_worker(
             await probes.stop(grace=None)
         log.info("gRPC server stopped (%d streams were still open)", worker.open)
         await worker.sender.close()
+        await worker.media.close()
         if pump_task is not None:
             pump_task.cancel()
         if pump is not None and engine.running:

@@ -8,6 +8,7 @@ uses it (``close`` when done)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -107,3 +108,24 @@ class EncoderClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+class EncoderClients:
+    """One ``EncoderClient`` per encoder address, made on first use (a router's placement, a prefill
+    worker's fetches), all closed together."""
+
+    def __init__(self, dialer: Dialer | None = None) -> None:
+        self.dialer = dialer
+        self._clients: dict[str, EncoderClient] = {}
+
+    def get(self, address: str) -> EncoderClient:
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = EncoderClient(address, dialer=self.dialer)
+        return c
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            with contextlib.suppress(Exception):  # closing a channel whose peer died
+                await c.close()

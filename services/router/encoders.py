@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.encoder.client import EncoderClients
 from services.tls import Dialer
 from swaserve.encoder.placement import choose
 from swaserve.encoder.runner import EncodeItem
@@ -51,16 +52,8 @@ class EncoderPool:
     ) -> None:
         self.fingerprint, self.dialer, self.poll_s = fingerprint, dialer or Dialer(), poll_s
         self.states = {a: EncoderState(a) for a in dict.fromkeys(addresses)}
-        self._clients: dict[str, object] = {}
+        self.clients = EncoderClients(self.dialer)
         self._task: asyncio.Task[None] | None = None
-
-    def _client(self, address: str):  # type: ignore[no-untyped-def]
-        from services.encoder.client import EncoderClient
-
-        c = self._clients.get(address)
-        if c is None:
-            c = self._clients[address] = EncoderClient(address, dialer=self.dialer)
-        return c
 
     async def start(self) -> None:
         await self.poll()
@@ -71,9 +64,7 @@ class EncoderPool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for c in self._clients.values():
-            with contextlib.suppress(Exception):
-                await c.close()  # type: ignore[attr-defined]
+        await self.clients.close()
 
     async def _poll_loop(self) -> None:
         while True:
@@ -85,7 +76,7 @@ class EncoderPool:
 
         async def one(st: EncoderState) -> None:
             try:
-                m = await asyncio.wait_for(self._client(st.address).load(), timeout=max(1.0, self.poll_s))
+                m = await asyncio.wait_for(self.clients.get(st.address).load(), timeout=max(1.0, self.poll_s))
             except (grpc.aio.AioRpcError, TimeoutError, OSError) as e:
                 if st.up:
                     why = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
@@ -147,7 +138,7 @@ class EncoderPool:
         for address in choose(item.key, live, load):
             st = self.states[address]
             try:
-                ok = (await self._client(address).submit([item], self.fingerprint))[0]
+                ok = (await self.clients.get(address).submit([item], self.fingerprint))[0]
             except grpc.aio.AioRpcError as e:
                 st.failures += 1
                 if e.code() in (grpc.StatusCode.INVALID_ARGUMENT,):

@@ -23,6 +23,7 @@ from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.detokenizer import check_stop_token
 from swaserve.engine.drafter import Drafter
 from swaserve.engine.l3_tier import build_l3
+from swaserve.engine.media_prefills import MediaPrefills
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.engine.sampler import Sampler, SamplingState
@@ -165,6 +166,7 @@ class EngineCore:
         self.sampler = Sampler()
         self.structured = StructuredDecoder(model_dir, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.media_prefills = MediaPrefills(cfg.hidden_size)
         self.steps = 0  # forwards run (stats: the engine's progress)
         self.computed_tokens = 0  # tokens those forwards computed
         self.l3 = build_l3(
@@ -216,6 +218,8 @@ class EngineCore:
             req.export_kv = True  # (and with MTP the positions of the first drafts' rows)
             req.max_total_tokens = len(prompt_token_ids) + 1 + (self.drafter.k if self.drafter else 0)
         self.requests[request_id] = req
+        if req.media is not None:
+            self.media_prefills.add(req)
         if self.l3 is None or req.params.prompt_logprobs is not None or not self.l3.begin(req):
             self.scheduler.add(req)  # else it waits for its L3 fetch (``step`` polls it)
 
@@ -305,43 +309,13 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        if req.media is None or not 0 <= index < len(req.media.spans):
-            raise ValueError(f"{request_id}: no media item {index}")
-        req.media.embeds[index] = embeds
-        try:
-            req.media.check_embeds(self.model_config.hidden_size)
-        except ValueError:
-            del req.media.embeds[index]
-            raise
+        self.media_prefills.supply(req, index, embeds)
         return True
-
-    def _media_asks(self) -> list[CoreOutput]:
-        """One output per request admitted since the last step whose prefill waits for media
-        (``media_wanted``: the spans past its prefix hit without embeddings)."""
-        out = []
-        for req in self.scheduler.running:
-            if req.media is not None and not req.media_asked and req.num_computed < req.num_prompt:
-                req.media_asked = True
-                missing = req.media_missing()
-                if missing:
-                    o = self._output(req, [], [])
-                    o.media_wanted = missing
-                    out.append(o)
-        return out
-
-    def _waits_for_media(self) -> bool:
-        return any(r.media is not None and r.media_ready_end() < r.num_tokens for r in self.scheduler.running)
 
     def media_missing(self) -> dict[str, list[int]]:
         """Admitted requests whose prefill waits for embeddings: id -> the media items (spans
         past the prefix hit) still missing. A span the hit covers is never asked for."""
-        out: dict[str, list[int]] = {}
-        for req in self.scheduler.running:
-            if req.media is not None and req.num_computed < req.num_prompt:
-                missing = req.media_missing()
-                if missing:
-                    out[req.request_id] = missing
-        return out
+        return self.media_prefills.missing()
 
     def abort_request(self, request_id: str) -> CoreOutput | None:
         """Stop a request and free its pages; returns its final output (None if unknown)."""
@@ -383,12 +357,14 @@ class EngineCore:
                 if req.status == RequestStatus.WAITING:
                     self.scheduler.add(req)
         chunks = self.scheduler.schedule(now)
-        asks = self._media_asks()
+        asks = self.media_prefills.asks(lambda r: self._output(r, [], [])) if self.media_prefills else []
         if not chunks:
             if self.l3 is not None and self.l3.pending():
                 self.l3.wait(0.005)  # nothing to compute: wait for a fetch rather than spin
-            elif not asks and self._waits_for_media():
+            elif not asks and self.media_prefills and self.media_prefills.waiting():
                 time.sleep(0.002)  # nothing to compute until embeddings come (``supply_media``)
+            if self.media_prefills:
+                self.media_prefills.done(self.requests)  # aborted ones leave
             return asks
         logits, prompt_lps, hidden = self.runner.run(chunks, keep_hidden=self.spec is not None)
         self.steps += 1
@@ -399,7 +375,10 @@ class EngineCore:
                 have.extend(lps)
         if self.spec is not None:
             assert hidden is not None
-            return asks + self.spec.finish_step(chunks, logits, hidden)
+            outputs = asks + self.spec.finish_step(chunks, logits, hidden)
+            if self.media_prefills:
+                self.media_prefills.done(self.requests)  # after the drafter: its rows read the embeddings too
+            return outputs
         ends = [c for c in chunks if c.samples]
         sampling = [c for c in ends if c.req.params.max_tokens > 0]  # max_tokens 0: the prompt only
         if len(sampling) < len(ends):
@@ -410,8 +389,6 @@ class EngineCore:
         sampled = self.sampler.sample(logits, states, masked) if sampling else []  # type: ignore[arg-type]
         for c in chunks:
             c.req.num_computed = c.start + c.n
-            if c.req.media is not None and c.req.num_computed >= c.req.num_prompt:
-                c.req.media.embeds.clear()  # the prompt's KV holds them now
             # a prefill chunk (the prompt's last one too): share its whole pages now, so requests
             # with the same prefix (a chat's next turn, the other choices of n) hit them at once
             if c.start < c.req.num_prompt and self.kv.cache is not None:
@@ -421,6 +398,8 @@ class EngineCore:
         outputs += [
             self._append(c.req, s.token_id, s.logprob, now) for c, s in zip(sampling, sampled, strict=True)
         ]
+        if self.media_prefills:
+            self.media_prefills.done(self.requests)
         return outputs
 
     def _prompt_only(self, req: Request) -> CoreOutput:
