@@ -1,5 +1,6 @@
-"""The ``swaserve`` command line: serve, up, make-checkpoint, replay, sim, and the command groups of
-the ``swaserve.cli`` entry points (``bench``: ``bench/cli.py``). Engine flags: ``swaserve.options``.
+"""The ``swaserve`` command line: serve, up, make-checkpoint, replay, sim and plan-ep
+(``swaserve.plan_cli``), and the command groups of the ``swaserve.cli`` entry points (``bench``:
+``bench/cli.py``). Engine flags: ``swaserve.options``.
 
 Heavy modules (torch, the engine, the HTTP server) are imported inside the commands, so
 ``swaserve --help`` stays fast.
@@ -7,7 +8,6 @@ Heavy modules (torch, the engine, the HTTP server) are imported inside the comma
 
 from __future__ import annotations
 
-import dataclasses
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Literal
@@ -33,6 +33,7 @@ from swaserve.options import (
     media_args,
     size_option,
 )
+from swaserve.plan_cli import plan_ep, sim
 
 app = typer.Typer(
     name="swaserve",
@@ -396,93 +397,8 @@ def replay(
         raise typer.Exit(1)
 
 
-@app.command()
-def sim(
-    trace: Annotated[Path, typer.Option(help="Mooncake .jsonl or agent-session trace (.jsonl[.gz]).")],
-    prefill: Annotated[
-        int, typer.Option(min=1, max=512, help="Prefill instances (each holds a KV cache: ~15 MB of RAM).")
-    ] = 8,
-    decode: Annotated[int, typer.Option(min=1, max=512, help="Decode instances.")] = 8,
-    policy: Annotated[
-        str, typer.Option(help="Routing policy: round_robin, least_load, cache_aware.")
-    ] = "cache_aware",
-    priority: Annotated[str, typer.Option(help="Prefill queue order: fcfs or compute.")] = "fcfs",
-    deployment: Annotated[
-        str, typer.Option(help="Cost model + KV shape: mimo-v2-flash-h200 or cpu-tiny.")
-    ] = "mimo-v2-flash-h200",
-    load: Annotated[
-        float, typer.Option(min=0.01, max=2.0, help="Offered prefill load (ideal-cache work / capacity).")
-    ] = 0.8,
-    time_scale: Annotated[
-        float | None, typer.Option(min=1e-9, help="Multiply trace inter-arrival times (overrides --load).")
-    ] = None,
-    host_cache: Annotated[
-        int | None,
-        typer.Option(
-            parser=size_option, metavar="BYTES", help="Host-tier KV per prefill instance, e.g. 1.5TB."
-        ),
-    ] = None,
-    l3_cache: Annotated[
-        int | None,
-        typer.Option(
-            parser=size_option,
-            metavar="BYTES",
-            help="A GCache (L3) tier shared by the prefill instances, e.g. 20TB (needs --host-cache).",
-        ),
-    ] = None,
-    device_cache: Annotated[
-        int | None,
-        typer.Option(
-            parser=size_option,
-            metavar="BYTES",
-            help="Device KV per prefill instance (default: the deployment's), e.g. 10GB.",
-        ),
-    ] = None,
-    limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
-    copies: Annotated[
-        int, typer.Option(min=1, help="Agent sessions: run this many unrelated copies (closed loop).")
-    ] = 1,
-    index_mode: Annotated[
-        Literal["approximate", "precise"],
-        typer.Option(help="Router index: record dispatches, or follow the prefill caches' block events."),
-    ] = "approximate",
-    max_wait: Annotated[float | None, typer.Option(min=0.0, help="compute priority: max wait (s).")] = None,
-    wait_weight: Annotated[
-        float | None, typer.Option(min=0.0, help="compute priority: aging weight.")
-    ] = None,
-    queue_order: Annotated[
-        Literal["auto", "fcfs", "compute"],
-        typer.Option(
-            help="cache_aware: the prefill queue order its wait estimate assumes (auto: the instances')."
-        ),
-    ] = "auto",
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the result here as JSON.")] = None,
-) -> None:
-    """Simulate the cluster on a trace: the real routing and radix-cache code in simulated time."""
-    from swaserve.sim import workload as wl
-    from swaserve.sim.run import deployment as get_deployment
-    from swaserve.sim.run import print_table, simulate, write_json
-
-    try:
-        if policy != "cache_aware" and queue_order != "auto":
-            raise ValueError(f"--queue-order applies to --policy cache_aware only, not {policy}")
-        dep = get_deployment(deployment)
-        if device_cache is not None:
-            dep = dataclasses.replace(dep, device_bytes=device_cache)
-        work = wl.load(trace, limit, copies)
-        row = simulate(
-            work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,
-            host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight, index_mode=index_mode,
-            l3_bytes=l3_cache or 0,
-            policy_args={"queue_order": queue_order} if policy == "cache_aware" else None,
-        )  # fmt: skip
-
-    except (ValueError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
-    print_table([row])
-    if json_path is not None:
-        write_json(json_path, row)
+app.command()(sim)
+app.command("plan-ep")(plan_ep)
 
 
 if __name__ == "__main__":
