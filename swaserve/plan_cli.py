@@ -180,6 +180,22 @@ def plan_ep(
     typer.echo(f"ep_size = {lp.ep_size} ({layout} layout)")
 
 
+def _balances(values: list[str] | None) -> dict[int, float]:
+    """``--balance EP=B`` entries -> {EP: B}. Raises typer.BadParameter."""
+    out: dict[int, float] = {}
+    for v in values or []:
+        try:
+            ep, b = v.split("=")
+            out[int(ep)] = float(b)
+        except ValueError:
+            raise typer.BadParameter(
+                f"{v!r} is not EP=BALANCE (e.g. 16=0.85)", param_hint="--balance"
+            ) from None
+        if not 0 < out[int(ep)] <= 1:
+            raise typer.BadParameter(f"balance must be in (0, 1], got {v!r}", param_hint="--balance")
+    return out
+
+
 def sim(
     trace: Annotated[Path, typer.Option(help="Mooncake .jsonl or agent-session trace (.jsonl[.gz]).")],
     prefill: Annotated[
@@ -239,30 +255,94 @@ def sim(
             help="cache_aware: the prefill queue order its wait estimate assumes (auto: the instances')."
         ),
     ] = "auto",
+    prefill_ep: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="GPUs (EP size) of a prefill instance: its prefill time from sched.ep_cost and its KV from "
+            "the GPUs' memory left (default: the deployment's preset as is).",
+        ),
+    ] = None,
+    ep_compare: Annotated[
+        bool,
+        typer.Option(
+            help="Also run EP --prefill-ep/2 with twice the prefill instances (same GPUs, arrivals)."
+        ),
+    ] = False,
+    gpus_per_node: Annotated[
+        int, typer.Option(min=1, help="GPUs on one NVLink node: a larger EP crosses RDMA.")
+    ] = 8,
+    balance: Annotated[
+        list[str] | None,
+        typer.Option(help="Expert load balance (mean/max tokens per rank) at an EP, EP=B (repeatable)."),
+    ] = None,
+    nvlink_bw: Annotated[
+        int, typer.Option(parser=size_option, metavar="BYTES/S", help="All-to-all per rank on NVLink.")
+    ] = "153GB",  # type: ignore[assignment]  # parsed by size_option
+    rdma_bw: Annotated[
+        int, typer.Option(parser=size_option, metavar="BYTES/S", help="All-to-all per rank over RDMA.")
+    ] = "43GB",  # type: ignore[assignment]  # parsed by size_option
+    a2a_overlap: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Share of all-to-all time hidden behind compute.")
+    ] = 0.0,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result here as JSON.")] = None,
 ) -> None:
     """Simulate the cluster on a trace: the real routing and radix-cache code in simulated time."""
+    from swaserve.sched.ep_cost import EPHardware
     from swaserve.sim import workload as wl
+    from swaserve.sim.ep import COLUMNS as EP_COLUMNS
+    from swaserve.sim.ep import EPDeployment, EPSetup, compare, hardware_line
     from swaserve.sim.run import deployment as get_deployment
     from swaserve.sim.run import print_table, simulate, write_json
 
+    setup = EPSetup(
+        EPHardware(nvlink_bytes_per_s=nvlink_bw, rdma_bytes_per_s=rdma_bw, gpus_per_node=gpus_per_node,
+                   a2a_overlap=a2a_overlap),
+        _balances(balance),
+    )  # fmt: skip
+    deps: list[EPDeployment] = []
     try:
         if policy != "cache_aware" and queue_order != "auto":
             raise ValueError(f"--queue-order applies to --policy cache_aware only, not {policy}")
+        if ep_compare and prefill_ep is None:
+            raise ValueError("--ep-compare needs --prefill-ep N (the EP it halves)")
         dep = get_deployment(deployment)
-        if device_cache is not None:
+        if prefill_ep is None and device_cache is not None:
             dep = dataclasses.replace(dep, device_bytes=device_cache)
+        if prefill_ep is not None and not ep_compare:
+            deps = [EPDeployment(dep, prefill_ep, setup)]
         work = wl.load(trace, limit, copies)
-        row = simulate(
-            work, prefill, decode, policy, dep, priority, load=load, time_scale=time_scale,
-            host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight, index_mode=index_mode,
-            l3_bytes=l3_cache or 0,
+        kw = dict(
+            priority=priority, host_bytes=host_cache, max_wait_s=max_wait, wait_weight=wait_weight,
+            index_mode=index_mode, l3_bytes=l3_cache or 0,
             policy_args={"queue_order": queue_order} if policy == "cache_aware" else None,
         )  # fmt: skip
-
+        if ep_compare:
+            assert prefill_ep is not None
+            deps, rows = compare(
+                work, prefill, decode, policy, dep, prefill_ep, setup, load, time_scale,
+                device_bytes=device_cache, **kw,
+            )  # fmt: skip
+        elif deps:
+            rows = [deps[0].run(work, prefill, decode, policy, load=load, time_scale=time_scale,
+                                device_bytes=device_cache, **kw)]  # fmt: skip
+        else:
+            rows = [simulate(work, prefill, decode, policy, dep, load=load, time_scale=time_scale, **kw)]  # type: ignore[arg-type]
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    print_table([row])
+    if deps:
+        typer.echo(hardware_line(setup))
+        typer.echo("\n".join(d.describe() for d in deps))
+        print_table(rows, EP_COLUMNS)
+    else:
+        print_table(rows)
+    if ep_compare and rows[0]["prompt_tok_s"]:
+        n, half = rows
+        typer.echo(
+            f"EP {half['prefill_ep']} x {half['prefill']} vs EP {n['prefill_ep']} x {n['prefill']}: prompt "
+            f"tok/s x{half['prompt_tok_s'] / n['prompt_tok_s']:.3f}, TTFT p50 "
+            f"x{half['ttft_p50'] / max(n['ttft_p50'], 1e-9):.3f}, p90 x{half['ttft_p90'] / max(n['ttft_p90'], 1e-9):.3f}"
+        )
     if json_path is not None:
-        write_json(json_path, row)
+        write_json(json_path, rows if ep_compare else rows[0])

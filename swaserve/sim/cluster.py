@@ -94,6 +94,7 @@ class SimResult:
     rejected: int
     too_long: int = 0  # refused: prompt + output over the deployment's max_model_len
     l3_tokens: int = 0  # of cached_tokens, fetched from L3
+    prefill_span_s: float = 0.0  # first arrival to the last first token
 
     def summary(self) -> dict[str, object]:
         def pct(xs: list[float], q: float) -> float:
@@ -116,6 +117,9 @@ class SimResult:
             "itl_p90": pct(itl, 90),
             "e2e_p50": pct(self.e2e_s, 50),
             "prefill_utilization": round(self.prefill_busy, 4),
+            "prompt_tok_s": round(self.prompt_tokens / self.prefill_span_s, 1)
+            if self.prefill_span_s
+            else 0.0,
             "decisions": self.decisions,
             "rejected": self.rejected,
             "too_long": self.too_long,
@@ -222,7 +226,7 @@ class Simulator:
             [j.first_token - j.arrival for j in jobs], [s for d in self.decode.values() for s in d.steps],
             [j.done - j.arrival for j in jobs], dict(self.decisions), busy, span,
             time.perf_counter() - wall, sum(p.rejected for p in self.prefill.values()), self.too_long,
-            sum(j.from_l3 for j in jobs),
+            sum(j.from_l3 for j in jobs), prefill_span,
         )  # fmt: skip
 
     # -- events -----------------------------------------------------------------------------------

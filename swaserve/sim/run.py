@@ -31,6 +31,7 @@ class Deployment:
     decode_kv_tokens: int
     page_size: int = 16
     max_model_len: int | None = None
+    prefill_gpus: int = 0  # GPUs of a prefill instance (its EP size; ``sim.ep``); 0: not a GPU deployment
 
     def model(self) -> ModelConfig:
         if self.name == "cpu-tiny":
@@ -53,6 +54,7 @@ DEPLOYMENTS = {
         690 * 10**9 // 23_040,
         64,
         max_model_len=262_144,
+        prefill_gpus=8,
     ),
     "cpu-tiny": Deployment("cpu-tiny", CPU_TINY, 256 * 1024 * 1024, 0, 512, 64, 10**6, max_model_len=32_768),
 }
