@@ -149,7 +149,7 @@ def worker_app(role: str) -> typer.Typer:
     ) -> None:
         from services.tls import Dialer, server_credentials
         from services.worker import WorkerOptions, serve_worker
-        from swaserve.engine.factory import build_engine_client
+        from swaserve.engine.factory import build_engine_client, check_ep
         from swaserve.model.checkpoint import default_model_dir
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
@@ -174,6 +174,10 @@ def worker_app(role: str) -> typer.Typer:
             for t in tasks:
                 t.cancel()
 
+        try:
+            check_ep(model_dir, engine_config)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--ep-size") from e
         engine = build_engine_client(model_dir, engine_config, on_dead=on_dead, num_threads=num_threads)
         from swaserve.routing.buckets import parse_range
 

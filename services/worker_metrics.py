@@ -19,7 +19,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from swaserve.engine.stats import EngineStats
-from swaserve.metrics import PREFIX, WORKER_LABEL, spec_families
+from swaserve.metrics import PREFIX, WORKER_LABEL
+from swaserve.metrics_engine import ep_families, spec_families
 
 TEXT_FORMAT = "text/plain; version=0.0.4"
 
@@ -132,6 +133,8 @@ class WorkerLoadCollector(Collector):
             yield from (queries, hits)
         if s.spec is not None:  # MTP on: the acceptance counters (decode workers verify)
             yield from spec_families(s.spec, dict(zip(names, self._labels, strict=True)))
+        if s.ep is not None:  # expert parallel: expert load balance per MoE layer
+            yield from ep_families(s.ep, dict(zip(names, self._labels, strict=True)))
 
 
 class _Quiet(WSGIRequestHandler):

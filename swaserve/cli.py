@@ -66,6 +66,15 @@ def _chat_template(value: str | None, model_dir: Path) -> str | None:
         raise typer.BadParameter(str(e), param_hint="--chat-template") from e
 
 
+def _check_ep(model_dir: Path, engine_config: EngineConfig) -> None:
+    from swaserve.engine.factory import check_ep
+
+    try:
+        check_ep(model_dir, engine_config)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--ep-size") from e
+
+
 @app.command()
 @engine_options()
 def serve(
@@ -99,6 +108,7 @@ def serve(
     check_ssl_files(ssl_certfile, ssl_keyfile)
     model_dir = _model_dir(model)
     template = _chat_template(chat_template, model_dir)
+    _check_ep(model_dir, engine_config)
     from swaserve.api.media import media_options
     from swaserve.api.server import serve as run_server
 

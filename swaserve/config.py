@@ -312,6 +312,13 @@ class EngineConfig:
         l3_min_tokens: the least hit extension worth an L3 fetch (at least the window).
         l3_timeout_s, l3_timeout_per_ki_token_s: a fetch's deadline, base + per 1024 tokens.
         weights_id: the weights' identity in L3 keys (None: a digest of the weight files).
+        ep_size: expert parallelism: ranks (processes) of one instance, each with 1/ep_size of
+            the routed experts and its own requests (data-parallel attention); 1 = off. Needs a
+            separate engine process (``engine.ep_client``).
+        ep_placement: a JSON file placing the experts on ranks (``model.ep.ExpertPlacement``;
+            None: contiguous).
+        ep_timeout_s: seconds a rank waits in an EP collective for its peers before it gives up
+            (the instance then exits; a dead peer is noticed at once).
     """
 
     page_size: int = 16
@@ -340,3 +347,6 @@ class EngineConfig:
     l3_timeout_s: float = 2.0
     l3_timeout_per_ki_token_s: float = 0.1
     weights_id: str | None = None
+    ep_size: int = 1
+    ep_placement: str | None = None
+    ep_timeout_s: float = 60.0

@@ -18,12 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from swaserve.engine.spec import SpecStats
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput
 from swaserve.kvcache.stats import PoolStats
+from swaserve.metrics_engine import PREFIX, ep_families, spec_families
 
-PREFIX = "swaserve:"
 WORKER_LABEL = "worker"
 """The router's label for the worker a per-worker series is about (``host:port``). Not ``instance``:
 Prometheus sets ``instance`` to the scraped target (the router) and would rename ours
@@ -124,28 +123,6 @@ class DiscoveryStats:
 
 DISCOVERY_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
 DISCOVERY_RELISTS = ("start", "resync", "gone", "error")
-
-
-def spec_families(sp: SpecStats, labels: dict[str, str]) -> Iterator[Metric]:
-    """vLLM's speculative-decoding counters with ``labels`` (mean accept length = 1 + accepted /
-    drafts); ``..._per_pos`` adds ``position`` (0: the first draft)."""
-    names, values = list(labels), list(labels.values())
-    for name, doc, n in (
-        ("spec_decode_num_drafts", "Verify steps with drafts.", sp.drafts),
-        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", sp.draft_tokens),
-        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp.accepted),
-    ):
-        fam = CounterMetricFamily(PREFIX + name, doc, labels=names)
-        fam.add_metric(values, n)
-        yield fam
-    per = CounterMetricFamily(
-        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-        "Draft tokens accepted, by draft position (0: the first draft).",
-        labels=[*names, "position"],
-    )
-    for i, n in enumerate(sp.accepted_per_pos):
-        per.add_metric([*values, str(i)], n)
-    yield per
 
 
 class EngineStatsCollector(Collector):
@@ -266,6 +243,8 @@ class EngineStatsCollector(Collector):
         yield from (queries, hits, cached)
         if s.spec is not None:
             yield from spec_families(s.spec, {"model_name": self._model})
+        if s.ep is not None:
+            yield from ep_families(s.ep, {"model_name": self._model})
         if r is not None:
             yield from self._router_families(r)
         if r is not None and r.discovery is not None:

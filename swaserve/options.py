@@ -196,6 +196,40 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         0,
     ),
     EngineOption(
+        "ep_size",
+        Annotated[
+            int,
+            typer.Option(
+                min=1,
+                help="Expert parallelism: ranks (processes) of this instance, each holding 1/N of the "
+                "routed experts and its own requests (data-parallel attention); tokens go to the ranks "
+                "of their experts and back (all-to-all). 1 = off. Needs --engine-process separate/auto.",
+            ),
+        ],
+        1,
+    ),
+    EngineOption(
+        "ep_placement",
+        Annotated[
+            str | None,
+            typer.Option(
+                help='EP: a JSON file {"ranks": [[experts of rank 0], ...]} (default: contiguous).'
+            ),
+        ],
+        None,
+    ),
+    EngineOption(
+        "ep_timeout_s",
+        Annotated[
+            float,
+            typer.Option(
+                min=1.0,
+                help="EP: seconds a rank waits for its peers in a collective before the instance exits.",
+            ),
+        ],
+        60.0,
+    ),
+    EngineOption(
         "l3_url",
         Annotated[
             str | None,

@@ -32,6 +32,7 @@ IO_SHELLS = (
     "swaserve.routing.redis",
     "swaserve.engine.async_engine",
     "swaserve.engine.mp_client",
+    "swaserve.engine.ep_client",
     "swaserve.engine.core_proc",
     "swaserve.engine.ipc",
 )

@@ -10,6 +10,7 @@ counters belong to the front (``engine.output.OutputProcessor``), so the same co
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -39,6 +40,7 @@ from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools, spec_lookahead
 from swaserve.kvcache.storage import KVStorage
 from swaserve.media.placeholders import MediaInputs, text_ids
+from swaserve.model.ep import ExpertComm, build_ep_shard
 from swaserve.model.loader import load_model
 from swaserve.sched.cost import preset
 from swaserve.sched.priority import ComputeAwarePriority
@@ -74,6 +76,9 @@ class EngineCore:
     config: engine knobs.
     eos_token_ids: ids that end a request (the model's and the tokenizer's EOS).
     clock: seconds, monotonic (injected for tests and simulation).
+    ep_comm: with ``config.ep_size`` > 1, this rank's EP group (``model.ep``): the model holds
+        its experts only, and every ``step`` runs one forward (an idle one without tokens), so all
+        ranks enter each MoE layer's exchange together; the caller steps all ranks in lockstep.
 
     Raises:
         ValueError: a bad knob, or a KV budget too small for one request.
@@ -85,6 +90,7 @@ class EngineCore:
         config: EngineConfig | None = None,
         eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        ep_comm: ExpertComm | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.clock = clock
@@ -103,7 +109,10 @@ class EngineCore:
             raise ValueError(
                 f"speculative_num_steps must be 0 .. {cfg.num_mtp_layers} (the checkpoint's MTP layers), got {K}"
             )
-        self.model = load_model(model_dir, cfg, self.dtype, self.device)
+        self.ep = build_ep_shard(config, cfg, ep_comm)
+        if self.ep is not None:
+            self.ep.on_device(self.device)
+        self.model = load_model(model_dir, cfg, self.dtype, self.device, self.ep)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         kcfg = kv_config(cfg, K)  # the MTP layers' KV: extra SWA layers
         arena = arena_layout(kcfg, config.page_size, elem) if cfg.full_layers and cfg.swa_layers else None
@@ -358,6 +367,9 @@ class EngineCore:
                     self.scheduler.add(req)
         chunks = self.scheduler.schedule(now)
         asks = self.media_prefills.asks(lambda r: self._output(r, [], [])) if self.media_prefills else []
+        if not chunks and self.ep is not None:  # the other ranks' tokens still need our experts
+            self.model.idle_forward()
+            self.ep.end_step()
         if not chunks:
             if self.l3 is not None and self.l3.pending():
                 self.l3.wait(0.005)  # nothing to compute: wait for a fetch rather than spin
@@ -367,6 +379,8 @@ class EngineCore:
                 self.media_prefills.done(self.requests)  # aborted ones leave
             return asks
         logits, prompt_lps, hidden = self.runner.run(chunks, keep_hidden=self.spec is not None)
+        if self.ep is not None:
+            self.ep.end_step()
         self.steps += 1
         self.computed_tokens += sum(c.n for c in chunks)
         for i, lps in prompt_lps.items():
@@ -518,6 +532,7 @@ class EngineCore:
             spec=dataclasses.replace(self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos))
             if self.spec is not None
             else None,
+            ep=copy.deepcopy(self.ep.stats) if self.ep is not None else None,
         )
 
     def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:

@@ -6,16 +6,24 @@ while there is work, send one ``Outputs`` per step (outputs, refusals, cache eve
 one before a step when messages changed something (so the front's load is never a step old). A
 malformed or oversized message is logged and refused; a failed step ends the requests in flight
 and the loop goes on. The process dies with its parent and ignores SIGINT and SIGTERM (the front stops it).
+
+With expert parallelism (``ep_size`` > 1) the core is one rank of a ``torch.distributed`` group
+(gloo on CPU, NCCL on CUDA; ``engine.ep_client`` starts the ranks): every loop iteration all ranks
+agree with one all-reduce whether any has work and then step together (a rank without work runs
+an idle forward). A failed step or collective ends the process (exit 1): its peers' collectives
+then fail too, and the front fails the instance.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -45,6 +53,8 @@ from swaserve.media.placeholders import MediaInputs
 
 log = logging.getLogger("swaserve.engine.core_proc")
 _IDLE_POLL_MS = 500  # while idle, how often the parent's liveness is checked
+_WAKE_GRACE_S = 0.05  # EP: after a message, ranks keep meeting (no idle poll) this long, so a
+# rank whose request is still on its way is met without waiting out another rank's idle poll
 
 
 class CoreSpec(msgspec.Struct):
@@ -58,6 +68,8 @@ class CoreSpec(msgspec.Struct):
     parent_pid: int
     max_message_bytes: int = MAX_MESSAGE_BYTES
     num_threads: int | None = None
+    ep_rank: int = 0
+    ep_init: str = ""  # the EP group's rendezvous (torch.distributed init_method), ep_size > 1
 
 
 class CoreLoop:
@@ -66,10 +78,14 @@ class CoreLoop:
     Args:
         core: the engine core. send: sends one message to the front.
         max_message_bytes: inbound messages above this are refused.
+        fatal: a failed step raises (an EP rank: its group cannot go on) instead of failing the
+            requests in flight and going on.
     """
 
-    def __init__(self, core: EngineCore, send: Any, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        self.core, self.send = core, send
+    def __init__(
+        self, core: EngineCore, send: Any, max_message_bytes: int = MAX_MESSAGE_BYTES, fatal: bool = False
+    ) -> None:
+        self.core, self.send, self.fatal = core, send, fatal
         self.decoder = Decoder(ToCore, max_message_bytes)
         self.events_on = core.config.index_block_tokens is not None
         self.shutdown = False
@@ -152,6 +168,8 @@ class CoreLoop:
         try:
             self._outputs.extend(self.core.step())
         except Exception as e:  # an engine bug: fail the requests in flight, keep serving
+            if self.fatal:
+                raise
             log.exception("engine step failed")
             self._failure = f"engine failed: {e}"
             self._failed.extend(self.core.abort_all())
@@ -216,14 +234,24 @@ def run(spec: CoreSpec) -> int:
         out.send_multipart(encode(msg), copy=False)
 
     try:
-        core = EngineCore(spec.model_dir, spec.config, spec.eos_token_ids)
+        ep = _join_ep_group(spec)
+        core = EngineCore(spec.model_dir, spec.config, spec.eos_token_ids, ep_comm=ep)
     except Exception as e:
         log.exception("engine core failed to start")
         send(StartupFailed(f"{type(e).__name__}: {e}"))
         out.close(linger=2000)
         return 1
     send(Ready(core.limits, str(core.dtype).removeprefix("torch."), os.getpid()))
-    loop = CoreLoop(core, send, spec.max_message_bytes)
+    loop = CoreLoop(core, send, spec.max_message_bytes, fatal=ep is not None)
+    if ep is not None:
+        try:
+            code = _serve_ep(loop, inp, spec)
+        except Exception:  # a failed step or collective: a peer died or hung, or an engine bug
+            log.exception("expert-parallel rank %d failed: the instance stops", spec.ep_rank)
+            code = 1
+        out.close(linger=2000 if code == 0 else 0)
+        inp.close(linger=0)
+        return code
     while not loop.shutdown:
         busy = core.has_unfinished()
         if inp.poll(0 if busy else _IDLE_POLL_MS):
@@ -242,6 +270,69 @@ def run(spec: CoreSpec) -> int:
         loop.flush()
     out.close(linger=2000)
     inp.close(linger=0)
+    return 0
+
+
+def _join_ep_group(spec: CoreSpec) -> Any:
+    """This rank's ``TorchComm`` (None without EP). On CUDA rank r takes GPU r mod the count."""
+    cfg = spec.config
+    if cfg.ep_size == 1:
+        return None
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from swaserve.model.ep import TorchComm
+
+    cuda = torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda"))
+    if cuda:
+        spec.config = dataclasses.replace(cfg, device=f"cuda:{spec.ep_rank % torch.cuda.device_count()}")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=spec.ep_init,
+        rank=spec.ep_rank,
+        world_size=cfg.ep_size,
+        timeout=datetime.timedelta(seconds=cfg.ep_timeout_s),
+    )
+    log.info("expert-parallel rank %d of %d joined", spec.ep_rank, cfg.ep_size)
+    return TorchComm()
+
+
+def _serve_ep(loop: CoreLoop, inp: Any, spec: CoreSpec) -> int:
+    """The lockstep loop of an EP rank; returns the exit status (raises when a step or a
+    collective fails)."""
+    import torch
+    import torch.distributed as dist
+
+    core = loop.core
+    flags = torch.zeros(2, dtype=torch.int64, device=core.device)
+    group_busy = False
+    eager_until = 0.0
+    while True:
+        busy = core.has_unfinished()
+        eager = busy or group_busy or time.monotonic() < eager_until
+        if inp.poll(0 if eager else _IDLE_POLL_MS):
+            while True:
+                try:
+                    frames = inp.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                loop.handle(frames)
+            eager_until = time.monotonic() + _WAKE_GRACE_S
+        elif not eager and os.getppid() != spec.parent_pid:
+            log.error("the front process is gone: exiting")
+            return 1
+        flags[0], flags[1] = int(core.has_unfinished()), int(loop.shutdown)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank, once per iteration
+        if int(flags[1]):
+            break
+        group_busy = bool(int(flags[0]))
+        if group_busy:
+            loop.flush()
+            loop.step()  # a forward on every rank, idle ones without tokens
+        loop.flush()
+    dist.destroy_process_group()
     return 0
 
 

@@ -33,6 +33,32 @@ def resolve_engine_process(mode: str, device: str | None = None) -> EngineProces
     return "separate"
 
 
+def check_ep(model_dir: str | Path, config: EngineConfig) -> None:
+    """Refuse an expert-parallel setup that cannot start, before any process does.
+
+    Raises:
+        ValueError: ep_size > 1 with the inline engine, a model without routed experts, or a
+            placement that does not fit (``model.ep.PlacementError``).
+    """
+    if config.ep_size == 1:
+        return
+    if resolve_engine_process(config.engine_process, config.device) == "inline":
+        raise ValueError(
+            "expert parallelism (--ep-size > 1) runs each rank in its own process: "
+            "use --engine-process separate or auto"
+        )
+    from swaserve.config import ModelConfig
+    from swaserve.model.ep import ExpertPlacement
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    if not cfg.n_routed_experts or "sparse" not in cfg.mlp_types:
+        raise ValueError("expert parallelism needs a model with routed experts")
+    if config.ep_placement:
+        ExpertPlacement.from_file(config.ep_placement, cfg.n_routed_experts, config.ep_size)
+    else:
+        ExpertPlacement.contiguous(cfg.n_routed_experts, config.ep_size)
+
+
 def build_engine_client(
     model_dir: str | Path,
     config: EngineConfig,
@@ -53,6 +79,11 @@ def build_engine_client(
         cpus = usable_cpus()
         num_threads = cpus if torch.get_num_threads() > cpus else None
     mode = resolve_engine_process(config.engine_process, config.device)
+    if config.ep_size > 1:
+        check_ep(model_dir, config)
+        from swaserve.engine.ep_client import EPEngineClient
+
+        return EPEngineClient(model_dir, config, model_name, on_dead)
     if mode == "inline":
         from swaserve.engine.async_engine import AsyncLLMEngine
 

@@ -68,6 +68,10 @@ class Call(msgspec.Struct, tag="call"):
     method: Literal["flush_cache", "snapshot_events", "shutdown", "ping"]
 
 
+class Wake(msgspec.Struct, tag="wake"):
+    """Expert parallelism: another rank of the instance got work; step with it (no reply)."""
+
+
 # -- core -> front ------------------------------------------------------------------------------
 class Ready(msgspec.Struct, tag="ready"):
     """The core loaded the model and takes requests."""
@@ -106,7 +110,7 @@ class Reply(msgspec.Struct, tag="reply"):
     events: list[BlockEvent] = []
 
 
-ToCore = AddRequest | Abort | SupplyMedia | Call
+ToCore = AddRequest | Abort | SupplyMedia | Call | Wake
 FromCore = Ready | StartupFailed | Outputs | Reply
 
 

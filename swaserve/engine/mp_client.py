@@ -48,6 +48,7 @@ from swaserve.engine.ipc import (
     StartupFailed,
     SupplyMedia,
     ToCore,
+    Wake,
     encode,
 )
 from swaserve.engine.llm_engine import eos_token_ids
@@ -86,6 +87,8 @@ class MPEngineClient(LocalEngineClient):
     on_dead: called once with a message if the core process dies while serving.
     num_threads: torch threads of the core process (default: torch's).
     max_message_bytes: inbound IPC messages above this are refused (both sides).
+    ep_rank, ep_init: with ``engine_config.ep_size`` > 1, the core's rank and the group's
+        rendezvous (``engine.ep_client.EPEngineClient`` starts one client per rank).
     """
 
     def __init__(
@@ -96,6 +99,8 @@ class MPEngineClient(LocalEngineClient):
         on_dead: Callable[[str], None] | None = None,
         num_threads: int | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        ep_rank: int = 0,
+        ep_init: str = "",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
@@ -109,6 +114,7 @@ class MPEngineClient(LocalEngineClient):
         )  # until the core says what its KV cache holds
         self.kv_dtype = getattr(torch, self.engine_config.dtype)
         self.on_dead, self.num_threads, self.max_message_bytes = on_dead, num_threads, max_message_bytes
+        self.ep_rank, self.ep_init = ep_rank, ep_init
         self.processor = OutputProcessor(self.tokenizer)
         self.limits: EngineLimits | None = None
         self.pid: int | None = None  # the core process
@@ -161,7 +167,7 @@ class MPEngineClient(LocalEngineClient):
         self._from_core.bind(out_addr)
         spec = CoreSpec(
             str(self.model_dir), self.engine_config, sorted(eos_token_ids(self.tokenizer)), in_addr, out_addr,
-            os.getpid(), self.max_message_bytes, self.num_threads,
+            os.getpid(), self.max_message_bytes, self.num_threads, self.ep_rank, self.ep_init,
         )  # fmt: skip
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "swaserve.engine.core_proc", msgspec.json.encode(spec).decode()
@@ -373,6 +379,16 @@ class MPEngineClient(LocalEngineClient):
             self._to_core.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
             log.error("could not send %s to the engine core: %s", type(msg).__name__, e)
+
+    def kill(self) -> None:
+        """Kill the core process now (its watcher then fails the open requests and calls
+        ``on_dead``): a peer rank of an expert-parallel instance died."""
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
+
+    def wake(self) -> None:
+        """Expert parallelism: another rank got work; this core joins the group's steps now."""
+        self._send(Wake())
 
     def send_raw(self, frames: list[bytes]) -> None:
         """Send ``frames`` as one message to the core as they are (tests of its refusals)."""

@@ -4,11 +4,15 @@ outstanding and prefill tokens, steps and tokens computed). Its kvcache types ar
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from swaserve.engine.spec import SpecStats  # at run time: msgspec decodes these (engine.ipc)
 from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.kvcache.stats import PoolStats
+from swaserve.model.ep import EPStats
 
 
 @dataclass(frozen=True)
@@ -25,3 +29,40 @@ class EngineStats:
     steps_total: int = 0  # engine steps (forwards) run since start: its progress
     computed_tokens_total: int = 0  # tokens run through the model since start (prefill chunks + decode)
     spec: SpecStats | None = None  # MTP speculative decoding's counters (None: off)
+    ep: EPStats | None = None  # expert load per MoE layer across the EP group (None: no EP)
+
+
+def merge_stats(ranks: Sequence[EngineStats]) -> EngineStats:
+    """One instance's stats from its EP ranks' (each with its own requests and pools): counts and
+    pages summed (a pool's peak: the sum of the ranks' peaks, an upper bound), page sizes and
+    layer counts kept, the EP counters (the same on every rank) taken from the first."""
+    total = cast(EngineStats, _sum([dataclasses.replace(r, ep=None) for r in ranks]))
+    return dataclasses.replace(total, ep=ranks[0].ep)
+
+
+_KEEP = {"page_bytes", "num_layers"}
+
+
+def _sum(values: Sequence[object]) -> object:
+    """Field-wise sum of equal-typed dataclasses, dicts (by key), lists (by index) and numbers."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    v0 = present[0]
+    if dataclasses.is_dataclass(v0) and not isinstance(v0, type):
+        return dataclasses.replace(
+            v0,  # type: ignore[arg-type]
+            **{
+                f.name: getattr(v0, f.name)
+                if f.name in _KEEP
+                else _sum([getattr(v, f.name) for v in present])
+                for f in dataclasses.fields(v0)
+            },
+        )
+    if isinstance(v0, dict):
+        keys = list(dict.fromkeys(k for v in present for k in v))  # type: ignore[attr-defined]
+        return {k: _sum([v[k] for v in present if k in v]) for k in keys}  # type: ignore[index,operator]
+    if isinstance(v0, list):
+        width = max(len(v) for v in present)  # type: ignore[arg-type]
+        return [sum(v[i] for v in present if i < len(v)) for i in range(width)]  # type: ignore[index,arg-type]
+    return sum(present)  # type: ignore[arg-type]

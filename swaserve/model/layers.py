@@ -6,9 +6,14 @@ request's tokens of one step into one row block.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from swaserve.model.ep import EPShard
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +121,24 @@ def route_sigmoid_topk(
     return weights * scaling, ids
 
 
+def grouped_experts(
+    rows: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert: rows [N, hidden], the first ``counts[0]`` for
+    expert 0, then ``counts[1]`` for expert 1, ... (sum = N); weights as ``run_experts``'.
+    Returns [N, hidden]."""
+    outs = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        h = rows[start : start + n]
+        h = F.silu(F.linear(h, w_gate[e])) * F.linear(h, w_up[e])
+        outs.append(F.linear(h, w_down[e]))
+        start += n
+    return torch.cat(outs) if outs else rows.new_zeros(0, w_down.shape[1])
+
+
 def run_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -126,7 +149,8 @@ def run_experts(
 ) -> torch.Tensor:
     """Apply the chosen SwiGLU experts and sum them with their router weights.
 
-    The single place where expert compute happens, so expert parallelism can replace it.
+    The single place where expert compute happens on one rank (``model.ep.EPShard.run`` replaces
+    it under expert parallelism).
 
     Args:
         x: [T, hidden].
@@ -142,16 +166,7 @@ def run_experts(
     counts = torch.bincount(flat_ids, minlength=w_gate.shape[0]).tolist()
     rows = x[order // k]  # [T*k, hidden], grouped by expert
     w_sorted = weights.reshape(-1)[order].to(x.dtype)
-    outs = []
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        h = rows[start : start + n]
-        h = F.silu(F.linear(h, w_gate[e])) * F.linear(h, w_up[e])
-        outs.append(F.linear(h, w_down[e]))
-        start += n
-    expert_out = torch.cat(outs) * w_sorted[:, None]
+    expert_out = grouped_experts(rows, counts, w_gate, w_up, w_down) * w_sorted[:, None]
     per_choice = torch.empty_like(expert_out)
     per_choice[order] = expert_out  # back to (token, choice) order
     out = per_choice.view(-1, k, x.shape[-1]).sum(dim=1)
@@ -182,6 +197,27 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, inter))
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+        self.ep: EPShard | None = None  # expert parallel: this rank's experts only
+        self.ep_layer = 0
+
+    def shard(self, ep: EPShard, index: int) -> None:
+        """Hold only ``ep``'s experts (weights become [E_local, ...] meta tensors until loaded);
+        ``index``: this layer's position among the MoE layers (the EP counters')."""
+        n = len(ep.experts)
+        for name in ("w_gate", "w_up", "w_down"):
+            w = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(n, *w.shape[1:], dtype=w.dtype, device="meta")))
+        self.ep, self.ep_layer = ep, index
+
+    def idle(self) -> None:
+        """Expert parallel: join this layer's dispatch and combine with no tokens of this rank's
+        (its experts still compute the other ranks' rows)."""
+        assert self.ep is not None
+        dev, k = self.w_gate.device, self.top_k
+        x = torch.empty(0, self.gate_weight.shape[1], dtype=self.w_gate.dtype, device=dev)
+        w = torch.empty(0, k, dtype=torch.float32, device=dev)
+        ids = torch.empty(0, k, dtype=torch.int64, device=dev)
+        self.ep.run(self.ep_layer, x, w, ids, self.w_gate, self.w_up, self.w_down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_sigmoid_topk(
@@ -194,4 +230,6 @@ class MoE(nn.Module):
             self.norm_topk_prob,
             self.scaling,
         )
+        if self.ep is not None:
+            return self.ep.run(self.ep_layer, x, weights, ids, self.w_gate, self.w_up, self.w_down)
         return run_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down)

@@ -15,6 +15,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,9 @@ from swaserve.config import ModelConfig
 from swaserve.model.mimo_v2 import MiMoV2ForCausalLM
 from swaserve.model.mtp import count_mtp_layers
 from swaserve.model.multimodal import TOWER_PREFIXES
+
+if TYPE_CHECKING:
+    from swaserve.model.ep import EPShard
 
 
 class LoadError(RuntimeError):
@@ -68,8 +72,11 @@ def load_model(
     cfg: ModelConfig | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    ep: EPShard | None = None,
 ) -> MiMoV2ForCausalLM:
     """Build the model from ``model_dir`` with weights in ``dtype`` on ``device``.
+
+    With ``ep`` (expert parallelism) every MoE layer holds only that rank's routed experts.
 
     The router weight and correction bias stay fp32 (as in the checkpoint), like transformers.
 
@@ -83,6 +90,10 @@ def load_model(
         cfg = dataclasses.replace(cfg, num_mtp_layers=count_mtp_layers(set(raw)))
     with torch.device("meta"):
         model = MiMoV2ForCausalLM(cfg)
+    experts = list(range(cfg.n_routed_experts))
+    if ep is not None:
+        model.shard_experts(ep)
+        experts = list(ep.experts)
     block = tuple(cfg.quantization["weight_block_size"]) if cfg.quantization else None
 
     def take(name: str) -> torch.Tensor:
@@ -120,7 +131,7 @@ def load_model(
         want(o + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
         _load_attention(cfg.attn(i), p + "self_attn.", o + "self_attn.", raw, take, params, missing, want)
         if cfg.mlp_types[i] == "sparse":
-            _load_moe(cfg, p + "mlp.", o + "mlp.", raw, take, params, missing, want)
+            _load_moe(cfg, experts, p + "mlp.", o + "mlp.", raw, take, params, missing, want)
         else:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 want(o + f"mlp.{n}.weight", p + f"mlp.{n}.weight")
@@ -187,22 +198,32 @@ def _load_attention(shape, p, o, raw, take, params, missing, want):  # type: ign
         want(o + "attention_sink_bias", p + "attention_sink_bias", p + "sinks")
 
 
-def _load_moe(cfg, p, o, raw, take, params, missing, want):  # type: ignore[no-untyped-def]
+def _load_moe(cfg, experts, p, o, raw, take, params, missing, want):  # type: ignore[no-untyped-def]
+    """``experts``: the routed experts to keep, in local order (all of them without EP); the
+    others' tensors are dropped unread by the caller."""
     want(o + "gate_weight", p + "gate.weight")
     want(o + "e_score_correction_bias", p + "gate.e_score_correction_bias")
     if p + "experts.gate_up_proj" in raw:
-        gu = take(p + "experts.gate_up_proj")
+        gu = take(p + "experts.gate_up_proj")[experts]
         inter = cfg.moe_intermediate_size
         params[o + "w_gate"], params[o + "w_up"] = gu[:, :inter].contiguous(), gu[:, inter:].contiguous()
-        want(o + "w_down", p + "experts.down_proj")
+        if p + "experts.down_proj" in raw:
+            params[o + "w_down"] = take(p + "experts.down_proj")[experts].contiguous()
+        else:
+            missing.append(p + "experts.down_proj")
         return
+    keep = set(experts)
     for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
         names = [f"{p}experts.{e}.{theirs}.weight" for e in range(cfg.n_routed_experts)]
         absent = [n for n in names if n not in raw]
         if absent:
             missing.extend(absent)
             continue
-        params[o + ours] = torch.stack([take(n) for n in names])
+        for e, name in enumerate(names):  # another rank's expert: dropped (and its FP8 scale)
+            if e not in keep:
+                raw.pop(name)
+                raw.pop(name[: -len("weight")] + "weight_scale_inv", None)
+        params[o + ours] = torch.stack([take(names[e]) for e in experts])
 
 
 def hub_tensor(model: MiMoV2ForCausalLM, name: str, like: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.model.attention import Attention, AttentionBackend, KindMeta, TorchPagedAttention
 from swaserve.model.layers import DenseMLP, MoE, PartialRope, RMSNorm
 from swaserve.model.mtp import MTPLayer
+
+if TYPE_CHECKING:
+    from swaserve.model.ep import EPShard
 
 
 @dataclass
@@ -134,6 +137,22 @@ class MiMoV2ForCausalLM(nn.Module):
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
+
+    def moe_layers(self) -> list[MoE]:
+        """The sparse MLPs, in layer order."""
+        return [m.mlp for m in cast(list[DecoderLayer], list(self.layers)) if isinstance(m.mlp, MoE)]
+
+    def shard_experts(self, ep: EPShard) -> None:
+        """Expert parallelism: every MoE layer keeps only ``ep``'s experts (before loading)."""
+        for i, moe in enumerate(self.moe_layers()):
+            moe.shard(ep, i)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """Expert parallelism, a step with no tokens on this rank: join every MoE layer's
+        dispatch and combine with zero rows, in layer order, as a forward would."""
+        for moe in self.moe_layers():
+            moe.idle()
 
     @torch.inference_mode()
     def embed(
