@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,deploy,gcache]" "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,deploy,gcache,ray]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -217,6 +217,19 @@ def up(
         list[str] | None,
         typer.Option(help="Extra encoder argument (repeatable), e.g. --encoder-arg=--max-batch-items=8."),
     ] = None,
+    prefill_ep: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Expert parallelism of each prefill worker: ranks per instance (--ep-size)."
+        ),
+    ] = 1,
+    launcher: Annotated[
+        Literal["process", "ray"],
+        typer.Option(
+            help="How EP instances start their ranks: child processes, or Ray actors in a placement "
+            "group (--ep-launcher; each worker starts a local Ray on 127.0.0.1 unless RAY_ADDRESS is set)."
+        ),
+    ] = "process",
 ) -> None:
     """Start the disaggregated cluster (router + prefill + decode workers, optional GCache nodes and
     media encoders) on
@@ -245,9 +258,9 @@ def up(
         prefill,
         decode,
         port,
-        worker_args=list(worker_arg or []),
+        worker_args=[*(["--ep-launcher", launcher] if launcher != "process" else []), *(worker_arg or [])],
         router_args=[*front, *(router_arg or [])],
-        prefill_args=list(prefill_arg or []),
+        prefill_args=[*(["--ep-size", str(prefill_ep)] if prefill_ep > 1 else []), *(prefill_arg or [])],
         decode_args=list(decode_arg or []),
         prefill_ranges=list(prefill_len_range or []),
         routers=routers,

@@ -319,6 +319,10 @@ class EngineConfig:
             None: contiguous).
         ep_timeout_s: seconds a rank waits in an EP collective for its peers before it gives up
             (the instance then exits; a dead peer is noticed at once).
+        ep_launcher: how the ranks start: "process" (child processes) or "ray" (actors in a
+            Ray placement group: ``engine.ray_ranks``).
+        ray_address: the Ray cluster ``ep_launcher`` ray joins (None: ``RAY_ADDRESS``, else a
+            local Ray on 127.0.0.1).
     """
 
     page_size: int = 16
@@ -350,3 +354,5 @@ class EngineConfig:
     ep_size: int = 1
     ep_placement: str | None = None
     ep_timeout_s: float = 60.0
+    ep_launcher: str = "process"
+    ray_address: str | None = None

@@ -230,6 +230,29 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         60.0,
     ),
     EngineOption(
+        "ep_launcher",
+        Annotated[
+            Literal["process", "ray"],
+            typer.Option(
+                help="EP: start the ranks as child processes, or as Ray actors in one placement "
+                "group (gang-placed on one node; a dead actor ends the instance). Ray: "
+                "pip install 'swaserve[ray]'.",
+            ),
+        ],
+        "process",
+    ),
+    EngineOption(
+        "ray_address",
+        Annotated[
+            str | None,
+            typer.Option(
+                help="EP with --ep-launcher ray: the Ray cluster to join (default: RAY_ADDRESS, else a "
+                "local Ray on 127.0.0.1 started by this process)."
+            ),
+        ],
+        None,
+    ),
+    EngineOption(
         "l3_url",
         Annotated[
             str | None,

@@ -33,6 +33,7 @@ IO_SHELLS = (
     "swaserve.engine.async_engine",
     "swaserve.engine.mp_client",
     "swaserve.engine.ep_client",
+    "swaserve.engine.ray_ranks",
     "swaserve.engine.core_proc",
     "swaserve.engine.ipc",
 )

@@ -213,12 +213,14 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def run(spec: CoreSpec) -> int:
-    """Serve the front until it asks to shut down; returns the exit status."""
-    _die_with_parent(spec.parent_pid)
-    # Ctrl-C (and a SIGTERM sent to the process group) reach us too: the front stops us, after a
-    # worker's drain (--shutdown-timeout); its death kills us (_die_with_parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """Serve the front until it asks to shut down; returns the exit status. ``parent_pid`` 0: a
+    Ray actor (``engine.ray_ranks``), whose lifetime Ray ties to the front's: no parent checks."""
+    if spec.parent_pid:
+        _die_with_parent(spec.parent_pid)
+        # Ctrl-C (and a SIGTERM sent to the process group) reach us too: the front stops us, after a
+        # worker's drain (--shutdown-timeout); its death kills us (_die_with_parent)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if spec.num_threads is not None:
         import torch
 
@@ -261,7 +263,7 @@ def run(spec: CoreSpec) -> int:
                 except zmq.Again:
                     break
                 loop.handle(frames)
-        elif not busy and os.getppid() != spec.parent_pid:
+        elif not busy and spec.parent_pid and os.getppid() != spec.parent_pid:
             log.error("the front process is gone: exiting")
             return 1
         if not loop.shutdown and core.has_unfinished():
@@ -320,7 +322,7 @@ def _serve_ep(loop: CoreLoop, inp: Any, spec: CoreSpec) -> int:
                     break
                 loop.handle(frames)
             eager_until = time.monotonic() + _WAKE_GRACE_S
-        elif not eager and os.getppid() != spec.parent_pid:
+        elif not eager and spec.parent_pid and os.getppid() != spec.parent_pid:
             log.error("the front process is gone: exiting")
             return 1
         flags[0], flags[1] = int(core.has_unfinished()), int(loop.shutdown)

@@ -7,7 +7,8 @@ on a loopback TCP port). The front places each request on a rank (``engine.dp_ra
 and wakes the others, so every rank steps while any has work; cache events are merged into the
 instance's (``EventMerger``). A rank that dies (or is killed as hung) ends the instance: the
 others are killed, open requests fail with ``EngineDead`` and ``on_dead`` runs once, so the
-worker goes NOT_SERVING and exits as it does for a single core.
+worker goes NOT_SERVING and exits as it does for a single core. With ``ep_launcher`` ray the
+ranks are Ray actors in one placement group instead of child processes (``engine.ray_ranks``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from swaserve.config import EngineConfig
 from swaserve.cpus import usable_cpus
 from swaserve.engine.client import EngineDead, LocalEngineClient
@@ -33,11 +36,19 @@ from swaserve.procs import free_port
 if TYPE_CHECKING:
     import torch
 
+    from swaserve.engine.core_proc import CoreSpec
+    from swaserve.engine.ray_ranks import RankGroup, RayCore
     from swaserve.kvcache.block_events import BlockEvent
     from swaserve.media.placeholders import MediaInputs
     from swaserve.transfer.kv_transfer import KVPayload
 
 log = logging.getLogger(__name__)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class EPEngineClient(LocalEngineClient):
@@ -83,6 +94,8 @@ class EPEngineClient(LocalEngineClient):
         self.merger = EventMerger()
         self._owner: dict[str, int] = {}
         self._dead: EngineDead | None = None
+        self._group: RankGroup | None = None  # --ep-launcher ray: the ranks' placement group
+        self._ray_here = False  # a local Ray this client started
 
     @property
     def running(self) -> bool:
@@ -103,6 +116,8 @@ class EPEngineClient(LocalEngineClient):
         init = f"tcp://127.0.0.1:{free_port()}"
         for c in self.ranks:
             c.ep_init = init
+        if self.engine_config.ep_launcher == "ray":
+            await self._ray_group()
         tasks = [asyncio.create_task(c.start()) for c in self.ranks]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [(r, t.exception()) for r, t in enumerate(tasks) if t.done() and t.exception()]
@@ -111,6 +126,7 @@ class EPEngineClient(LocalEngineClient):
                 c.kill()
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*(c.stop() for c in self.ranks), return_exceptions=True)
+            await self._release_ray()
             r, e = failed[0]
             raise RuntimeError(f"expert-parallel rank {r} of {len(self.ranks)}: {e}")
         self.max_model_len = min(c.max_model_len for c in self.ranks)
@@ -118,7 +134,43 @@ class EPEngineClient(LocalEngineClient):
         log.info("expert-parallel instance of %d ranks ready (%s)", len(self.ranks), init)
 
     async def stop(self) -> None:
-        await asyncio.gather(*(c.stop() for c in self.ranks))
+        try:
+            await asyncio.gather(*(c.stop() for c in self.ranks))
+        finally:
+            await self._release_ray()
+
+    async def _ray_group(self) -> None:
+        """Ranks as Ray actors: Ray up (joined or local), one bundle per rank placed together."""
+        from swaserve.engine.ray_ranks import RankGroup, init_ray
+
+        cfg = self.engine_config
+        cuda = (cfg.device or "").startswith("cuda") or (cfg.device is None and _cuda())
+        self._ray_here = await asyncio.to_thread(
+            init_ray, cfg.ray_address, max(len(self.ranks), usable_cpus())
+        )
+        group = RankGroup(len(self.ranks), gpus=1 if cuda else 0)
+        try:
+            await asyncio.to_thread(group.create)
+        except BaseException:
+            await self._release_ray()
+            raise
+        self._group = group
+
+        async def launch(rank: int, spec: CoreSpec) -> RayCore:
+            return await asyncio.to_thread(group.launch, rank, msgspec.json.encode(spec).decode())
+
+        for r, c in enumerate(self.ranks):
+            c.launch = functools.partial(launch, r)
+
+    async def _release_ray(self) -> None:
+        if self._group is not None:
+            await asyncio.to_thread(self._group.remove)
+            self._group = None
+        if self._ray_here:
+            import ray
+
+            await asyncio.to_thread(ray.shutdown)
+            self._ray_here = False
 
     def _rank_dead(self, rank: int, message: str) -> None:
         if self._dead is not None:

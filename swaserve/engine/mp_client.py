@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,6 +115,9 @@ class MPEngineClient(LocalEngineClient):
         self.kv_dtype = getattr(torch, self.engine_config.dtype)
         self.on_dead, self.num_threads, self.max_message_bytes = on_dead, num_threads, max_message_bytes
         self.ep_rank, self.ep_init = ep_rank, ep_init
+        self.launch: Callable[[CoreSpec], Awaitable[Any]] | None = None
+        """Starts the core instead of a child process: returns a handle with ``pid``,
+        ``returncode``, ``wait()`` and ``kill()`` (``engine.ray_ranks.RayCore``)."""
         self.processor = OutputProcessor(self.tokenizer)
         self.limits: EngineLimits | None = None
         self.pid: int | None = None  # the core process
@@ -126,7 +129,7 @@ class MPEngineClient(LocalEngineClient):
         self._decoder = Decoder(FromCore, max_message_bytes)
         self._dead: EngineDead | None = None
         self._stopping = False
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: Any = None  # asyncio.subprocess.Process, or what ``launch`` returned
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._to_core: Any = None
@@ -169,9 +172,13 @@ class MPEngineClient(LocalEngineClient):
             str(self.model_dir), self.engine_config, sorted(eos_token_ids(self.tokenizer)), in_addr, out_addr,
             os.getpid(), self.max_message_bytes, self.num_threads, self.ep_rank, self.ep_init,
         )  # fmt: skip
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "swaserve.engine.core_proc", msgspec.json.encode(spec).decode()
-        )
+        if self.launch is not None:  # e.g. a Ray actor (engine.ray_ranks): no parent to watch
+            spec.parent_pid = 0
+            self._proc = await self.launch(spec)
+        else:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "swaserve.engine.core_proc", msgspec.json.encode(spec).decode()
+            )
         log.info("engine core process %d starting", self._proc.pid)
         try:
             ready = await self._wait_ready()

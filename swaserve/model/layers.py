@@ -6,14 +6,28 @@ request's tokens of one step into one row block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from swaserve.model.ep import EPShard
+
+class ExpertRunner(Protocol):
+    """What replaces ``run_experts`` under expert parallelism (``model.ep.EPShard``)."""
+
+    experts: tuple[int, ...]  # this rank's experts, in local order
+
+    def run(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w_gate: torch.Tensor,
+        w_up: torch.Tensor,
+        w_down: torch.Tensor,
+    ) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -197,10 +211,10 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, inter))
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
-        self.ep: EPShard | None = None  # expert parallel: this rank's experts only
+        self.ep: ExpertRunner | None = None  # expert parallel: this rank's experts only
         self.ep_layer = 0
 
-    def shard(self, ep: EPShard, index: int) -> None:
+    def shard(self, ep: ExpertRunner, index: int) -> None:
         """Hold only ``ep``'s experts (weights become [E_local, ...] meta tensors until loaded);
         ``index``: this layer's position among the MoE layers (the EP counters')."""
         n = len(ep.experts)

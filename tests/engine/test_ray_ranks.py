@@ -1,0 +1,79 @@
+"""Ray as the launcher of an expert-parallel instance (``--ep-launcher ray``): two actors in one
+placement group, a local Ray on 127.0.0.1, the same outputs as child-process ranks; killing an
+actor ends the instance (every rank gone, ``on_dead`` once, the bundles released)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from swaserve.config import EngineConfig
+from swaserve.engine.ep_client import EPEngineClient
+from swaserve.engine.types import SamplingParams
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.cluster
+
+
+def _prompts() -> list[list[int]]:
+    return [[5 + i, 9, 13, 200 + i, 7] * (3 + i) for i in range(4)]
+
+
+async def _outputs(client: EPEngineClient) -> list[list[int]]:
+    async def one(i: int, p: list[int]) -> list[int]:
+        toks: list[int] = []
+        async for o in client.generate(p, SamplingParams(max_tokens=12, temperature=0.0), f"r{i}"):
+            toks += o.new_token_ids
+        return toks
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts())))
+
+
+def test_ray_actor_ranks_equal_child_processes_and_a_killed_actor_ends_the_instance(tiny_dir: Path) -> None:
+    cfg = EngineConfig(ep_size=2, max_num_batched_tokens=16, page_size=4, kv_cache_memory=16 << 20)
+
+    async def children() -> list[list[int]]:
+        c = EPEngineClient(tiny_dir, cfg)
+        await c.start()
+        try:
+            return await _outputs(c)
+        finally:
+            await c.stop()
+
+    async def actors() -> tuple[list[list[int]], list[str], float]:
+        dead: list[str] = []
+        c = EPEngineClient(
+            tiny_dir, EngineConfig(**{**cfg.__dict__, "ep_launcher": "ray"}), on_dead=dead.append
+        )
+        await c.start()
+        try:
+            assert ray.is_initialized() and ray.util.get_node_ip_address() == "127.0.0.1"
+            assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+            group = c._group
+            assert group is not None and len(group.actors) == 2
+            table = ray.util.placement_group_table(group.pg)
+            assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
+            out = await _outputs(c)
+            ray.kill(group.actors[1])
+            t0 = time.monotonic()
+            while not dead:
+                assert time.monotonic() - t0 < 15, "killing an actor did not end the instance"
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - t0
+            for r in c.ranks:  # the other rank is killed too
+                await asyncio.wait_for(r._proc.wait(), 15)
+            assert not c.running
+            await asyncio.sleep(0.2)
+            assert len(dead) == 1
+            return out, dead, took
+        finally:
+            await c.stop()
+            assert not ray.is_initialized()  # the local Ray this client started is gone
+
+    want = asyncio.run(children())
+    got, dead, took = asyncio.run(actors())
+    assert got == want
+    assert "rank 1 of 2" in dead[0] and took < 15
