@@ -262,7 +262,12 @@ class EPShard:
         self.bytes_sent += partial.numel() * partial.element_size()
         back = self.comm.all_to_all(partial, recv_splits, send_splits)  # [P, hidden], pair order
         out = torch.zeros_like(x)
-        return out.index_add_(0, tokens, back) if n else out
+        start = 0
+        for m in send_splits:  # rank by rank: unique tokens per add, so the sum order is fixed
+            if m:  # (one index_add_ with repeated indices is atomic, unordered, on CUDA)
+                out.index_add_(0, tokens[start : start + m], back[start : start + m])
+            start += m
+        return out
 
 
 def _local_experts(
