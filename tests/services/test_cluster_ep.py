@@ -1,5 +1,5 @@
 """Expert parallelism through ``swaserve serve --ep-size 2`` and ``swaserve up`` (two prefill
-workers, each an EP = 2 instance of two engine-core ranks): greedy outputs equal transformers
+workers and a decode worker, each an EP = 2 instance of two engine-core ranks): greedy outputs equal transformers
 ``generate()`` and one engine; killing a rank under load takes its worker down (NOT_SERVING,
 non-zero exit, its other rank gone, within seconds) and the router serves on with the other."""
 
@@ -96,7 +96,7 @@ def test_serve_ep2_greedy_equals_transformers(tiny_dir: Path, hf_tiny) -> None: 
 @pytest.fixture(scope="module")
 def ep_cluster(tiny_dir: Path) -> Iterator[Cluster]:
     c = Cluster(
-        tiny_dir, prefill=2, decode=1, worker_args=WORKER_ARGS, prefill_args=["--ep-size", "2"],
+        tiny_dir, prefill=2, decode=1, worker_args=[*WORKER_ARGS, "--ep-size", "2"],
         router_args=FAST_POLLS, redis=False,
     )  # fmt: skip
     with running(c, timeout_s=300):
@@ -110,7 +110,7 @@ def test_up_with_ep_prefill_workers_equals_transformers(ep_cluster: Cluster, tin
     assert [r["choices"][0]["token_ids"] for r in got] == want
     for p, w in list(zip(ps, want, strict=True))[:2]:
         assert _hf(hf_tiny, p) == w
-    for name in ("prefill-0", "prefill-1"):
+    for name in ("prefill-0", "prefill-1", "decode-0"):  # the decode worker imports KV into a rank
         assert len(core_ranks(ep_cluster.services[name].proc.pid)) == 2  # type: ignore[union-attr]
 
 
