@@ -133,6 +133,20 @@ TYPOS = [
     ({"router": {"media": {"allowedDomains": ["https://x.com"]}}}, "/router/media/allowedDomains/0"),
     ({"router": {"media": {"allowedLocalPath": "media"}}}, "/router/media/allowedLocalPath"),
     ({"clusterDomain": "Cluster.Local"}, "/clusterDomain"),
+    ({"prefill": {"defaults": {"ep": {"size": 0}}}}, "/prefill/defaults/ep/size"),
+    ({"prefill": {"defaults": {"ep": {"sise": 2}}}}, "additional properties 'sise'"),
+    ({"prefill": {"defaults": {"ep": {"timeoutSeconds": 0}}}}, "/prefill/defaults/ep/timeoutSeconds"),
+    ({"prefill": {"defaults": {"ep": {"shmPerRank": "1GiB"}}}}, "/prefill/defaults/ep/shmPerRank"),
+    ({"prefill": {"defaults": {"ep": {"placement": [[0, 1]]}}}}, "/prefill/defaults/ep/placement"),
+    (
+        {"prefill": {"defaults": {"ep": {"placement": {"ranks": [[0, -1]]}}}}},
+        "/prefill/defaults/ep/placement/ranks/0/1",
+    ),
+    (
+        {"prefill": {"buckets": [{"name": "a", "promptLenRange": "0-", "ep": {"size": "2"}}]}},
+        "/prefill/buckets/0/ep/size",
+    ),
+    ({"decode": {"ep": {"size": 2}}}, "additional properties 'ep'"),  # EP is the prefill workers'
 ]
 
 
@@ -186,6 +200,53 @@ FAILS = [
     (
         {"encoder": {"enabled": True, "autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
         "encoder autoscaling: minReplicas 5 > maxReplicas 2",
+    ),
+    (
+        {"prefill": {"defaults": {"gpus": 2, "ep": {"size": 4}}}},
+        "gpus is per rank, set it to 1 (the pod then requests 4 GPUs)",
+    ),
+    (
+        {"prefill": {"defaults": {"ep": {"placement": {"ranks": [[0, 1], [2, 3]]}}}}},
+        "ep.size is 1 (no expert parallelism): set ep.size 2",
+    ),
+    (
+        {"prefill": {"defaults": {"ep": {"size": 4, "placement": {"ranks": [[0, 1], [2, 3]]}}}}},
+        "ep.placement has 2 ranks, ep.size is 4",
+    ),
+    (
+        {"prefill": {"defaults": {"ep": {"size": 2, "placement": {"ranks": [[0, 1], [1, 2]]}}}}},
+        "experts 0..3 exactly once each (some are repeated)",
+    ),
+    (
+        {"prefill": {"defaults": {"ep": {"size": 2, "placement": {"ranks": [[0, 1], [2, 7]]}}}}},
+        "expert 7 is out of range",
+    ),
+    (
+        {"prefill": {"defaults": {"engineArgs": ["--ep-size", "2"]}}},
+        "engineArgs has --ep-size: set prefill.defaults.ep",
+    ),
+    (
+        {"prefill": {"defaults": {"engineArgs": ["--ep-placement=/x.json"]}}},
+        "engineArgs has --ep-placement=/x.json",
+    ),
+    (
+        {"prefill": {"defaults": {"ep": {"size": 2}, "engineArgs": ["--engine-process", "inline"]}}},
+        "drop --engine-process inline",
+    ),
+    (
+        {
+            "prefill": {
+                "buckets": [
+                    {
+                        "name": "long",
+                        "promptLenRange": "0-",
+                        "ep": {"size": 2},
+                        "engineArgs": ["--engine-process=inline"],
+                    }
+                ]
+            }
+        },
+        "prefill bucket long: ep.size 2 runs each rank in its own process",
     ),
 ]
 
@@ -431,14 +492,18 @@ def test_workers_and_routers_drain_within_their_grace_period(name: str) -> None:
 
 
 def test_gpus_are_requested_and_limited() -> None:
+    """A GPU per decode worker; a GPU per rank of the expert-parallel prefill instance (EP 4)."""
     docs = render(EXAMPLES["gpu"])
-    workers = [t for _, t in _pod_templates(docs) if "swaserve.io/role" in t["metadata"]["labels"]]
-    assert len(workers) == 2
-    for t in workers:
+    workers = {t["metadata"]["labels"]["swaserve.io/role"]: t for _, t in _pod_templates(docs)
+               if "swaserve.io/role" in t["metadata"]["labels"]}  # fmt: skip
+    assert set(workers) == {"prefill", "decode"}
+    for role, (gpus, memory) in {"prefill": (4, "256Gi"), "decode": (1, "64Gi")}.items():
+        t = workers[role]
         res = t["spec"]["containers"][0]["resources"]
-        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 1
-        assert res["requests"]["memory"] == "64Gi"  # the values' own requests kept
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == gpus
+        assert res["requests"]["memory"] == memory  # the values' own requests kept
         assert t["spec"]["runtimeClassName"] == "nvidia"
+    assert _arg(workers["prefill"]["spec"]["containers"][0], "--ep-size") == "4"
     for _, t in _pod_templates(render({})):
         assert "nvidia.com/gpu" not in str(t["spec"]["containers"][0].get("resources"))
 
@@ -940,3 +1005,126 @@ def test_encoders_with_grpc_tls() -> None:
         secret = next(v for v in _by_name(docs, "Deployment", name)["spec"]["template"]["spec"]["volumes"]
                       if v["name"] == "grpc-tls")  # fmt: skip
         assert secret == vol
+
+
+# -- expert-parallel prefill ----------------------------------------------------------------------------
+PREFILL = f"{RELEASE}-swaserve-prefill-all"
+EP_VALUES: dict[str, Any] = {
+    "prefill": {
+        "defaults": {
+            "gpus": 1,
+            "shmSize": "1Gi",
+            "ep": {"size": 2, "placement": {"ranks": [[0, 2, 4, 6], [1, 3, 5, 7]]}, "shmPerRank": "512Mi"},
+        }
+    }
+}
+
+
+def test_an_ep_prefill_instance_is_one_pod_holding_its_ranks(tmp_path: Any) -> None:
+    """EP 2: one pod with the worker's flags, a GPU per rank, /dev/shm grown per rank, the ranks'
+    sockets on loopback, the placement's ConfigMap mounted as the --ep-placement file (the engine
+    reads it as written; a new placement rolls the pods); probes, ports, drain, PDB and
+    NetworkPolicies as without EP."""
+    import hashlib
+
+    from swaserve.model.ep import ExpertPlacement
+
+    docs = render(EP_VALUES)
+    dep = _by_name(docs, "Deployment", PREFILL)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert dep["spec"]["replicas"] == 1 and len(pod["containers"]) == 1  # the ranks are processes, not pods
+    assert (_arg(c, "--ep-size"), _arg(c, "--ep-timeout-s")) == ("2", "60")
+    res = c["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 2
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": (1 << 30) + 2 * (512 << 20)}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
+    # the placement: a ConfigMap of this bucket, mounted where --ep-placement points
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "ep-placement"]
+    assert mount["readOnly"] is True
+    path = _arg(c, "--ep-placement")
+    assert path.startswith(mount["mountPath"] + "/")
+    cm = _by_name(docs, "ConfigMap", vols["ep-placement"]["configMap"]["name"])
+    data = cm["data"][path.removeprefix(mount["mountPath"] + "/")]
+    (tmp_path / "placement.json").write_text(data)
+    placement = ExpertPlacement.from_file(tmp_path / "placement.json", 8, 2)
+    assert placement.ranks == ((0, 2, 4, 6), (1, 3, 5, 7))
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["swaserve.io/ep-placement-sha256"] == hashlib.sha256(data.encode()).hexdigest()
+    # the same pod otherwise: probes, ports, preStop and grace, the other volumes
+    plain = render({})
+    base = _by_name(plain, "Deployment", PREFILL)["spec"]["template"]["spec"]
+    b = base["containers"][0]
+    for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports", "lifecycle"):
+        assert c[key] == b[key], key
+    assert pod["terminationGracePeriodSeconds"] == base["terminationGracePeriodSeconds"]
+    assert c["args"][: len(b["args"])] == b["args"]  # the EP flags come after the worker's own
+    # PDB and NetworkPolicies: those of the plain render (ranks talk inside the pod, over loopback)
+    for kind in ("PodDisruptionBudget", "NetworkPolicy"):
+        assert _objects(docs, kind) == _objects(plain, kind), kind
+    # decode workers are not expert-parallel here
+    decode = _container(docs, "Deployment", f"{RELEASE}-swaserve-decode")
+    assert not [a for a in decode["args"] if a.startswith("--ep-")]
+    assert "GLOO_SOCKET_IFNAME" not in {e["name"] for e in decode["env"]}
+    # a new placement, a new checksum: the Deployment rolls (the worker reads the file at start)
+    moved = copy.deepcopy(EP_VALUES)
+    moved["prefill"]["defaults"]["ep"]["placement"] = {"ranks": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    again = _by_name(render(moved), "Deployment", PREFILL)["spec"]["template"]["metadata"]["annotations"]
+    assert again["swaserve.io/ep-placement-sha256"] != annotations["swaserve.io/ep-placement-sha256"]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in (dep, cm):
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_ep_without_placement_gpus_or_its_env_defaults() -> None:
+    """Contiguous experts: no ConfigMap, volume or checksum; CPU ranks request no GPU; the user's
+    env replaces the chart's loopback choice; EP 1 (the default) renders no EP flag at all."""
+    values = {"prefill": {"defaults": {"ep": {"size": 4, "timeoutSeconds": 30.5},
+                                       "env": [{"name": "NCCL_SOCKET_IFNAME", "value": "=eth0"}]}}}  # fmt: skip
+    docs = render(values)
+    dep = _by_name(docs, "Deployment", PREFILL)
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert (_arg(c, "--ep-size"), _arg(c, "--ep-timeout-s")) == ("4", "30.5")
+    assert "--ep-placement" not in c["args"]
+    assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-ep")]
+    assert "swaserve.io/ep-placement-sha256" not in dep["spec"]["template"]["metadata"]["annotations"]
+    assert "nvidia.com/gpu" not in str(c["resources"])
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=eth0"}
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["shm"]["emptyDir"]["sizeLimit"] == (1 << 30) + 4 * (1 << 30)  # 1Gi + 4 x 1Gi
+    plain = _container(render({}), "Deployment", PREFILL)
+    assert not [a for a in plain["args"] if a.startswith("--ep-")]
+    assert {e["name"] for e in plain["env"]} == {"POD_IP"}
+
+
+def test_ep_is_set_per_bucket_and_autoscales_by_whole_pods() -> None:
+    """A long-prompt bucket expert-parallel, a short one not; the long one's autoscaler targets
+    its Deployment (an EP instance is a pod: replicas are instances) with the usual triggers."""
+    values = {
+        "prefill": {
+            "buckets": [
+                {"name": "short", "promptLenRange": "0-4k"},
+                {"name": "long", "promptLenRange": "4k-", "gpus": 1, "autoscaling": {"enabled": True},
+                 "ep": {"size": 2, "placement": {"ranks": [[0, 1, 2, 3], [4, 5, 6, 7]]}}},
+            ]
+        }
+    }  # fmt: skip
+    docs = render(values)
+    short = _container(docs, "Deployment", f"{RELEASE}-swaserve-prefill-short")
+    long = _container(docs, "Deployment", f"{RELEASE}-swaserve-prefill-long")
+    assert not [a for a in short["args"] if a.startswith("--ep-")] and "nvidia.com/gpu" not in str(short)
+    assert _arg(long, "--ep-size") == "2" and long["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert [
+        d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap" and "-ep" in d["metadata"]["name"]
+    ] == [f"{RELEASE}-swaserve-prefill-long-ep"]
+    [so] = _objects(docs, "ScaledObject")
+    assert so["spec"]["scaleTargetRef"]["name"] == f"{RELEASE}-swaserve-prefill-long"
+    assert "replicas" not in _by_name(docs, "Deployment", f"{RELEASE}-swaserve-prefill-long")["spec"]
+    plain = copy.deepcopy(values)
+    del plain["prefill"]["buckets"][1]["ep"]
+    [so_plain] = _objects(render(plain), "ScaledObject")
+    assert so["spec"] == so_plain["spec"]

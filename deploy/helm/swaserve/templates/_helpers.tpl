@@ -358,3 +358,56 @@ topologySpreadConstraints:
 - {{ .Values.encoder.prefill.fetchTimeout | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* Expert parallelism of one prefill bucket (its merged values, `spec.ep`): the guards that
+    catch at install what the worker would refuse at start (or run wrong). Args: dict name (the
+    bucket's Deployment), spec. */}}
+{{- define "swaserve.epChecks" -}}
+{{- $ep := .spec.ep -}}
+{{- $size := int $ep.size -}}
+{{- $where := printf "prefill bucket %s" .name -}}
+{{- range $a := .spec.engineArgs }}
+{{- if or (hasPrefix "--ep-size" $a) (hasPrefix "--ep-placement" $a) }}
+{{- fail (printf "%s: engineArgs has %s: set prefill.defaults.ep (or the bucket's ep) instead, which also sizes the pod's GPUs and /dev/shm" $where $a) }}
+{{- end }}
+{{- end }}
+{{- if gt $size 1 }}
+{{- if gt (int .spec.gpus) 1 }}
+{{- fail (printf "%s: ep.size %d runs one rank per GPU (rank r on GPU r mod the count): gpus is per rank, set it to 1 (the pod then requests %d GPUs) or 0 (CPU)" $where $size $size) }}
+{{- end }}
+{{- $args := .spec.engineArgs | default list }}
+{{- range $i, $a := $args }}
+{{- if or (eq $a "--engine-process=inline") (and (eq $a "--engine-process") (lt (add1 $i) (len $args)) (eq (index $args (add1 $i)) "inline")) }}
+{{- fail (printf "%s: ep.size %d runs each rank in its own process: drop --engine-process inline from engineArgs" $where $size) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with (default dict $ep.placement).ranks }}
+{{- if eq $size 1 }}
+{{- fail (printf "%s: ep.placement places experts on %d ranks but ep.size is 1 (no expert parallelism): set ep.size %d" $where (len .) (len .)) }}
+{{- end }}
+{{- if ne (len .) $size }}
+{{- fail (printf "%s: ep.placement has %d ranks, ep.size is %d" $where (len .) $size) }}
+{{- end }}
+{{- $flat := list }}
+{{- range $r := . }}{{ range $e := $r }}{{ $flat = append $flat (int $e) }}{{ end }}{{ end }}
+{{- $n := len $flat }}
+{{- range $e := $flat }}
+{{- if ge $e $n }}
+{{- fail (printf "%s: ep.placement must list experts 0..%d exactly once each (it lists %d experts, expert %d is out of range)" $where (sub $n 1) $n $e) }}
+{{- end }}
+{{- end }}
+{{- if ne (len (uniq $flat)) $n }}
+{{- fail (printf "%s: ep.placement must list experts 0..%d exactly once each (some are repeated)" $where (sub $n 1)) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The --ep-placement file of a bucket (JSON), "" without one. Args: spec. */}}
+{{- define "swaserve.epPlacementJson" -}}
+{{- with (default dict .spec.ep.placement).ranks -}}
+{{- $ranks := list -}}
+{{- range $r := . }}{{ $experts := list }}{{ range $e := $r }}{{ $experts = append $experts (int $e) }}{{ end }}{{ $ranks = append $ranks $experts }}{{ end -}}
+{{- dict "ranks" $ranks | toJson -}}
+{{- end -}}
+{{- end -}}

@@ -6,17 +6,28 @@ Args (dict):
   name       the Deployment's name
   bucket     prefill: the bucket's name ("" otherwise)
   replicas   replica count (left out when an autoscaler owns it)
-  spec       the role's values, bucket overrides merged in
+  spec       the role's values, bucket overrides merged in (`ep`: expert parallelism, prefill)
   args       role-specific flags (a list)
+An EP instance (spec.ep.size N > 1) is this one pod: N engine-core ranks as processes of the
+worker, rendezvous on 127.0.0.1, gpus x N GPUs, /dev/shm grown by N x ep.shmPerRank, the
+placement's ConfigMap (prefill.yaml) mounted as the --ep-placement file.
 */}}
 {{- define "swaserve.workerDeployment" -}}
 {{- $root := .root -}}
 {{- $spec := .spec -}}
 {{- $port := int $root.Values.workerPorts.grpc -}}
+{{- $ep := default (dict "size" 1) $spec.ep -}}
+{{- $epSize := int $ep.size -}}
+{{- $placement := include "swaserve.epPlacementJson" (dict "spec" (dict "ep" $ep)) -}}
+{{- $gpus := mul (int $spec.gpus) $epSize -}}
 {{- $resources := deepCopy (default dict $spec.resources) -}}
-{{- if gt (int $spec.gpus) 0 -}}
-{{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" (int $spec.gpus)) (default dict $resources.requests)) -}}
-{{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" (int $spec.gpus)) (default dict $resources.limits)) -}}
+{{- if gt $gpus 0 -}}
+{{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.requests)) -}}
+{{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.limits)) -}}
+{{- end -}}
+{{- $shm := $spec.shmSize -}}
+{{- if gt $epSize 1 -}}
+{{- $shm = add (include "swaserve.quantityBytes" $spec.shmSize | int64) (mul $epSize (include "swaserve.quantityBytes" $ep.shmPerRank | int64)) -}}
 {{- end -}}
 apiVersion: apps/v1
 kind: Deployment
@@ -61,6 +72,10 @@ spec:
         {{- end }}
       annotations:
         swaserve.io/grpc-port: {{ $port | quote }}
+        {{- with $placement }}
+        # the worker reads the placement at start: a new one rolls the pods
+        swaserve.io/ep-placement-sha256: {{ sha256sum . }}
+        {{- end }}
         {{- with $spec.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -107,6 +122,16 @@ spec:
             {{- with .args }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+            {{- if gt $epSize 1 }}
+            - --ep-size
+            - {{ $epSize | quote }}
+            - --ep-timeout-s
+            - {{ $ep.timeoutSeconds | quote }}
+            {{- if $placement }}
+            - --ep-placement
+            - /etc/swaserve/ep/placement.json
+            {{- end }}
+            {{- end }}
             {{- if eq .component "prefill" }}
             {{- with include "swaserve.gcachePrefillArgs" $root }}{{ . | nindent 12 }}{{- end }}
             {{- with include "swaserve.encoderPrefillArgs" $root }}{{ . | nindent 12 }}{{- end }}
@@ -126,6 +151,10 @@ spec:
           {{- end }}
           {{- if $l3 }}
           {{- $env = printf "%s\n%s" $env (include "swaserve.gcachePrefillEnv" $root) }}
+          {{- end }}
+          {{- if gt $epSize 1 }}
+          {{- /* the ranks' gloo / NCCL sockets on the pod's loopback (one node, one pod) */}}
+          {{- $env = printf "%s\n- name: GLOO_SOCKET_IFNAME\n  value: lo\n- name: NCCL_SOCKET_IFNAME\n  value: lo" $env }}
           {{- end }}
           env:
             {{- include "swaserve.env" (dict "chart" $env "user" $spec.env) | nindent 12 }}
@@ -168,15 +197,25 @@ spec:
               mountPath: /tmp
             {{- with include "swaserve.modelVolumeMounts" $root }}{{ . | nindent 12 }}{{- end }}
             {{- with include "swaserve.grpcTlsMount" $root }}{{ . | nindent 12 }}{{- end }}
+            {{- if and (gt $epSize 1) $placement }}
+            - name: ep-placement
+              mountPath: /etc/swaserve/ep
+              readOnly: true
+            {{- end }}
       volumes:
         - name: shm
           emptyDir:
             medium: Memory
-            sizeLimit: {{ $spec.shmSize }}
+            sizeLimit: {{ $shm }}
         - name: tmp
           emptyDir: {}
         {{- with include "swaserve.modelVolumes" $root }}{{ . | nindent 8 }}{{- end }}
         {{- with include "swaserve.grpcTlsVolume" $root }}{{ . | nindent 8 }}{{- end }}
+        {{- if and (gt $epSize 1) $placement }}
+        - name: ep-placement
+          configMap:
+            name: {{ .name }}-ep
+        {{- end }}
 {{- end -}}
 
 {{/*
