@@ -1,0 +1,64 @@
+"""The EP client's failure handling with real rank processes: a hung rank (SIGSTOP) under load
+ends the instance after ``ep_timeout_s`` (its peer gives up in the collective and exits; no
+survivor waits forever), open requests fail with ``EngineDead`` and ``on_dead`` runs once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from swaserve.config import EngineConfig
+from swaserve.engine.client import EngineDead
+from swaserve.engine.ep_client import EPEngineClient
+from swaserve.engine.types import SamplingParams
+
+pytestmark = pytest.mark.cluster
+
+
+def test_a_hung_rank_ends_the_instance_after_the_ep_timeout(tiny_dir: Path) -> None:
+    cfg = EngineConfig(
+        ep_size=2, page_size=4, max_num_batched_tokens=16, kv_cache_memory=16 << 20,
+        ep_timeout_s=3.0, engine_step_timeout=0,
+    )  # fmt: skip
+
+    async def run() -> tuple[list[str], list[BaseException], float]:
+        dead: list[str] = []
+        c = EPEngineClient(tiny_dir, cfg, on_dead=dead.append)
+        await c.start()
+        errors: list[BaseException] = []
+
+        async def one(i: int) -> None:
+            try:
+                params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+                async for _ in c.generate([5 + i, 9, 13] * 4, params, f"r{i}"):
+                    pass
+            except BaseException as e:
+                errors.append(e)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(4)]
+        try:
+            await asyncio.sleep(1.0)  # both ranks are stepping
+            stopped = c.ranks[1].pid
+            assert stopped is not None
+            os.kill(stopped, signal.SIGSTOP)
+            t0 = time.monotonic()
+            while not dead:
+                assert time.monotonic() - t0 < 30, "a hung rank did not end the instance"
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - t0
+            await asyncio.wait_for(asyncio.gather(*tasks), 15)
+            for r in c.ranks:  # every rank process is gone (the stopped one killed)
+                await asyncio.wait_for(r._proc.wait(), 15)
+            return dead, errors, took
+        finally:
+            await c.stop()
+
+    dead, errors, took = asyncio.run(run())
+    assert len(dead) == 1 and "expert-parallel rank" in dead[0]
+    assert len(errors) == 4 and all(isinstance(e, EngineDead) for e in errors)
+    assert took < 20, took  # ep_timeout_s 3 s, plus exiting
