@@ -302,6 +302,30 @@ SPEC = Row(
     ),
 )  # fmt: skip
 
+EP_MEAN = f"rate(swaserve:ep_expert_tokens_mean_total{{{M}}}{R})"
+EP_MAX = f"rate(swaserve:ep_expert_tokens_max_total{{{M}}}{R})"
+EP_BY_LAYER = f"sum by (layer) ({EP_MEAN}) / sum by (layer) ({EP_MAX})"
+EP = Row(
+    "Expert parallelism",
+    (
+        Panel("Expert load balance per layer", ((EP_BY_LAYER, "layer {{layer}}"),), "percentunit",
+              "Per MoE layer over the window: mean / max (token, expert) rows per EP rank, token-weighted over "
+              "the steps and the EP instances (prefill workers' own series, or serve); 1 = even. A layer's "
+              "experts run at this share of what an even split would give."),
+        Panel("Expert load balance, mean over layers", (
+            (f"avg({EP_BY_LAYER})", "all instances"),
+            (f"avg by (worker) (sum by (worker, layer) ({EP_MEAN}) / sum by (worker, layer) ({EP_MAX}))",
+             "{{worker}}"),
+        ), "percentunit", "The per-layer balance over the window averaged over the MoE layers, for all EP "
+                          "instances together and per instance (worker)."),
+        Panel("Expert load balance since start", (
+            (f"min by (layer) (swaserve:ep_expert_balance{{{M}}})", "layer {{layer}} (lowest instance)"),
+            (f"avg by (worker) (swaserve:ep_expert_balance{{{M}}})", "{{worker}} mean over layers"),
+        ), "percentunit", "Each instance's balance since it started (a gauge): per layer the lowest instance, "
+                          "and per instance the mean over its layers."),
+    ),
+)  # fmt: skip
+
 VARIABLES: tuple[dict[str, Any], ...] = (
     {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
      "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1, "regex": ""},
@@ -315,7 +339,7 @@ VARIABLES: tuple[dict[str, Any], ...] = (
 OVERVIEW = Dashboard(
     "swaserve-overview",
     "swaserve overview",
-    (LATENCY, TRAFFIC, QUEUES, KV, SPEC, ROUTER, TRANSFER, GCACHE, ENCODER),
+    (LATENCY, TRAFFIC, QUEUES, KV, SPEC, EP, ROUTER, TRANSFER, GCACHE, ENCODER),
     variables=VARIABLES,
 )
 DASHBOARDS = {"swaserve-overview.json": OVERVIEW}

@@ -3,7 +3,8 @@
 
 Model ``m``: routers r1 and r2 (both report the same workers p1, p2 prefill and d1 decode), a
 ``serve`` process s1, prefill worker w1 and decode worker w2 (transfer series, no ``model_name``),
-GCache nodes g1 and g2 and media encoders e1 and e2 (their own series, no ``model_name``).
+GCache nodes g1 and g2 and media encoders e1 and e2 (their own series, no ``model_name``), EP prefill
+workers x1 and x2 (their own port: ``model_name``, ``role``, ``worker``; two MoE layers).
 Every ``model_name="m"`` series also exists for a model ``other`` with other values (gauges and
 counters x3, histograms with all observations in the first bucket): a query that forgets the
 ``$model_name`` filter gets other numbers. Counters grow linearly from 0, one sample a minute, so a
@@ -25,6 +26,9 @@ G1 = {"job": "gcache", "instance": "g1:9090"}  # GCache nodes: no model_name
 G2 = {"job": "gcache", "instance": "g2:9090"}
 E1 = {"job": "encoder", "instance": "e1:9090"}  # media encoders: no model_name
 E2 = {"job": "encoder", "instance": "e2:9090"}
+# EP prefill workers (their own port)
+X1 = {"job": "prefill", "instance": "x1:9090", "model_name": "m", "role": "prefill", "worker": "p1"}
+X2 = {"job": "prefill", "instance": "x2:9090", "model_name": "m", "role": "prefill", "worker": "p2"}
 
 Series = tuple[str, dict[str, str], str, float]  # (metric, labels, kind: counter|gauge|bucket, value)
 
@@ -201,6 +205,19 @@ SERIES: list[Series] = [
     _g("swaserve:encoder_cache_bytes", 500, **E2),
     _g("swaserve:encoder_shm_cache_bytes", 4000, **E1),
     _g("swaserve:encoder_shm_cache_bytes", 0, **E2),
+    # EP prefill workers: mean / max expert rows per rank per second, layers 0 and 1 (x1: 4/5, 2/4; x2: 2/2, 1/2)
+    _c("swaserve:ep_expert_tokens_mean_total", 240, **X1, layer="0"),
+    _c("swaserve:ep_expert_tokens_max_total", 300, **X1, layer="0"),
+    _c("swaserve:ep_expert_tokens_mean_total", 120, **X1, layer="1"),
+    _c("swaserve:ep_expert_tokens_max_total", 240, **X1, layer="1"),
+    _c("swaserve:ep_expert_tokens_mean_total", 120, **X2, layer="0"),
+    _c("swaserve:ep_expert_tokens_max_total", 120, **X2, layer="0"),
+    _c("swaserve:ep_expert_tokens_mean_total", 60, **X2, layer="1"),
+    _c("swaserve:ep_expert_tokens_max_total", 120, **X2, layer="1"),
+    _g("swaserve:ep_expert_balance", 0.8, **X1, layer="0"),
+    _g("swaserve:ep_expert_balance", 0.5, **X1, layer="1"),
+    _g("swaserve:ep_expert_balance", 0.9, **X2, layer="0"),
+    _g("swaserve:ep_expert_balance", 0.6, **X2, layer="1"),
 ]  # fmt: skip
 
 
@@ -362,4 +379,11 @@ EXPECTED: dict[tuple[str, str, str], list[tuple[str, float]]] = {
         ('{outcome="not_found"}', 0.1), ('{outcome="timeout"}', 0), ('{outcome="failed"}', 0.2)],
     (OV, "Encoder cache size", "{{instance}} memory"): [('{instance="e1:9090"}', 1000), ('{instance="e2:9090"}', 500)],
     (OV, "Encoder cache size", "{{instance}} shared memory"): [('{instance="e1:9090"}', 4000), ('{instance="e2:9090"}', 0)],
+    # EP: layer 0 (4 + 2) / (5 + 2), layer 1 (2 + 1) / (4 + 2); their mean; per worker (0.8 + 0.5) / 2, (1 + 0.5) / 2
+    (OV, "Expert load balance per layer", "layer {{layer}}"): [('{layer="0"}', 6 / 7), ('{layer="1"}', 0.5)],
+    (OV, "Expert load balance, mean over layers", "all instances"): [("{}", (6 / 7 + 0.5) / 2)],
+    (OV, "Expert load balance, mean over layers", "{{worker}}"): [('{worker="p1"}', 0.65), ('{worker="p2"}', 0.75)],
+    # the gauges: per layer the lower of x1 and x2; per worker the mean of its layers
+    (OV, "Expert load balance since start", "layer {{layer}} (lowest instance)"): [('{layer="0"}', 0.8), ('{layer="1"}', 0.5)],
+    (OV, "Expert load balance since start", "{{worker}} mean over layers"): [('{worker="p1"}', 0.65), ('{worker="p2"}', 0.75)],
 }  # fmt: skip

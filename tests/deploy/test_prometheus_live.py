@@ -38,6 +38,8 @@ NO_DATA = {
     # no encoder either (tests/deploy/test_kubelet.py scrapes the chart's encoder pod for these);
     # the prefill workers' failed media fetches are exported from the start (0)
     **{q.key: "no encoder" for q in h.dashboard_queries() if "swaserve:encoder_" in q.expr},
+    # no expert-parallel worker (tests/deploy/test_kubelet.py scrapes the chart's EP prefill pod)
+    **{q.key: "no EP worker" for q in h.dashboard_queries() if "swaserve:ep_" in q.expr},
 }
 
 

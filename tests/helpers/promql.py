@@ -184,8 +184,8 @@ def lint(expr: str, known: set[str]) -> list[str]:
 
 # -- the names swaserve exports ---------------------------------------------------------------------
 def exported_names() -> set[str]:
-    """Every sample name a ``serve`` process, a router (with Redis and discovery) and a worker expose,
-    rendered by the real metrics code and parsed back."""
+    """Every sample name a ``serve`` process, a router (with Redis and discovery) and a worker expose
+    (with MTP and EP on), rendered by the real metrics code and parsed back."""
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -195,6 +195,7 @@ def exported_names() -> set[str]:
     from swaserve.kvcache.prefix_cache import CacheStats
     from swaserve.kvcache.stats import PoolStats
     from swaserve.metrics import DiscoveryStats, RouterStats, ServerMetrics, WorkerStats
+    from swaserve.model.ep import EPStats
 
     pools = {"full": PoolStats(8, 2, 3, 64, 1, cached_pages=1), "swa": PoolStats(8, 1, 1, 64, 1)}
     from swaserve.engine.spec import SpecStats
@@ -206,6 +207,7 @@ def exported_names() -> set[str]:
         prefix_cache=CacheStats(10, 5, 1),
         cache_pages={"full": 1},
         spec=SpecStats(2, 6, 3, [2, 1, 0]),
+        ep=EPStats([0, 0], [3.0, 1.0], [4, 2], [0.75, 0.5]),
     )
     router = RouterStats(
         workers=(WorkerStats("decode", "h:1", True, 1, 1, 1, 1, pools),),
