@@ -8,7 +8,8 @@ commands, args, env, probes, preStop hooks and grace periods are exercised witho
   binary), ``$(VAR)`` expanded from its env (``fieldRef status.podIP``, ``secretKeyRef`` from the
   rendered Secrets or ``secrets``, values with Service names resolved to a pod of the Service), a
   bind address ``0.0.0.0`` narrowed to the pod's address, volume paths mapped (``hostPath`` to that
-  path, ``emptyDir`` and ``secret`` volumes to a per-pod directory, a StatefulSet's
+  path, ``emptyDir``, ``secret`` and ``configMap`` volumes to a per-pod directory holding the
+  rendered Secret's or ConfigMap's keys as files, a StatefulSet's
   ``volumeClaimTemplates`` to a directory per claim that outlives the pod, as a PVC does);
 - StatefulSet pods are named by ordinal (``NAME-0``, ``NAME-1``; a replacement takes the lowest
   free one, so it finds its predecessor's claims); workloads start in dependency order: StatefulSets
@@ -139,6 +140,9 @@ class Kubelet:
             if d["kind"] == "Secret":
                 data = {k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()}
                 self.secrets[d["metadata"]["name"]] = {**data, **(d.get("stringData") or {})}
+        self.config_maps = {
+            d["metadata"]["name"]: dict(d.get("data") or {}) for d in docs if d["kind"] == "ConfigMap"
+        }
         self.env = dict(env or {})
         self.pods: dict[str, Pod] = {}
         self._lock = threading.Lock()
@@ -277,10 +281,14 @@ class Kubelet:
             v = volumes[m["name"]]
             if "hostPath" in v:
                 out[m["mountPath"]] = v["hostPath"]["path"]
-            elif "secret" in v:
+            elif "secret" in v or "configMap" in v:
                 d = pod.dir / "volumes" / m["name"]
                 d.mkdir(parents=True, exist_ok=True)
-                for k, val in self.secrets.get(v["secret"]["secretName"], {}).items():
+                if "secret" in v:
+                    data = self.secrets.get(v["secret"]["secretName"], {})
+                else:
+                    data = self.config_maps[v["configMap"]["name"]]
+                for k, val in data.items():
                     (d / k).write_text(val)
                 out[m["mountPath"]] = str(d)
             elif "emptyDir" in v and m["mountPath"] != "/dev/shm":

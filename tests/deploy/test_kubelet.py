@@ -2,7 +2,8 @@
 command, args and env as local processes (one loopback address per pod), runs the rendered probes,
 and publishes the pods to a fake Kubernetes API read by the router's real discovery client. Checks
 discovery, scale up (traffic only once Ready), scale down with drain (no stream broken, nothing
-resumed or lost), a dropped watch and a 410."""
+resumed or lost), a dropped watch and a 410; GCache nodes, an encoder pod, and an expert-parallel
+prefill pod (two gloo ranks) restarted when a rank dies."""
 
 from __future__ import annotations
 
@@ -436,3 +437,106 @@ def test_the_chart_runs_an_encoder_pod_under_the_name_routers_dial(tiny_dir: Pat
         kube.stop_thread()
         for leftover in Path("/dev/shm").glob(f"{shm_name}*"):  # the segment and its lock file
             leftover.unlink(missing_ok=True)
+
+
+def ep_values(model_dir: Path) -> dict[str, Any]:
+    """``chart_values`` with the prefill worker an EP = 2 instance (gloo on CPU) whose experts are
+    placed by a ConfigMap (even experts on rank 0, odd on rank 1), a short collective timeout."""
+    values = chart_values(model_dir)
+    values["prefill"]["defaults"]["ep"] = {
+        "size": 2,
+        "placement": {"ranks": [[0, 2, 4, 6], [1, 3, 5, 7]]},
+        "timeoutSeconds": 20,
+    }
+    return values
+
+
+def test_the_chart_runs_an_ep_prefill_pod_that_restarts_when_a_rank_dies(tiny_dir: Path, tmp_path: Path) -> None:  # fmt: skip
+    """The rendered EP = 2 prefill Deployment runs as one pod: the worker starts its two engine-core
+    ranks (gloo, on loopback) with the placement file from the ConfigMap, its probes pass, the
+    router discovers it as one worker, outputs equal one engine's, and its /metrics carry every EP
+    name the dashboards and rules use under the chart's labels. A rank killed: the worker exits
+    non-zero, the pod goes not Ready and its container restarts (the emulated kubelet, as the real
+    one under restartPolicy Always), comes back Ready and serves the same outputs."""
+    import os
+    import signal
+
+    import promql_parser as pp
+
+    from bench.fake_kube import FakeKube
+    from bench.kubelet import Kubelet
+    from swaserve.config import EngineConfig
+    from swaserve.engine.llm_engine import LLMEngine
+    from swaserve.engine.types import SamplingParams
+    from tests.helpers import promql as h
+    from tests.services.test_cluster import prompts
+    from tests.services.test_cluster_ep import core_ranks
+
+    kube = FakeKube(namespace=NAMESPACE)
+    kube.start_in_thread()
+    kubelet = Kubelet(
+        render(ep_values(tiny_dir)), kube, kube.write_kubeconfig(tmp_path / "kubeconfig"), tmp_path / "pods"
+    )
+    try:
+        kubelet.start_all()
+        kubelet.wait_ready([p.name for p in kubelet.pods.values()], timeout_s=240)
+        [pod] = kubelet.replicas(PREFILL)
+        argv = (pod.dir / "argv").read_text().splitlines()
+        assert argv[argv.index("--ep-size") + 1] == "2"
+        placement = Path(argv[argv.index("--ep-placement") + 1])
+        assert placement.is_relative_to(pod.dir) and json.loads(placement.read_text()) == {
+            "ranks": [[0, 2, 4, 6], [1, 3, 5, 7]]
+        }
+        env = json.loads((pod.dir / "env.json").read_text())
+        assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
+        assert pod.proc is not None and len(core_ranks(pod.proc.pid)) == 2
+
+        [router] = kubelet.replicas(ROUTER)
+        base, token = f"http://{router.ip}:8000", kubelet.secrets[f"{FULL}-admin-token"]["admin-token"]
+        address = f"{pod.ip}:50051"
+        wait_for(
+            "the router to use the EP prefill pod", lambda: _in_use(base, token).get(address) == "prefill"
+        )
+        ps = prompts(4, seed=11)
+        eng = LLMEngine(
+            str(tiny_dir), EngineConfig(max_num_batched_tokens=32, kv_cache_memory=16 << 20, page_size=4)
+        )
+        want = eng.generate(ps, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+
+        def outputs() -> list[list[int]]:
+            out = []
+            for p in ps:
+                body = {"model": "m", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True}  # fmt: skip
+                r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                out.append(r.json()["choices"][0]["token_ids"])
+            return out
+
+        assert outputs() == want
+
+        # the EP series on the pod's metrics port, labelled as the workers' others; every EP name
+        # the dashboards and rules query is there
+        text = httpx.get(f"http://{pod.ip}:9090/metrics", timeout=10).text
+        assert (
+            f'swaserve:ep_expert_balance{{layer="0",model_name="m",role="prefill",worker="{address}"}}'
+            in text
+        )
+        metrics = _scrape(f"http://{pod.ip}:9090/metrics")
+        assert metrics["swaserve:ep_expert_tokens_max_total"] > 0
+        used = {
+            n for _, e in h.all_exprs() for n in h.selector_names(pp.parse(e)) if n.startswith("swaserve:ep_")
+        }
+        assert used and used <= set(metrics), used - set(metrics)
+
+        # a rank dies: the worker exits non-zero, the container restarts, the pod is Ready again
+        os.kill(core_ranks(pod.proc.pid)[1], signal.SIGKILL)
+        wait_for("the container restarted", lambda: pod.restarts == 1, timeout_s=60)
+        assert pod.exit_code not in (0, None), pod.log_text()[-2000:]
+        kubelet.wait_ready([pod.name], timeout_s=240)
+        assert pod.proc is not None and len(core_ranks(pod.proc.pid)) == 2
+        wait_for("the router to use it again", lambda: _in_use(base, token).get(address) == "prefill")
+        assert outputs() == want
+    finally:
+        kubelet.close()
+        kube.stop_thread()
