@@ -387,3 +387,38 @@ def bench_encoder(
         video_repeats=video_repeats,
     )  # fmt: skip
     main(json_path, model, settings)
+
+
+@app.command("ep")
+def bench_ep(
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here as JSON.")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint with routed experts (default: the default model).")
+    ] = None,
+    ep: Annotated[
+        list[int] | None, typer.Option(min=1, help="EP sizes; repeatable (default: 1, 2, 4; 1 always runs).")
+    ] = None,
+    requests: Annotated[int, typer.Option(min=1, help="Prompts per round, submitted at once.")] = 48,
+    prompt_tokens: Annotated[
+        int, typer.Option(min=1, help="Prompt length (each trace prompt's last N tokens).")
+    ] = 512,
+    rounds: Annotated[int, typer.Option(min=1, help="Timed rounds per EP size, interleaved.")] = 3,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="Torch threads in all, split between ranks (default: the CPUs).")
+    ] = None,
+    sim_limit: Annotated[int, typer.Option(min=1, help="Simulator: the trace's first N requests.")] = 2000,
+    quick: Annotated[bool, typer.Option(help="A tiny run (tests): overrides the sizes above.")] = False,
+) -> None:
+    """Expert parallelism: prefill tok/s at EP 1/2/4 (CPU ranks: overhead, not speedup), expert load
+    balance per layer, plan-ep for Flash and Pro (hybrid vs full KV), simulated EP N vs N/2."""
+    from bench.ep import BenchInputError, Settings, main
+
+    base = Settings()
+    settings = Settings.quick() if quick else Settings(
+        ep_sizes=tuple(ep) if ep else base.ep_sizes, requests=requests, prompt_tokens=prompt_tokens,
+        rounds=rounds, threads=threads or base.threads, sim_limit=sim_limit,
+    )  # fmt: skip
+    try:
+        main(json_path, model, settings)
+    except BenchInputError as e:
+        raise typer.BadParameter(str(e)) from e
