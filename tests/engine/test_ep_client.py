@@ -62,3 +62,37 @@ def test_a_hung_rank_ends_the_instance_after_the_ep_timeout(tiny_dir: Path) -> N
     assert len(dead) == 1 and "expert-parallel rank" in dead[0]
     assert len(errors) == 4 and all(isinstance(e, EngineDead) for e in errors)
     assert took < 20, took  # ep_timeout_s 3 s, plus exiting
+
+
+def test_ep_with_mtp_equals_one_engine_without_it(tmp_path: Path, tiny_dir: Path) -> None:
+    """MTP layers are dense (no collective): each rank drafts and verifies its own requests while
+    the MoE exchanges keep the ranks in step; greedy tokens equal one engine without MTP."""
+    from swaserve.engine.llm_engine import LLMEngine
+    from swaserve.model.checkpoint import make_checkpoint
+
+    model = make_checkpoint("tiny", tmp_path / "mimo-v2-tiny-mtp", mtp_layers=3)
+    prompts = [[5 + i, 9, 13, 200 + i, 7] * (2 + i) for i in range(5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = dict(page_size=4, max_num_batched_tokens=16, kv_cache_memory=16 << 20)
+    want = LLMEngine(str(tiny_dir), EngineConfig(**base)).generate(prompts, params)  # type: ignore[arg-type]
+
+    async def run() -> tuple[list[list[int]], int]:
+        c = EPEngineClient(model, EngineConfig(**base, ep_size=2, speculative_num_steps=3))  # type: ignore[arg-type]
+        await c.start()
+        try:
+
+            async def one(i: int, p: list[int]) -> list[int]:
+                out: list[int] = []
+                async for o in c.generate(p, params, f"r{i}"):
+                    out += o.new_token_ids
+                return out
+
+            got = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            spec = c.stats().spec
+            return got, spec.drafts if spec is not None else 0
+        finally:
+            await c.stop()
+
+    got, drafts = asyncio.run(run())
+    assert got == want
+    assert drafts > 0  # both ranks' verify steps, summed
