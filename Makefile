@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/swaserve bench guided --json bench/results/guided.json
 	$(BIN)/swaserve bench gcache --json bench/results/gcache.json
 	$(BIN)/swaserve bench encoder --json bench/results/encoder.json
+	$(BIN)/swaserve bench ep --json bench/results/ep.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
