@@ -5,6 +5,7 @@ actor ends the instance (every rank gone, ``on_dead`` once, the bundles released
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -76,4 +77,6 @@ def test_ray_actor_ranks_equal_child_processes_and_a_killed_actor_ends_the_insta
     want = asyncio.run(children())
     got, dead, took = asyncio.run(actors())
     assert got == want
-    assert "rank 1 of 2" in dead[0] and took < 15
+    # Either rank may be seen first: the survivor's collective fails and its actor ends too,
+    # sometimes before Ray reports the killed one.
+    assert re.search(r"rank [01] of 2", dead[0]) and took < 15
