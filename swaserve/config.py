@@ -323,6 +323,9 @@ class EngineConfig:
             Ray placement group: ``engine.ray_ranks``).
         ray_address: the Ray cluster ``ep_launcher`` ray joins (None: ``RAY_ADDRESS``, else a
             local Ray on 127.0.0.1).
+        kv_cache_dtype: the full pool's page format (``swaserve.kvformat``): "auto" (``dtype``),
+            "fp8_e4m3", "fp8_e5m2", "int8". kv_cache_dtype_swa: the SWA pool's (None: the same).
+        kv_quant_group: channels per scale of the quantized formats (0: one per token and head).
     """
 
     page_size: int = 16
@@ -356,3 +359,10 @@ class EngineConfig:
     ep_timeout_s: float = 60.0
     ep_launcher: str = "process"
     ray_address: str | None = None
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_swa: str | None = None
+    kv_quant_group: int = 0
+
+    def kv_formats(self) -> dict[str, str]:
+        """Each pool's page format name: {"full_attention": ..., "sliding_attention": ...}."""
+        return {FULL: self.kv_cache_dtype, SWA: self.kv_cache_dtype_swa or self.kv_cache_dtype}

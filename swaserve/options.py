@@ -212,9 +212,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "ep_placement",
         Annotated[
             str | None,
-            typer.Option(
-                help='EP: a JSON file {"ranks": [[experts of rank 0], ...]} (default: contiguous).'
-            ),
+            typer.Option(help='EP: a JSON file {"ranks": [[experts of rank 0], ...]} (default: contiguous).'),
         ],
         None,
     ),
@@ -251,6 +249,35 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             ),
         ],
         None,
+    ),
+    EngineOption(
+        "kv_cache_dtype",
+        Annotated[
+            Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"],
+            typer.Option(
+                help="Page format of the full-attention pool: auto (--dtype) or quantized with a "
+                "per-token scale (fp8_e4m3, fp8_e5m2, int8): about half of bf16's bytes.",
+            ),
+        ],
+        "auto",
+    ),
+    EngineOption(
+        "kv_cache_dtype_swa",
+        Annotated[
+            Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"] | None,
+            typer.Option(help="Page format of the SWA pool (default: --kv-cache-dtype's)."),
+        ],
+        None,
+    ),
+    EngineOption(
+        "kv_quant_group",
+        Annotated[
+            int,
+            typer.Option(
+                min=0, help="Channels per scale of a quantized KV format (0: one per token and head)."
+            ),
+        ],
+        0,
     ),
     EngineOption(
         "l3_url",

@@ -39,6 +39,7 @@ from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools, spec_lookahead
 from swaserve.kvcache.storage import KVStorage
+from swaserve.kvformat import engine_formats
 from swaserve.media.placeholders import MediaInputs, text_ids
 from swaserve.model.ep import ExpertComm, build_ep_shard
 from swaserve.model.loader import load_model
@@ -115,10 +116,15 @@ class EngineCore:
         self.model = load_model(model_dir, cfg, self.dtype, self.device, self.ep)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         kcfg = kv_config(cfg, K)  # the MTP layers' KV: extra SWA layers
-        arena = arena_layout(kcfg, config.page_size, elem) if cfg.full_layers and cfg.swa_layers else None
+        self.kv_formats = engine_formats(config, cfg)
+        arena = (
+            arena_layout(kcfg, config.page_size, elem, self.kv_formats)
+            if cfg.full_layers and cfg.swa_layers
+            else None
+        )
         # with prefix caching and no --swa-full-tokens-ratio: one arena both pools draw from
-        plan = plan_pools(kcfg, config, elem, shared=arena is not None, arena=arena)
-        self.storage = KVStorage(kcfg, plan, config.page_size, self.dtype, self.device)
+        plan = plan_pools(kcfg, config, elem, shared=arena is not None, arena=arena, formats=self.kv_formats)
+        self.storage = KVStorage(kcfg, plan, config.page_size, self.dtype, self.device, self.kv_formats)
         self.host: HostKVStorage | None = None
         host_pages = host_bytes = host_units = None
         if config.enable_prefix_caching and config.host_cache_memory > 0:

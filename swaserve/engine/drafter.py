@@ -151,6 +151,7 @@ class Drafter:
                 W,
                 functools.partial(self.storage.locate, SWA, g),
                 self.device,
+                self.storage.formats[SWA],
             )
             ks, vs = self.storage.kv[SWA]
             out = self.model.mtp_forward(

@@ -53,23 +53,24 @@ KNOWN_KEYS = 1 << 16  # keys remembered as stored in L3 (ancestors not re-sent)
 
 
 class PageBytes:
-    """Page payloads <-> paged KV tensors: per layer of a kind, K ``[page, H, Dk]`` then V."""
+    """Page payloads <-> paged KV tensors: per layer of a kind, K ``[page, H, Dk]`` then V, as
+    stored (a quantized kind's packed rows byte for byte)."""
 
     def __init__(self, store: PagedKV) -> None:
-        self.dtype = next(t.dtype for ks, _ in store.kv.values() for t in ks)
-        P, e = store.page_size, self.dtype.itemsize
+        P = store.page_size
         self.layout = {
-            kind: [(t.shape[2:], v.shape[2:]) for t, v in zip(ks, vs, strict=True)]
+            kind: [(k.shape[2:], k.dtype, v.shape[2:], v.dtype) for k, v in zip(ks, vs, strict=True)]
             for kind, (ks, vs) in store.kv.items()
         }
         self.nbytes = {
-            kind: sum(P * (k.numel() + v.numel()) * e for k, v in shapes)
+            kind: sum(P * (ks.numel() * kd.itemsize + vs.numel() * vd.itemsize) for ks, kd, vs, vd in shapes)
             for kind, shapes in self.layout.items()
         }
+        self.formats = {kind: f.describe() for kind, f in store.formats.items()}
 
     def describe(self) -> dict[str, list[list[int]]]:
         """The payload geometry (part of the salt)."""
-        return {kind: [[*k, *v] for k, v in shapes] for kind, shapes in self.layout.items()}
+        return {kind: [[*k, *v] for k, _, v, _ in shapes] for kind, shapes in self.layout.items()}
 
     def gather(self, store: PagedKV, kind: str, pages: list[int]) -> list[bytes]:
         if not pages:
@@ -92,12 +93,12 @@ class PageBytes:
         mat = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.nbytes[kind])
         ks, vs = store.kv[kind]
         rows = {g: store.page_rows(kind, g, pages) for g in set(store.groups[kind])}
-        off, P, e = 0, store.page_size, self.dtype.itemsize
-        for j, (kshape, vshape) in enumerate(self.layout[kind]):
+        off, P = 0, store.page_size
+        for j, (kshape, kdt, vshape, vdt) in enumerate(self.layout[kind]):
             r = rows[store.groups[kind][j]]
-            for t, shape in ((ks[j], kshape), (vs[j], vshape)):
-                nb = P * shape.numel() * e
-                part = mat[:, off : off + nb].contiguous().view(self.dtype).view(n, P, *shape)
+            for t, shape, dt in ((ks[j], kshape, kdt), (vs[j], vshape, vdt)):
+                nb = P * shape.numel() * dt.itemsize
+                part = mat[:, off : off + nb].contiguous().view(dt).view(n, P, *shape)
                 t[r] = part.to(t.device)
                 off += nb
 
@@ -492,7 +493,13 @@ def build_l3(
         )
     weights = config.weights_id or weights_digest(model_dir)
     pb = PageBytes(host)
-    salt = Salt(config_digest(model_config), weights, config.dtype, config.page_size, pb.describe())
+    # the KV identity: the model dtype and each pool's page format (an FP8 page never serves bf16)
+    kv_dtype = (
+        config.dtype
+        if not any(f != "auto" for f in pb.formats.values())
+        else (f"{config.dtype};full={pb.formats[FULL]};swa={pb.formats[SWA]}")
+    )
+    salt = Salt(config_digest(model_config), weights, kv_dtype, config.page_size, pb.describe())
     io = L3IO(config.l3_url)
     return L3Tier(
         cache, host, device, salt.seed(), io, config.l3_min_tokens, config.l3_timeout_s,

@@ -88,8 +88,9 @@ class ModelRunner:
                 pool_slots[key] = mgr.slots(rid, lo, end)
             return pool_slots[key]
 
+        fmt = self.storage.formats[kind]
         return [
-            kind_meta(spans, slots, window, functools.partial(self.storage.locate, kind, g), self.device)
+            kind_meta(spans, slots, window, functools.partial(self.storage.locate, kind, g), self.device, fmt)
             for g in range(self.storage.num_groups(kind))
         ]
 

@@ -12,9 +12,15 @@ what a kind's page leaves empty in its last unit is padding, counted in its page
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swaserve.config import FULL, SWA, AttnShape, ModelConfig
+from swaserve.kvformat import KVFormat
+
+# a quantized kind's rows are packed bytes: units are rounded up to this many bytes so every
+# view of the arena (fp32 scales, a model-dtype kind) stays aligned
+QUANT_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -41,22 +47,29 @@ class ArenaLayout:
         return self.units_per_page[kind] * self.unit_bytes
 
 
-def _layer_bytes(shape: AttnShape, page_size: int, dtype_bytes: int) -> tuple[int, int]:
-    k = page_size * shape.num_kv_heads * shape.head_dim * dtype_bytes
-    return k, page_size * shape.num_kv_heads * shape.v_head_dim * dtype_bytes
+def _layer_bytes(shape: AttnShape, page_size: int, dtype_bytes: int, fmt: KVFormat) -> tuple[int, int]:
+    h = page_size * shape.num_kv_heads
+    return h * fmt.row_bytes(shape.head_dim, dtype_bytes), h * fmt.row_bytes(shape.v_head_dim, dtype_bytes)
 
 
-def arena_layout(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> ArenaLayout:
-    """The arena layout of ``cfg``'s hybrid KV (module docstring).
+def arena_layout(
+    cfg: ModelConfig, page_size: int, dtype_bytes: int, formats: Mapping[str, KVFormat] | None = None
+) -> ArenaLayout:
+    """The arena layout of ``cfg``'s hybrid KV (module docstring); ``formats``: each kind's page
+    format (``swaserve.kvformat``; default ``auto``).
 
     Raises:
         ValueError: the model has no full or no SWA layers (nothing to share).
     """
     if not cfg.full_layers or not cfg.swa_layers:
         raise ValueError("a shared KV arena needs both full and SWA layers")
-    fk, fv = _layer_bytes(cfg.full, page_size, dtype_bytes)
-    sk, sv = _layer_bytes(cfg.swa, page_size, dtype_bytes)
+    formats = formats or {}
+    ff, sf = formats.get(FULL, KVFormat()), formats.get(SWA, KVFormat())
+    fk, fv = _layer_bytes(cfg.full, page_size, dtype_bytes, ff)
+    sk, sv = _layer_bytes(cfg.swa, page_size, dtype_bytes, sf)
     unit = max(len(cfg.full_layers) * (fk + fv), sk + sv)
+    if ff.quantized or sf.quantized:
+        unit += -unit % QUANT_ALIGN
     places: dict[str, tuple[LayerPlace, ...]] = {}
     per_page: dict[str, int] = {}
     for kind, n, (kb, vb) in ((FULL, len(cfg.full_layers), (fk, fv)), (SWA, len(cfg.swa_layers), (sk, sv))):

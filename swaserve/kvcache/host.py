@@ -71,8 +71,10 @@ class HostKVStorage:
             (t.device for ks, _ in device_storage.kv.values() for t in ks), torch.device("cpu")
         )
         pin = self.device.type == "cuda"
-        dtype = next(t.dtype for ks, _ in device_storage.kv.values() for t in ks)
-        self.store = PagedKV(device_storage.cfg, page_size, dtype, "cpu", host_pages, units, pin)
+        self.store = PagedKV(
+            device_storage.cfg, page_size, device_storage.model_dtype, "cpu", host_pages, units, pin,
+            device_storage.formats,
+        )  # fmt: skip
         self.kv = self.store.kv
         self._stream = torch.cuda.Stream(self.device) if pin else None
         self._events: dict[tuple[str, int], torch.cuda.Event] = {}

@@ -9,9 +9,12 @@ Notation and derivation: docs/DESIGN.md#kvcachesizingpy"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
 from swaserve.kvcache.arena import ArenaLayout
 from swaserve.kvcache.plan import PoolPlan, cdiv
+from swaserve.kvformat import KVFormat
 
 DEFAULT_SWA_FULL_TOKENS_RATIO = 1 / 9
 
@@ -22,11 +25,18 @@ def spec_lookahead(ecfg: EngineConfig) -> int:
     return 2 * ecfg.speculative_num_steps
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> tuple[int, int]:
-    """(full, swa) bytes of one page across all layers of the pool, K and V."""
-    full = len(cfg.full_layers) * page_size * cfg.full.kv_bytes_per_token(dtype_bytes)
-    swa = len(cfg.swa_layers) * page_size * cfg.swa.kv_bytes_per_token(dtype_bytes)
-    return full, swa
+def page_bytes(
+    cfg: ModelConfig, page_size: int, dtype_bytes: int, formats: Mapping[str, KVFormat] | None = None
+) -> tuple[int, int]:
+    """(full, swa) bytes of one page across all layers of the pool, K and V, in each kind's page
+    format (``formats``; default ``auto``: ``dtype_bytes`` per element)."""
+    out = []
+    for kind, layers, s in ((FULL, cfg.full_layers, cfg.full), (SWA, cfg.swa_layers, cfg.swa)):
+        fmt = (formats or {}).get(kind, KVFormat())
+        out.append(
+            len(layers) * page_size * fmt.token_bytes(s.num_kv_heads, s.head_dim, s.v_head_dim, dtype_bytes)
+        )
+    return out[0], out[1]
 
 
 def plan_pools(
@@ -36,19 +46,21 @@ def plan_pools(
     budget: int | None = None,
     shared: bool = False,
     arena: ArenaLayout | None = None,
+    formats: Mapping[str, KVFormat] | None = None,
 ) -> PoolPlan:
     """Pool sizes for ``budget`` bytes (default ``ecfg.kv_cache_memory``) as in the module formula.
     ``shared``: with prefix caching, a hybrid layout and no ``swa_full_tokens_ratio``, one byte
     budget both pools draw from, split by the traffic (``kvcache.adaptive``); ``arena``: that
     budget is the arena of this layout (whole units; page bytes with their padding), as the
     engine's storage holds it. Without ``arena`` a shared plan counts bytes only (simulation).
+    ``formats``: each pool's page format (``page_bytes``).
 
     Raises:
         ValueError: the budget cannot hold one page in each pool.
     """
     budget = ecfg.kv_cache_memory if budget is None else budget
     p = ecfg.page_size
-    pbf, pbs = page_bytes(cfg, p, dtype_bytes)
+    pbf, pbs = page_bytes(cfg, p, dtype_bytes, formats)
     if not cfg.swa_layers:
         return PoolPlan(max(1, budget // pbf), 1, pbf, 0)
     if (

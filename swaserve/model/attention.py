@@ -4,7 +4,10 @@ Per attention kind and layer, ``k_cache [rows, page_size, num_kv_heads, head_dim
 ``v_cache [..., v_head_dim]`` (``swaserve.paged``: slot = row * page_size + offset, a row being a page
 or an arena unit); ``KindMeta`` gives the write slots and each sequence's key slots and mask, in the
 rows of the layer's group. Sinks (gpt-oss / MiMo-V2): one learned logit per head in the
-softmax denominator, ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``.
+softmax denominator, ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``. A quantized pool
+(``KindMeta.fmt``, ``swaserve.kvformat``) stores packed rows: new K/V are packed as they are
+written, and every read (the step's own rows too) dequantizes, so a key reads the same whether it
+was written now, in an earlier chunk or came from a cache.
 
 Design notes: docs/DESIGN.md#modelattentionpy"""
 
@@ -19,6 +22,7 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from swaserve.config import FULL, ModelConfig
+from swaserve.kvformat import KVFormat
 from swaserve.model.layers import PartialRope
 from swaserve.paged import at, put
 
@@ -64,6 +68,7 @@ class KindMeta:
         decode_rows: [B] rows of single-token queries batched together; decode_slots [B, L] their
             key slots (padded), decode_mask [B, L] bool validity.
         multi: groups of short multi-row queries batched together (``MultiAttn``).
+        fmt: the pool's page format (``auto``: the model dtype, nothing packed).
     """
 
     write_slots: torch.Tensor
@@ -72,6 +77,7 @@ class KindMeta:
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    fmt: KVFormat = field(default_factory=KVFormat)
 
 
 # Queries of at most this many rows (verify chunks, draft-layer rows) of several sequences are
@@ -85,12 +91,13 @@ def kind_meta(
     window: int | None,
     locate: Callable[[torch.Tensor], torch.Tensor],
     dev: torch.device,
+    fmt: KVFormat | None = None,
 ) -> KindMeta:
     """Attention metadata of one kind (one unit group) for query spans ``(request id, start, end)``
     laid out back to back: each span writes its positions' K/V and reads ``[start - window, end)``
     (``[0, end)`` for full attention) under the causal window mask; a 1-row span takes the batched
     decode path. ``slots_of(rid, lo, end)``: pool slots of positions ``lo .. end-1``; ``locate``:
-    pool slots -> row slots of the group."""
+    pool slots -> row slots of the group; ``fmt``: the pool's page format."""
     writes: list[torch.Tensor] = []
     prefills: list[SeqAttn] = []
     dec_rows: list[int] = []
@@ -116,7 +123,7 @@ def kind_meta(
             else:
                 prefills.append(SeqAttn(row, n, slots.to(dev), mask.to(dev)))
         row += n
-    meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills)
+    meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills, fmt=fmt or KVFormat())
     for n, group in short.items():
         if len(group) == 1:  # alone: nothing to batch
             r, slots, mask = group[0]
@@ -196,24 +203,26 @@ class TorchPagedAttention(AttentionBackend):
     """Pure-torch reference backend (CPU or CUDA): gathers each sequence's slots and attends."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta, sinks, scale):  # type: ignore[no-untyped-def]
-        put(k_cache, meta.write_slots, k)
-        put(v_cache, meta.write_slots, v)
+        fmt, dk, dv = meta.fmt, k.shape[-1], v.shape[-1]
+        put(k_cache, meta.write_slots, fmt.pack(k))
+        put(v_cache, meta.write_slots, fmt.pack(v))
+
+        def kv(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return fmt.unpack(at(k_cache, slots), dk, q.dtype), fmt.unpack(at(v_cache, slots), dv, q.dtype)
+
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for s in meta.prefills:
             qs = q[s.q_start : s.q_start + s.q_len].unsqueeze(0)
-            ks = at(k_cache, s.kv_slots).to(q.dtype).unsqueeze(0)
-            vs = at(v_cache, s.kv_slots).to(q.dtype).unsqueeze(0)
+            ks, vs = kv(s.kv_slots)
             m = None if s.mask is None else s.mask.unsqueeze(0)
-            out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, m, sinks, scale)[0]
+            out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks[None], vs[None], m, sinks, scale)[0]
         for m in meta.multi:
-            km = at(k_cache, m.kv_slots).to(q.dtype)  # [B, L, Hkv, Dk]
-            vm = at(v_cache, m.kv_slots).to(q.dtype)
+            km, vm = kv(m.kv_slots)  # [B, L, Hkv, Dk]
             out[m.rows] = _attend(q[m.rows], km, vm, m.mask, sinks, scale)
         if meta.decode_rows is not None:
             assert meta.decode_slots is not None and meta.decode_mask is not None
             qd = q[meta.decode_rows].unsqueeze(1)  # [B, 1, Hq, Dk]
-            kd = at(k_cache, meta.decode_slots).to(q.dtype)  # [B, L, Hkv, Dk]
-            vd = at(v_cache, meta.decode_slots).to(q.dtype)
+            kd, vd = kv(meta.decode_slots)  # [B, L, Hkv, Dk]
             out[meta.decode_rows] = _attend(qd, kd, vd, meta.decode_mask.unsqueeze(1), sinks, scale)[:, 0]
         return out
 

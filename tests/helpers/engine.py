@@ -16,6 +16,7 @@ from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import plan_pools
 from swaserve.kvcache.storage import KVStorage
+from swaserve.kvformat import KVFormat
 from swaserve.model.loader import load_model
 
 
@@ -29,19 +30,21 @@ class Harness:
         layout: str = "hybrid",
         budget: int = 8 << 20,
         shared: bool = False,
+        formats: dict[str, KVFormat] | None = None,
     ) -> None:
-        """``shared``: both pools on one arena (``kvcache.arena``), as the engine with prefix caching."""
+        """``shared``: both pools on one arena (``kvcache.arena``), as the engine with prefix caching;
+        ``formats``: each pool's page format (``swaserve.kvformat``)."""
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.model = load_model(model_dir, self.cfg)
         ecfg = EngineConfig(page_size=page_size, kv_cache_memory=budget, kv_layout=layout)  # type: ignore[arg-type]
-        arena = arena_layout(self.cfg, page_size, 4) if shared else None
-        plan = plan_pools(self.cfg, ecfg, 4, shared=shared, arena=arena)
+        arena = arena_layout(self.cfg, page_size, 4, formats) if shared else None
+        plan = plan_pools(self.cfg, ecfg, 4, shared=shared, arena=arena, formats=formats)
         assert (plan.unit_bytes is not None) == shared
         self.kv = KVCacheManager(
             plan, page_size, self.cfg.window, layout, len(self.cfg.full_layers), len(self.cfg.swa_layers)
         )
-        self.storage = KVStorage(self.cfg, plan, page_size, torch.float32, "cpu")
+        self.storage = KVStorage(self.cfg, plan, page_size, torch.float32, "cpu", formats)
         self.storage.bind(FULL, self.kv.full.pool)
         self.storage.bind(SWA, self.kv.swa.pool)
         self.runner = ModelRunner(self.model, self.cfg, self.kv, self.storage, torch.device("cpu"))
