@@ -15,6 +15,7 @@ import grpc
 from services.convert import WORKER_DRAINING, hidden_from_header, page_from_proto
 from swaserve.config import FULL, SWA, kv_config
 from swaserve.engine.client import LocalEngineClient
+from swaserve.kvformat import engine_formats
 from swaserve.transfer.kv_transfer import KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
@@ -42,6 +43,7 @@ def staging_for(engine: LocalEngineClient, max_bytes: int) -> KVStaging:
         ecfg.page_size,
         engine.kv_dtype,
         max_bytes,
+        engine_formats(ecfg, cfg),
     )
 
 

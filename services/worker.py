@@ -39,6 +39,7 @@ from services.transport import GrpcKVSender, KVSender
 from services.worker_metrics import WorkerLoadCollector, WorkerMetrics, serve_metrics
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.types import FinishReason, SamplingParams
+from swaserve.kvformat import engine_formats, format_label
 from swaserve.media.placeholders import MediaInputs
 from swaserve.model.identity import model_identity
 from swaserve.routing.buckets import ALL_LENGTHS
@@ -86,6 +87,8 @@ class WorkerService(wgrpc.WorkerServicer):
         cfg = engine.model_config
         mdigest = None if engine.media_config is None else engine.media_config.digest()
         self.identity = model_identity(cfg, engine.tokenizer, engine.model_name, mdigest)
+        formats = engine_formats(engine.engine_config, cfg)
+        self.kv_format = format_label(str(engine.kv_dtype).removeprefix("torch."), formats)
         self.boot_id = uuid.uuid4().hex  # this process: a restart draws a new one
         self.sender: KVSender = GrpcKVSender(
             engine.engine_config.page_size,
@@ -256,6 +259,8 @@ class WorkerService(wgrpc.WorkerServicer):
                 cached_pages=p.cached_pages,
                 request_pages=p.request_pages,
                 peak_used_pages=p.peak_used_pages,
+                page_bytes=p.page_bytes,
+                kv_format=p.kv_format,
             )
             for name, p in st.pools.items()
         }
@@ -278,6 +283,7 @@ class WorkerService(wgrpc.WorkerServicer):
             steps=st.steps_total,
             computed_tokens=st.computed_tokens_total,
             draining=self.draining,
+            kv_format=self.kv_format,
         )
 
     async def expire_staging(self) -> None:

@@ -19,7 +19,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from swaserve.engine.stats import EngineStats
-from swaserve.metrics import PREFIX, WORKER_LABEL
+from swaserve.metrics import PREFIX, WORKER_LABEL, token_bytes_family
 from swaserve.metrics_engine import ep_families, spec_families
 
 TEXT_FORMAT = "text/plain; version=0.0.4"
@@ -68,7 +68,8 @@ class WorkerLoadCollector(Collector):
     """The worker's own load, under the names and labels the router exports for it
     (``worker_num_requests_*``, ``worker_outstanding_tokens``, ``worker_kv_staged_bytes``,
     ``kv_cache_{usage_perc,used_pages,total_pages}`` and ``prefix_cache_pages`` with ``model_name``,
-    ``role``, ``worker`` and ``pool``; ``worker_prefix_cache_{queries,hits}_total`` (hits by
+    ``role``, ``worker`` and ``pool``; ``kv_cache_token_bytes`` by ``pool`` and ``format``;
+    ``worker_prefix_cache_{queries,hits}_total`` (hits by
     ``tier``: device, host, l3); with MTP on the ``spec_decode_*`` counters): per-pod series an autoscaler can select by the pod's labels
     (the chart's KEDA triggers), and that ``max by (worker)`` folds with the routers' copies.
 
@@ -115,6 +116,8 @@ class WorkerLoadCollector(Collector):
             for pool, p in sorted(s.pools.items()):
                 fam.add_metric([self._labels[0], pool, *self._labels[1:]], get(p))
             yield fam
+        yield token_bytes_family(s.pools, ["model_name", "pool", "format", "role", WORKER_LABEL],
+                                 lambda pool, p: [self._labels[0], pool, p.kv_format, *self._labels[1:]])  # fmt: skip
         pc = s.prefix_cache
         if pc is not None:  # per tier (the router's prefix_cache_hits has no tiers in a cluster)
             queries = CounterMetricFamily(

@@ -25,11 +25,12 @@ scale and zero.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from swaserve.config import FULL, EngineConfig, ModelConfig
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
 
 AUTO = "auto"
 ROW_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
@@ -161,6 +162,9 @@ class KVFormat:
         return (bound + xf.abs() * 2.0**-21).reshape(x.shape)
 
 
+AUTO_FORMAT = KVFormat()
+
+
 def parse_format(name: str, group: int = 0) -> KVFormat:
     """``--kv-cache-dtype`` value -> ``KVFormat`` (checked later against the model's head dims).
 
@@ -185,6 +189,18 @@ def engine_formats(ecfg: EngineConfig, mcfg: ModelConfig) -> dict[str, KVFormat]
         fmt.check((shape.head_dim, shape.v_head_dim))
         out[kind] = fmt
     return out
+
+
+POOL_NAMES = {FULL: "full", SWA: "swa"}  # the pools' names in stats, metrics and GetLoad
+
+
+def format_label(dtype: str, formats: Mapping[str, KVFormat]) -> str:
+    """One engine's KV identity for people and for comparing workers:
+    ``"<dtype> full=<format> swa=<format>"`` (``KVFormat.describe``), e.g.
+    ``"bfloat16 full=int8/g0/scale=f32-after-data swa=auto"``."""
+    return " ".join(
+        [dtype, *(f"{POOL_NAMES[k]}={formats[k].describe()}" for k in (FULL, SWA) if k in formats)]
+    )
 
 
 # --- KIVI (arXiv:2402.02750): asymmetric 2/4-bit blocks --------------------------------------

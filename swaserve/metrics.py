@@ -125,6 +125,23 @@ DISCOVERY_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
 DISCOVERY_RELISTS = ("start", "resync", "gone", "error")
 
 
+def token_bytes_family(
+    pools: dict[str, PoolStats], labels: list[str], values: Callable[[str, PoolStats], list[str]]
+) -> GaugeMetricFamily:
+    """``kv_cache_token_bytes``: bytes one token's K and V take in each pool over its layers
+    (quantization scales included), labelled by ``values(pool, stats)`` (pool and format among them)."""
+    fam = GaugeMetricFamily(
+        PREFIX + "kv_cache_token_bytes",
+        "Bytes one token's K and V take in the pool over all its layers (scales included), by pool "
+        "and page format (--kv-cache-dtype).",
+        labels=labels,
+    )
+    for pool, p in sorted(pools.items()):
+        if p.page_size:
+            fam.add_metric(values(pool, p), p.token_bytes)
+    return fam
+
+
 class EngineStatsCollector(Collector):
     """Turns one ``EngineStats`` snapshot per scrape into gauges and counters.
 
@@ -199,9 +216,13 @@ class EngineStatsCollector(Collector):
             used.add_metric(labels, p.used_pages)
             total.add_metric(labels, p.total_pages)
             peak.add_metric(labels, p.peak_used_pages)
-            if p.page_bytes:  # workers do not report page sizes
+            if p.page_bytes:  # workers older than page_bytes in GetLoad report 0
                 used_bytes.add_metric(labels, p.used_bytes)
         yield from (usage, used, total, peak, used_bytes)
+        if r is None:
+            yield token_bytes_family(
+                s.pools, ["model_name", "pool", "format"], lambda pool, p: [self._model, pool, p.kv_format]
+            )
 
         prompt = CounterMetricFamily(
             PREFIX + "prompt_tokens", "Prefill tokens processed.", labels=["model_name"]

@@ -94,7 +94,8 @@ class WorkerAdmin:
                 address already serves the other role, or the worker process is registered
                 under another address (409 ``worker_exists``); the worker does not answer
                 (400 ``worker_unreachable``), reports another role (400 ``role_mismatch``) or
-                another model (400 ``model_mismatch``).
+                another model (400 ``model_mismatch``), another KV format than the workers in
+                routing (400 ``kv_format_mismatch``).
         """
         if role not in ROLES:
             raise ProtocolError(
@@ -116,6 +117,9 @@ class WorkerAdmin:
         mismatch = self.pool.mismatch(load)
         if mismatch is not None:
             raise ProtocolError(f"worker {address}: {mismatch}", param="url", code="model_mismatch")
+        mismatch = self.pool.kv_format_mismatch(address, load)
+        if mismatch is not None:
+            raise ProtocolError(f"worker {address}: {mismatch}", param="url", code="kv_format_mismatch")
         twin = self.pool.same_process(address, load)
         if twin is not None:
             raise ProtocolError(
@@ -172,7 +176,7 @@ class WorkerAdmin:
             w
             for w in self.pool.handles.values()
             if w.role == role and w.address != removed and not w.draining
-            and (w.refusal is None or w.refusal.code != "model_mismatch")
+            and (w.refusal is None or w.refusal.code not in ("model_mismatch", "kv_format_mismatch"))
         ]  # fmt: skip
         if not others:
             return (
@@ -252,6 +256,7 @@ class WorkerAdmin:
             "queue_order": (ld.queue_order or "fcfs") if ld is not None else None,  # prefill: fcfs/compute
             "model_fingerprint": (ld.model_fingerprint or None) if ld is not None else None,
             "model": (ld.model_description or None) if ld is not None else None,
+            "kv_format": (ld.kv_format or None) if ld is not None else None,  # dtype and page formats
             "boot_id": (ld.boot_id or None) if ld is not None else None,  # its process
             "steps": ld.steps if ld is not None else None,  # its engine's progress: steps run
             "computed_tokens": ld.computed_tokens if ld is not None else None,  # ... tokens computed

@@ -89,8 +89,8 @@ class Attempt:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a worker that answers is kept out of routing: ``code`` ``model_mismatch`` or
-    ``duplicate``; ``message`` says it for people."""
+    """Why a worker that answers is kept out of routing: ``code`` ``model_mismatch``,
+    ``kv_format_mismatch`` or ``duplicate``; ``message`` says it for people."""
 
     code: str
     message: str
@@ -152,9 +152,10 @@ class WorkerHandle:
                 total_pages=p.total_pages,
                 used_pages=p.used_pages,
                 peak_used_pages=p.peak_used_pages,
-                page_bytes=0,
+                page_bytes=p.page_bytes,
                 num_layers=0,
                 cached_pages=p.cached_pages,
+                kv_format=p.kv_format or "auto",
             )
             for name, p in ld.pools.items()
         }
@@ -441,6 +442,24 @@ class WorkerPool:
             "router's model (config and tokenizer)"
         )
 
+    def kv_format_mismatch(self, address: str, load: pb.Load) -> str | None:
+        """Why a worker reporting ``load`` cannot join the workers in routing: another KV format
+        (``Load.kv_format``: dtype and page formats). Prefill pages go to any decode worker as
+        they are (never converted), so one router's workers share one format; the first in
+        routing sets it (None: the same, or either does not say)."""
+        mine = load.kv_format
+        if not mine:
+            return None
+        for o in sorted(self.handles.values(), key=lambda h: h.address):
+            theirs = o.load.kv_format if o.load is not None else ""
+            if o.address != address and o.healthy and theirs and theirs != mine:
+                return (
+                    f"its KV format is {mine!r}, the workers in routing use {theirs!r} ({o.address}): "
+                    "prefill pages are never converted, so give every worker the same --dtype, "
+                    "--kv-cache-dtype, --kv-cache-dtype-swa and --kv-quant-group"
+                )
+        return None
+
     def _twins(self, address: str, load: pb.Load) -> list[WorkerHandle]:
         """The workers not draining under other addresses than ``address`` whose last answer
         came from the process that answered ``load`` (same ``boot_id``)."""
@@ -476,6 +495,9 @@ class WorkerPool:
         why = self.mismatch(load)
         if why is not None:
             return Refusal("model_mismatch", why)
+        why = self.kv_format_mismatch(address, load)
+        if why is not None:
+            return Refusal("kv_format_mismatch", why)
         twin = self._first_name(address, load)
         if twin is not None and twin.address < address:
             return _duplicate(load.boot_id, twin.address)

@@ -525,7 +525,12 @@ class EngineCore:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            pools=self.kv.stats(),
+            pools={
+                name: dataclasses.replace(
+                    p, kv_format=self.kv_formats[kind].describe(), page_size=self.config.page_size
+                )
+                for (name, p), kind in zip(self.kv.stats().items(), (FULL, SWA), strict=True)
+            },
             prefix_cache=self.kv.cache.stats if self.kv.cache is not None else None,
             cache_pages=self.kv.cached_pages() if self.kv.cache is not None else {},
             outstanding_tokens=sum(

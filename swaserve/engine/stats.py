@@ -35,12 +35,12 @@ class EngineStats:
 def merge_stats(ranks: Sequence[EngineStats]) -> EngineStats:
     """One instance's stats from its EP ranks' (each with its own requests and pools): counts and
     pages summed (a pool's peak: the sum of the ranks' peaks, an upper bound), page sizes and
-    layer counts kept, the EP counters (the same on every rank) taken from the first."""
+    layer counts, formats kept, the EP counters (the same on every rank) taken from the first."""
     total = cast(EngineStats, _sum([dataclasses.replace(r, ep=None) for r in ranks]))
     return dataclasses.replace(total, ep=ranks[0].ep)
 
 
-_KEEP = {"page_bytes", "num_layers"}
+_KEEP = {"page_bytes", "num_layers", "kv_format", "page_size"}
 
 
 def _sum(values: Sequence[object]) -> object:

@@ -19,6 +19,8 @@ class PoolStats:
         page_bytes: Bytes of one page across all layers of the pool (K and V).
         num_layers: Layers whose KV lives in this pool.
         cached_pages: Pages owned by the prefix cache (evictable unless a request locks them).
+        kv_format: the pool's page format (``KVFormat.describe``; the engine fills it in).
+        page_size: tokens per page (0: not known here).
     """
 
     total_pages: int
@@ -27,6 +29,13 @@ class PoolStats:
     page_bytes: int
     num_layers: int
     cached_pages: int = 0
+    kv_format: str = "auto"
+    page_size: int = 0
+
+    @property
+    def token_bytes(self) -> float:
+        """Bytes one token's K and V take over the pool's layers (0.0: page size not known)."""
+        return self.page_bytes / self.page_size if self.page_size else 0.0
 
     @property
     def request_pages(self) -> int:

@@ -10,7 +10,7 @@ Design notes: docs/DESIGN.md#transferkv_transferpy"""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from swaserve.config import FULL, SWA
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
+from swaserve.kvformat import AUTO, AUTO_FORMAT, KVFormat
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +38,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise TransferError(f"unsupported KV dtype {dtype}")
 
 
+def page_format(fmt: KVFormat, dtype: torch.dtype) -> str:
+    """What a page message names as its ``dtype``: the model dtype's name for ``auto`` pages
+    (``"bfloat16"``), else the quantized format (``KVFormat.describe``: name, group, scale layout),
+    whose rows are packed bytes."""
+    return dtype_name(dtype) if not fmt.quantized else fmt.describe()
+
+
 @dataclass
 class KVPayload:
     """The KV one request's decode needs, in host or device tensors.
@@ -52,6 +60,9 @@ class KVPayload:
         spec_drafts: MTP on: the first draft tokens after the first token (``engine.drafter``).
         mtp_hidden: MTP on: [m, hidden] the target's pre-final-norm hidden states of positions
             ``[n - m, n)``, which the decoder's first MTP rows read (m <= its MTP layers).
+        formats: per kind, the page format (``page_format``) of quantized K/V: their tensors are
+            packed rows ``[.., kv_heads, row_bytes]`` uint8 (``swaserve.kvformat``); absent: the
+            tensors' own dtype.
     """
 
     request_id: str
@@ -61,6 +72,7 @@ class KVPayload:
     sampler_state: bytes = b""  # seeded requests: RNG state after the first token (empty: none)
     spec_drafts: list[int] = field(default_factory=list)
     mtp_hidden: torch.Tensor | None = None
+    formats: dict[str, str] = field(default_factory=dict)
 
     def token_range(self, kind: str) -> tuple[int, int]:
         """Positions ``[lo, n)`` whose KV the payload carries for ``kind``."""
@@ -80,7 +92,8 @@ class KVPage:
     """One page of one layer's K and V, as sent on the wire (``protos/swaserve/v1/kv_transfer.proto``).
 
     ``k``/``v`` are the raw bytes of ``[token_end - token_start, kv_heads, head_dim]`` tensors in
-    ``dtype``; ``checksum`` is CRC-32 (zlib) of ``k + v``.
+    ``dtype`` (``page_format``: for a quantized format, ``[.., kv_heads, row_bytes]`` packed rows,
+    head_dim in the shapes standing for the row's bytes); ``checksum`` is CRC-32 (zlib) of ``k + v``.
     """
 
     request_id: str
@@ -118,7 +131,7 @@ def to_pages(payload: KVPayload, page_size: int, pages_per_message: int = 1) -> 
     for kind in (FULL, SWA):
         lo, hi = payload.token_range(kind)
         for layer, (k, v) in enumerate(payload.kv.get(kind, [])):
-            dt = dtype_name(k.dtype)
+            dt = payload.formats.get(kind) or dtype_name(k.dtype)
             start = lo
             while start < hi:
                 end = min(hi, (start // page_size) * page_size + span)
@@ -162,8 +175,10 @@ class KVStaging:
     Args:
         layers: number of layers per kind, e.g. ``{"full": 10, "swa": 60}``.
         shapes: per-kind ``LayerShape``.
-        window: SWA window ``W``. page_size: tokens per page. dtype: the KV dtype expected.
+        window: SWA window ``W``. page_size: tokens per page. dtype: the model's KV dtype.
         max_bytes: host bytes staging may hold at once; a transfer that would exceed it is refused.
+        formats: per kind, this worker's page format (``swaserve.kvformat``; default ``auto``):
+            pages in another format are refused (their bytes are never reinterpreted).
     """
 
     def __init__(
@@ -174,10 +189,12 @@ class KVStaging:
         page_size: int,
         dtype: torch.dtype,
         max_bytes: int = 1 << 32,
+        formats: Mapping[str, KVFormat] | None = None,
     ) -> None:
         self.layers, self.shapes = layers, shapes
         self.window, self.page_size, self.dtype = window, page_size, dtype
         self.max_bytes = max_bytes
+        self.formats = {kind: (formats or {}).get(kind, AUTO_FORMAT) for kind in layers}
         self._open: dict[str, tuple[KVPayload, set[tuple[str, int, int]]]] = {}
         self._bytes: dict[str, int] = {}
         self._done: set[str] = set()
@@ -216,23 +233,37 @@ class KVStaging:
         for kind, n_layers in self.layers.items():
             lo, hi = payload.token_range(kind)
             s = self.shapes[kind]
-            size += n_layers * (hi - lo) * s.kv_heads * (s.head_dim + s.v_head_dim) * self.dtype.itemsize
+            row = self.formats[kind].token_bytes(s.kv_heads, s.head_dim, s.v_head_dim, self.dtype.itemsize)
+            size += n_layers * (hi - lo) * row
         if self.staged_bytes + size > self.max_bytes:
             raise StagingFull(
                 f"staging full: {self.staged_bytes} + {size} bytes > {self.max_bytes} (retry later)"
             )
         for kind, n_layers in self.layers.items():
             lo, hi = payload.token_range(kind)
-            s = self.shapes[kind]
+            s, dt = self.shapes[kind], self._storage_dtype(kind)
+            dk, dv = self._dims(kind)
             payload.kv[kind] = [
                 (
-                    torch.empty(hi - lo, s.kv_heads, s.head_dim, dtype=self.dtype),
-                    torch.empty(hi - lo, s.kv_heads, s.v_head_dim, dtype=self.dtype),
+                    torch.empty(hi - lo, s.kv_heads, dk, dtype=dt),
+                    torch.empty(hi - lo, s.kv_heads, dv, dtype=dt),
                 )
                 for _ in range(n_layers)
             ]
+            if self.formats[kind].quantized:
+                payload.formats[kind] = self.formats[kind].describe()
         self._open[request_id] = (payload, set())
         self._bytes[request_id] = size
+
+    def _storage_dtype(self, kind: str) -> torch.dtype:
+        return self.formats[kind].storage_dtype(self.dtype)
+
+    def _dims(self, kind: str) -> tuple[int, int]:
+        """Last dims of a page's K and V: head dims, or packed row bytes of a quantized format."""
+        s, fmt, elem = self.shapes[kind], self.formats[kind], self.dtype.itemsize
+        if not fmt.quantized:
+            return s.head_dim, s.v_head_dim
+        return fmt.row_bytes(s.head_dim, elem), fmt.row_bytes(s.v_head_dim, elem)
 
     def add(self, page: KVPage) -> None:
         """Verify one page and copy it into its request's staging tensors.
@@ -248,8 +279,13 @@ class KVStaging:
             raise TransferError(f"page for {page.request_id!r} after its transfer was finished")
         if page.kind not in self.layers or not 0 <= page.layer < self.layers[page.kind]:
             raise TransferError(f"page of unknown layer {page.kind}[{page.layer}]")
-        if page.dtype != dtype_name(self.dtype):
-            raise TransferError(f"page dtype {page.dtype}, expected {dtype_name(self.dtype)}")
+        want_format = page_format(self.formats[page.kind], self.dtype)
+        if page.dtype != want_format:
+            raise TransferError(
+                f"{page.kind} page in KV format {page.dtype!r}, this decode worker stores {want_format!r}: "
+                "prefill and decode workers need the same --dtype, --kv-cache-dtype(-swa) and "
+                "--kv-quant-group (pages are never reinterpreted)"
+            )
         if page.page_size != self.page_size:
             raise TransferError(f"page size {page.page_size}, expected {self.page_size}")
         if _checksum(page.k, page.v) != page.checksum:
@@ -268,18 +304,15 @@ class KVStaging:
                 f"duplicate page in {page.kind}[{page.layer}] [{a}, {b}) for {page.request_id}"
             )
         k_dst, v_dst = payload.kv[page.kind][page.layer]
-        s = self.shapes[page.kind]
-        if page.k_shape != (b - a, s.kv_heads, s.head_dim) or page.v_shape != (
-            b - a,
-            s.kv_heads,
-            s.v_head_dim,
-        ):
+        s, dt = self.shapes[page.kind], self._storage_dtype(page.kind)
+        dk, dv = self._dims(page.kind)
+        if page.k_shape != (b - a, s.kv_heads, dk) or page.v_shape != (b - a, s.kv_heads, dv):
             raise TransferError(f"page shapes {page.k_shape}/{page.v_shape} do not match the model")
         for dst, raw, shape in ((k_dst, page.k, page.k_shape), (v_dst, page.v, page.v_shape)):
-            want = int(torch.Size(shape).numel()) * self.dtype.itemsize
+            want = int(torch.Size(shape).numel()) * dt.itemsize
             if len(raw) != want:
                 raise TransferError(f"page holds {len(raw)} bytes, shape needs {want}")
-            src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.dtype).view(shape)
+            src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).view(shape)
             dst[a - lo : b - lo].copy_(src)
         seen |= keys
 
@@ -339,6 +372,8 @@ def gather(kv: KVCacheManager, storage: KVStorage, request_id: str, num_tokens: 
     for kind, mgr in ((FULL, kv.full), (SWA, kv.swa)):
         if kind == SWA and not kv.has_swa:
             continue
+        if storage.formats[kind].quantized:
+            payload.formats[kind] = storage.formats[kind].describe()
         lo, hi = payload.token_range(kind)
         slots = mgr.slots(request_id, lo, hi)
         layers = (storage.read(kind, j, slots) for j in range(len(storage.kv[kind][0])))
@@ -347,11 +382,18 @@ def gather(kv: KVCacheManager, storage: KVStorage, request_id: str, num_tokens: 
 
 
 def scatter(kv: KVCacheManager, storage: KVStorage, payload: KVPayload) -> None:
-    """Copy a staged payload into the request's pages (decode role; the pages are allocated)."""
+    """Copy a staged payload into the request's pages (decode role; the pages are allocated).
+
+    Raises:
+        ValueError: the payload's layer count or page format is not this engine's.
+    """
     rid = payload.request_id
     for kind, mgr in ((FULL, kv.full), (SWA, kv.swa)):
         if kind not in payload.kv:
             continue
+        got, mine = payload.formats.get(kind, AUTO), storage.formats[kind].describe()
+        if got != mine:
+            raise ValueError(f"payload's {kind} KV is in format {got!r}, this engine stores {mine!r}")
         lo, hi = payload.token_range(kind)
         slots = mgr.slots(rid, lo, hi)
         if len(payload.kv[kind]) != len(storage.kv[kind][0]):

@@ -190,21 +190,25 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolLoad(_message.Message):
-    __slots__ = ("total_pages", "used_pages", "cached_pages", "request_pages", "peak_used_pages")
+    __slots__ = ("total_pages", "used_pages", "cached_pages", "request_pages", "peak_used_pages", "page_bytes", "kv_format")
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_PAGES_FIELD_NUMBER: _ClassVar[int]
     PEAK_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     total_pages: int
     used_pages: int
     cached_pages: int
     request_pages: int
     peak_used_pages: int
-    def __init__(self, total_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., request_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ...) -> None: ...
+    page_bytes: int
+    kv_format: str
+    def __init__(self, total_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., request_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("role", "running", "waiting", "outstanding_tokens", "pools", "staged_bytes", "open_requests", "prefill_tokens", "min_prompt_tokens", "max_prompt_tokens", "index_block_tokens", "queue_order", "model_fingerprint", "model_description", "boot_id", "steps", "computed_tokens", "draining")
+    __slots__ = ("role", "running", "waiting", "outstanding_tokens", "pools", "staged_bytes", "open_requests", "prefill_tokens", "min_prompt_tokens", "max_prompt_tokens", "index_block_tokens", "queue_order", "model_fingerprint", "model_description", "boot_id", "steps", "computed_tokens", "draining", "kv_format")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +234,7 @@ class Load(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     role: str
     running: int
     waiting: int
@@ -248,4 +253,5 @@ class Load(_message.Message):
     steps: int
     computed_tokens: int
     draining: bool
-    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pools: _Optional[_Mapping[str, PoolLoad]] = ..., staged_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., index_block_tokens: _Optional[int] = ..., queue_order: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., model_description: _Optional[str] = ..., boot_id: _Optional[str] = ..., steps: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    kv_format: str
+    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pools: _Optional[_Mapping[str, PoolLoad]] = ..., staged_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., index_block_tokens: _Optional[int] = ..., queue_order: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., model_description: _Optional[str] = ..., boot_id: _Optional[str] = ..., steps: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_format: _Optional[str] = ...) -> None: ...

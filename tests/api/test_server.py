@@ -392,6 +392,10 @@ async def test_models_health_metrics(served: Served) -> None:
     total = served.engine.stats().pools["full"].total_pages
     assert f'swaserve:kv_cache_total_pages{{model_name="{model}",pool="full"}} {float(total)}' in text
     assert 'pool="swa"' in text
+    cfg, page = served.engine.model_config, served.engine.engine_config.page_size
+    full_tok = len(cfg.full_layers) * cfg.full.kv_bytes_per_token(4)  # float32, auto: no scales
+    assert served.metric("swaserve:kv_cache_token_bytes", pool="full", format="auto") == full_tok
+    assert served.engine.stats().pools["full"].page_bytes == page * full_tok
     assert served.metric("swaserve:request_success_total", finished_reason="length") == before + 1
     assert served.metric("swaserve:time_to_first_token_seconds_count") == ttft_before + 1
     stats = served.engine.stats()

@@ -28,10 +28,11 @@ from tests.helpers.engine import Harness
 
 TOL_PREFILL = 1e-5
 TOL_DECODE = 1e-4
-# batched decode rows differ from lone ones by float noise (~1e-6); once in a while a K/V value on
-# a rounding boundary then lands one code away (within the format's bound), which shows in the
-# logits at ~1e-4 (seen: 2.3e-4 once in 24 fp8_e5m2 runs)
-TOL_FLIP = 1e-3
+# batched rows differ from lone ones by float noise (~1e-6); once in a while a K/V value on a
+# rounding boundary then lands one code away (within the format's bound: an int8 step is 1/127 of
+# the row's absmax, an fp8_e4m3 step 1/8 of the value), which shows in logits and logprobs at
+# 1e-4..1e-3 (seen: 2.3e-4 once in 24 fp8_e5m2 batches, 2.0e-3 in a PD run); greedy tokens agree
+TOL_FLIP = 1e-2
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 

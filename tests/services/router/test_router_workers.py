@@ -494,3 +494,24 @@ def test_a_change_made_while_redis_is_down_reaches_the_other_router_when_it_is_b
     assert r.status_code == 200 and r.json()["shared"] is True, r.text
     all_up(cluster)
     wait_idle(cluster)
+
+
+def test_a_worker_of_another_kv_format_is_refused(cluster: Cluster) -> None:
+    """Prefill pages go to decode workers unconverted: a worker storing int8 KV pages cannot join
+    workers storing the model dtype (400 kv_format_mismatch naming both); /workers shows each
+    worker's format."""
+    a = cluster.urls[0]
+    ws = workers(a)
+    assert {w["kv_format"] for w in ws.values()} == {"float32 full=auto swa=auto"}, ws
+    addr, svc = extra_worker(cluster, "decode", "decode-int8", "--kv-cache-dtype", "int8")
+    try:
+        r = httpx.post(f"{a}/workers", json={"url": addr, "role": "decode"}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "kv_format_mismatch", r.text
+        assert (
+            "'float32 full=int8/g0/scale=f32-after-data swa=int8/g0/scale=f32-after-data'" in err["message"]
+        )
+        assert "'float32 full=auto swa=auto'" in err["message"] and "--kv-cache-dtype" in err["message"]
+        assert set(workers(a)) == set(ws)  # nothing was added
+    finally:
+        svc.stop()
