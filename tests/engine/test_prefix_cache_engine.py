@@ -20,6 +20,7 @@ from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 from swaserve.kvcache import invariants
+from tests.model.test_kv_quant_exact import TOL_FLIP
 
 NEW = 10
 PARAMS = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=3, ignore_eos=True)
@@ -144,5 +145,30 @@ def test_cuda_arena_and_host_arena_equal_cache_off(tiny_dir: Path) -> None:
         assert r.tokens == base[rid].tokens, f"{rid} differs with the prefix cache on (cuda)"
         for (lp, _), (blp, _) in zip(r.logprobs, base[rid].logprobs, strict=True):
             assert abs(lp - blp) <= 1e-3
+    stats = eng.kv.cache.stats if eng.kv.cache is not None else None
+    assert stats is not None and stats.hits_host > 0 and stats.hits_device > 0
+
+
+@pytest.mark.parametrize(
+    "formats", [("int8", "fp8_e4m3", 0), ("fp8_e5m2", "int8", 8)], ids=["int8-fp8e4m3", "fp8e5m2-int8-g8"]
+)
+def test_quantized_pages_from_device_and_host_equal_cache_off(
+    tiny_dir: Path, formats: tuple[str, str, int]
+) -> None:
+    """Quantized pools (``--kv-cache-dtype``): hits from the device and the host tier read the
+    packed rows the cold run wrote, so outputs equal the cache-off run of the same format (greedy
+    tokens; logprobs up to one code flip where a chunk boundary moved, ``TOL_FLIP``)."""
+    full, swa, group = formats
+    quant = {"kv_cache_dtype": full, "kv_cache_dtype_swa": swa, "kv_quant_group": group}
+    # packed rows take about 0.3x of float32's bytes: a device budget as tight as host-tier's
+    on = dataclasses.replace(CONFIGS["host-tier"], kv_cache_memory=90_000, **quant)  # type: ignore[arg-type]
+    off = EngineConfig(page_size=4, max_num_batched_tokens=64, enable_prefix_caching=False, **quant)  # type: ignore[arg-type]
+    eng = LLMEngine(tiny_dir, on)
+    assert {f.name for f in eng.core.storage.formats.values()} == {full, swa}
+    got, base = workload(eng, seed=7), workload(LLMEngine(tiny_dir, off), seed=7)
+    for rid, r in got.items():
+        assert r.tokens == base[rid].tokens, f"{rid} differs with the prefix cache on"
+        for (lp, _), (blp, _) in zip(r.logprobs, base[rid].logprobs, strict=True):
+            assert abs(lp - blp) <= TOL_FLIP
     stats = eng.kv.cache.stats if eng.kv.cache is not None else None
     assert stats is not None and stats.hits_host > 0 and stats.hits_device > 0
