@@ -149,7 +149,7 @@ def worker_app(role: str) -> typer.Typer:
     ) -> None:
         from services.tls import Dialer, server_credentials
         from services.worker import WorkerOptions, serve_worker
-        from swaserve.engine.factory import build_engine_client, check_ep
+        from swaserve.engine.factory import build_engine_client, check_ep, check_kv_formats
         from swaserve.model.checkpoint import default_model_dir
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
@@ -178,6 +178,10 @@ def worker_app(role: str) -> typer.Typer:
             check_ep(model_dir, engine_config)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--ep-size") from e
+        try:
+            check_kv_formats(model_dir, engine_config)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--kv-cache-dtype") from e
         engine = build_engine_client(model_dir, engine_config, on_dead=on_dead, num_threads=num_threads)
         from swaserve.routing.buckets import parse_range
 

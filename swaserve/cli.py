@@ -66,13 +66,17 @@ def _chat_template(value: str | None, model_dir: Path) -> str | None:
         raise typer.BadParameter(str(e), param_hint="--chat-template") from e
 
 
-def _check_ep(model_dir: Path, engine_config: EngineConfig) -> None:
-    from swaserve.engine.factory import check_ep
+def _check_engine(model_dir: Path, engine_config: EngineConfig) -> None:
+    from swaserve.engine.factory import check_ep, check_kv_formats
 
     try:
         check_ep(model_dir, engine_config)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--ep-size") from e
+    try:
+        check_kv_formats(model_dir, engine_config)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-cache-dtype") from e
 
 
 @app.command()
@@ -108,7 +112,7 @@ def serve(
     check_ssl_files(ssl_certfile, ssl_keyfile)
     model_dir = _model_dir(model)
     template = _chat_template(chat_template, model_dir)
-    _check_ep(model_dir, engine_config)
+    _check_engine(model_dir, engine_config)
     from swaserve.api.media import media_options
     from swaserve.api.server import serve as run_server
 

@@ -253,10 +253,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         "kv_cache_dtype",
         Annotated[
-            Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"],
+            Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4"],
             typer.Option(
                 help="Page format of the full-attention pool: auto (--dtype) or quantized with a "
-                "per-token scale (fp8_e4m3, fp8_e5m2, int8): about half of bf16's bytes.",
+                "per-token scale (fp8_e4m3, fp8_e5m2, int8): about half of bf16's bytes. kivi2/kivi4: not built yet.",
             ),
         ],
         "auto",
@@ -264,7 +264,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         "kv_cache_dtype_swa",
         Annotated[
-            Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"] | None,
+            Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4"] | None,
             typer.Option(help="Page format of the SWA pool (default: --kv-cache-dtype's)."),
         ],
         None,

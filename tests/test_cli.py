@@ -395,9 +395,13 @@ def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
         (["--ep-size", "3"], "EP size 3 must divide the 8 routed experts"),
         (["--ep-size", "2", "--engine-process", "inline"], "runs each rank in its own process"),
         (["--ep-size", "2", "--ep-placement", "/nonexistent.json"], "expert placement /nonexistent.json"),
+        (["--kv-cache-dtype", "int8", "--kv-quant-group", "5"], "group 5 does not divide head dim 32"),
+        (["--kv-cache-dtype-swa", "kivi2"], "the paged KIVI format (2/4-bit with a full-precision residual"),
     ],
 )
-def test_serve_refuses_an_ep_setup_that_cannot_start(tiny_dir: Path, args: list[str], message: str) -> None:
+def test_serve_refuses_an_ep_or_kv_setup_that_cannot_start(
+    tiny_dir: Path, args: list[str], message: str
+) -> None:
     r = runner.invoke(app, ["serve", "--model", str(tiny_dir), *args])
     assert r.exit_code == 2, r.output
     assert message in " ".join(r.output.replace("│", " ").split())  # the rich error box's lines joined

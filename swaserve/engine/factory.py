@@ -59,6 +59,19 @@ def check_ep(model_dir: str | Path, config: EngineConfig) -> None:
         ExpertPlacement.contiguous(cfg.n_routed_experts, config.ep_size)
 
 
+def check_kv_formats(model_dir: str | Path, config: EngineConfig) -> None:
+    """Refuse KV page formats this model cannot be stored in, before any process starts.
+
+    Raises:
+        ValueError: an unknown or unbuilt format, or a group not dividing a head dim
+            (``kvformat.FormatError``).
+    """
+    from swaserve.config import ModelConfig
+    from swaserve.kvformat import engine_formats
+
+    engine_formats(config, ModelConfig.from_pretrained(model_dir))
+
+
 def build_engine_client(
     model_dir: str | Path,
     config: EngineConfig,

@@ -341,3 +341,28 @@ def test_greedy_with_mtp_on_cuda_equals_cpu_without_it(mtp_dir: Path, refs) -> N
     eng = _engine(mtp_dir, K, device="cuda")
     assert eng.generate(ps, params) == [r for _, r in refs]
     assert eng.core.spec is not None and eng.core.spec.stats.drafts > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_greedy_with_mtp_on_quantized_pages_equals_mtp_off(
+    mtp_dir: Path, refs, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Quantized pools (the MTP layers' KV in the SWA pool's format): drafting and verifying K+1
+    rows read the packed rows decode would write, so greedy tokens equal the same format without
+    MTP, also on prefix-cache hits; with random MTP layers (drafts rejected: rows undone by length)
+    and with always-right oracle drafts (every verify accepts K)."""
+    params = SamplingParams(max_tokens=NEW, temperature=0.0)
+    prompts = [p for p, _ in refs]
+    want = _engine(mtp_dir, 0, kv_cache_dtype=fmt).generate(prompts, params)
+    eng = _engine(mtp_dir, K, kv_cache_dtype=fmt)
+    assert {f.name for f in eng.core.storage.formats.values()} == {fmt}
+    for _ in range(2):
+        assert eng.generate(prompts, params) == want
+    invariants.check(eng.core.kv)
+    spec = eng.core.spec
+    assert spec is not None and spec.stats.drafts > 0 and spec.stats.draft_tokens > 0
+    _oracle(monkeypatch, {tuple(p): w for p, w in zip(prompts, want, strict=True)}, right=True)
+    eng = _engine(mtp_dir, K, kv_cache_dtype=fmt)
+    assert eng.generate(prompts, params) == want
+    st = eng.core.spec.stats  # type: ignore[union-attr]
+    assert st.accepted > 0 and st.accepted_per_pos[K - 1] > 0
