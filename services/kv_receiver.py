@@ -15,7 +15,7 @@ import grpc
 from services.convert import WORKER_DRAINING, hidden_from_header, page_from_proto
 from swaserve.config import FULL, SWA, kv_config
 from swaserve.engine.client import LocalEngineClient
-from swaserve.kvformat import engine_formats
+from swaserve.kvformat import engine_formats, residual_layers
 from swaserve.transfer.kv_transfer import KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 def transfer_layers(engine: LocalEngineClient) -> dict[str, int]:
     """Layers per kind in a KV transfer: the model's, and with MTP on its MTP layers as SWA ones
-    (``config.kv_config``); a prefill and a decode worker must agree on it."""
-    kcfg = kv_config(engine.model_config, engine.engine_config.speculative_num_steps)
+    and KIVI's residuals (``config.kv_config``); a prefill and a decode worker must agree on it."""
+    cfg, ecfg = engine.model_config, engine.engine_config
+    kcfg = kv_config(cfg, ecfg.speculative_num_steps, residual_layers(engine_formats(ecfg, cfg), cfg))
     return {FULL: len(kcfg.full_layers), SWA: len(kcfg.swa_layers)}
 
 

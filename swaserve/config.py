@@ -211,18 +211,20 @@ class ModelConfig:
         )
 
 
-def kv_config(cfg: ModelConfig, mtp_layers: int) -> ModelConfig:
+def kv_config(cfg: ModelConfig, mtp_layers: int, residual_layers: int = 0) -> ModelConfig:
     """``cfg`` as the KV pools see it with ``mtp_layers`` MTP layers running: each one more SWA
     layer (its KV is SWA KV at the same positions and page tables; ``engine.drafter``), appended
-    after the decoder's layers. Sizing, storage, the host tier and PD transfer take this config;
-    the model keeps ``cfg``."""
-    if mtp_layers == 0:
+    after the decoder's layers; then ``residual_layers`` more SWA layers, the full-precision
+    residual of each full layer under KIVI (``swaserve.kvformat``). Sizing, storage, the host
+    tier and PD transfer take this config; the model keeps ``cfg``."""
+    extra = mtp_layers + residual_layers
+    if extra == 0:
         return cfg
     return replace(
         cfg,
-        num_layers=cfg.num_layers + mtp_layers,
-        layer_types=cfg.layer_types + (SWA,) * mtp_layers,
-        mlp_types=cfg.mlp_types + ("dense",) * mtp_layers,
+        num_layers=cfg.num_layers + extra,
+        layer_types=cfg.layer_types + (SWA,) * extra,
+        mlp_types=cfg.mlp_types + ("dense",) * extra,
     )
 
 
@@ -326,6 +328,8 @@ class EngineConfig:
         kv_cache_dtype: the full pool's page format (``swaserve.kvformat``): "auto" (``dtype``),
             "fp8_e4m3", "fp8_e5m2", "int8". kv_cache_dtype_swa: the SWA pool's (None: the same).
         kv_quant_group: channels per scale of the quantized formats (0: one per token and head).
+        kv_kivi_group: KIVI: tokens per key group (0: the page size). kv_kivi_residual: KIVI: recent
+            tokens read in full precision (0: min(128, W)).
     """
 
     page_size: int = 16
@@ -362,6 +366,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_dtype_swa: str | None = None
     kv_quant_group: int = 0
+    kv_kivi_group: int = 0
+    kv_kivi_residual: int = 0
 
     def kv_formats(self) -> dict[str, str]:
         """Each pool's page format name: {"full_attention": ..., "sliding_attention": ...}."""

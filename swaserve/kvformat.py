@@ -13,10 +13,14 @@ A row's bytes depend only on that row, so chunking, prefix hits from any tier, P
 speculation see the same bytes as a cold one-shot prefill; attention always reads the stored
 (dequantized) K/V, its own chunk's too.
 
-KIVI (arXiv:2402.02750, section 3): ``kivi_keys`` / ``kivi_values`` and their inverses quantize
-a block asymmetrically to 2 or 4 bits (keys per channel over a group of tokens, values per token
-over groups of channels; fp16 scale and zero point, codes packed little end first). The engine's
-paged KIVI format (full-precision residual) is not built yet; ``check`` refuses it.
+``kivi2`` / ``kivi4`` (arXiv:2402.02750, rows in ``swaserve.kivi``), full pool only: values
+quantized per token as written, keys per channel when their group of G tokens completes, and a
+query at position q reads keys and values at positions <= q - R from the quantized pages and the
+most recent R (``residual``) in full precision. The full-precision copy is one more SWA layer
+per full layer in the SWA pool (``config.kv_config``): it lives W tokens like SWA KV, is cached,
+moved to the host tier and transferred with it, and the SWA pool stays in the model dtype. The
+rule depends only on q, so chunking and hits read what a one-shot prefill reads; G dividing the
+page size keeps every cached (whole) page's groups quantized.
 
 Error bounds (``error_bound``): int8 |x - x'| <= s / 2; FP8 with m mantissa bits and min normal
 2^e |x - x'| <= max(|x| 2^-(m+1), s 2^(e-m-1)); KIVI |x - x'| <= s / 2 plus the fp16 rounding of
@@ -54,16 +58,29 @@ class KVFormat:
 
     Attributes:
         name: one of ``FORMATS``.
-        group: channels per scale of a per-token format (divides every head dim of the pool);
-            0 = one scale per (token, head) row.
+        group: channels per scale of a per-token format, or per scale and zero of a KIVI value
+            row (divides every head dim of the pool); 0 = one per (token, head) row.
+        kivi_group: KIVI: tokens per key group G (divides the page size).
+        residual: KIVI: the most recent R tokens a query reads in full precision (G <= R <= W).
     """
 
     name: str = AUTO
     group: int = 0
+    kivi_group: int = 0
+    residual: int = 0
 
     @property
     def quantized(self) -> bool:
         return self.name != AUTO
+
+    @property
+    def kivi(self) -> bool:
+        """A KIVI format: keys quantized per group of tokens, a full-precision residual."""
+        return self.name in KIVI_FORMATS
+
+    @property
+    def bits(self) -> int:
+        return int(self.name.removeprefix("kivi")) if self.kivi else 8
 
     def _group(self, dim: int) -> int:
         return self.group or dim
@@ -76,27 +93,35 @@ class KVFormat:
         """
         if self.name not in FORMATS:
             raise FormatError(f"unknown KV cache dtype {self.name!r}; choose one of {', '.join(FORMATS)}")
-        if self.name in KIVI_FORMATS:
-            raise FormatError(
-                f"--kv-cache-dtype {self.name}: the paged KIVI format (2/4-bit with a full-precision "
-                "residual window) is not built yet; use fp8_e4m3, fp8_e5m2, int8 or auto"
-            )
         if self.group < 0:
             raise FormatError(f"KV quantization group must be >= 0, got {self.group}")
         if self.quantized:
             for d in dims:
                 if d % self._group(d):
                     raise FormatError(f"KV quantization group {self.group} does not divide head dim {d}")
+                if self.kivi and (self._group(d) * self.bits) % 8:
+                    raise FormatError(
+                        f"KIVI value group {self._group(d)} x {self.bits} bits is not whole bytes"
+                    )
+        if self.kivi:
+            g = self.kivi_group
+            dk = dims[0]
+            if g < 1 or (4 * dk) % g or (dk * self.bits) % 8:
+                raise FormatError(f"KIVI key group {g} must be >= 1 and divide 4 x head dim {dk}")
 
-    def row_bytes(self, dim: int, elem: int) -> int:
-        """Bytes of one (token, head) row of width ``dim``; ``elem``: bytes of the model dtype."""
+    def row_bytes(self, dim: int, elem: int, key: bool = False) -> int:
+        """Bytes of one (token, head) row of width ``dim``; ``elem``: bytes of the model dtype;
+        ``key``: a K row (KIVI's differ from V rows, ``swaserve.kivi``)."""
         if not self.quantized:
             return dim * elem
+        if self.kivi:
+            meta = 4 * dim // self.kivi_group if key else 4 * (dim // self._group(dim))
+            return dim * self.bits // 8 + meta
         return dim + SCALE_BYTES * (dim // self._group(dim))
 
     def token_bytes(self, heads: int, head_dim: int, v_head_dim: int, elem: int) -> int:
         """K + V bytes of one token in one layer."""
-        return heads * (self.row_bytes(head_dim, elem) + self.row_bytes(v_head_dim, elem))
+        return heads * (self.row_bytes(head_dim, elem, key=True) + self.row_bytes(v_head_dim, elem))
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype of the page tensors: the model's for ``auto``, else packed bytes (uint8)."""
@@ -107,6 +132,8 @@ class KVFormat:
         ``fp8_e4m3/g0/scale=f32-after-data``."""
         if not self.quantized:
             return AUTO
+        if self.kivi:
+            return f"{self.name}/g{self.group}/kg{self.kivi_group}/r{self.residual}/scale-zero=f16"
         return f"{self.name}/g{self.group}/scale=f32-after-data"
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +141,8 @@ class KVFormat:
         ``auto``: ``x`` unchanged."""
         if not self.quantized:
             return x
+        if self.kivi:
+            raise FormatError("KIVI rows are packed by swaserve.kivi (keys need their whole group)")
         dim = x.shape[-1]
         g = self._group(dim)
         xf = x.float().reshape(*x.shape[:-1], dim // g, g)
@@ -132,6 +161,8 @@ class KVFormat:
         """Packed rows ``b [..., row_bytes]`` -> ``[..., dim]`` in ``dtype`` (``auto``: a cast)."""
         if not self.quantized:
             return b.to(dtype)
+        if self.kivi:
+            raise FormatError("KIVI rows are unpacked by swaserve.kivi")
         g = self._group(dim)
         lead = b.shape[:-1]
         data = b[..., :dim].contiguous()
@@ -179,16 +210,81 @@ def parse_format(name: str, group: int = 0) -> KVFormat:
 def engine_formats(ecfg: EngineConfig, mcfg: ModelConfig) -> dict[str, KVFormat]:
     """Each pool's checked page format for an engine (``EngineConfig.kv_formats``).
 
+    KIVI on the full pool (``kivi_format``) keeps its residual in the SWA pool, which then stores
+    the model dtype; KIVI named for the SWA pool means the same (a SWA key never leaves a residual
+    of W tokens), and needs R = W.
+
     Raises:
-        FormatError: a format this model cannot be stored in (``KVFormat.check``).
+        FormatError: a format this model cannot be stored in (``KVFormat.check``, ``kivi_format``).
     """
-    out = {}
-    for kind, name in ecfg.kv_formats().items():
+    names = ecfg.kv_formats()
+    out: dict[str, KVFormat] = {}
+    if names[FULL] in KIVI_FORMATS:
+        out[FULL] = kivi_format(ecfg, mcfg)
+        if ecfg.kv_cache_dtype_swa is None:  # the SWA pool holds the residuals: the model dtype
+            out[SWA] = KVFormat()
+    if SWA not in out and names[SWA] in KIVI_FORMATS:
+        residual = ecfg.kv_kivi_residual or min(DEFAULT_RESIDUAL, mcfg.window)
+        if residual != mcfg.window:
+            raise FormatError(
+                f"--kv-cache-dtype-swa {names[SWA]}: SWA keys never leave the window, so KIVI there "
+                f"means storing them unquantized, which needs --kv-kivi-residual = W ({mcfg.window}), "
+                f"not {residual}; or name another SWA format"
+            )
+        out[SWA] = KVFormat()
+    elif FULL in out and SWA not in out and names[SWA] != AUTO:
+        raise FormatError(
+            f"--kv-cache-dtype {names[FULL]} keeps its full-precision residual in the SWA pool: use "
+            f"--kv-cache-dtype-swa auto (or the same KIVI format), not {names[SWA]}"
+        )
+    for kind, name in names.items():
+        if kind in out:
+            continue
         fmt = parse_format(name, ecfg.kv_quant_group)
         shape = mcfg.full if kind == FULL else mcfg.swa
         fmt.check((shape.head_dim, shape.v_head_dim))
         out[kind] = fmt
     return out
+
+
+def residual_layers(formats: Mapping[str, KVFormat], mcfg: ModelConfig) -> int:
+    """SWA layers the pools hold for KIVI residuals: one per full layer under KIVI, else 0."""
+    return len(mcfg.full_layers) if formats[FULL].kivi else 0
+
+
+DEFAULT_RESIDUAL = 128  # KIVI's residual length (arXiv:2402.02750, section 4)
+
+
+def kivi_format(ecfg: EngineConfig, mcfg: ModelConfig) -> KVFormat:
+    """The full pool's KIVI format: bits from the name, value channel group ``kv_quant_group``,
+    key group G = ``kv_kivi_group`` (0: the page size), residual R = ``kv_kivi_residual``
+    (0: min(128, W)). The residual of each full layer lives in the SWA pool as one more SWA layer
+    (``config.kv_config``), so the full layers' KV rows must fit SWA rows.
+
+    Raises:
+        FormatError: no SWA layers; full-layer KV wider than SWA rows; G not dividing the page
+            size; not G <= R <= W; a group not dividing a head dim.
+    """
+    name = ecfg.kv_cache_dtype
+    f, s, w = mcfg.full, mcfg.swa, mcfg.window
+    if not mcfg.swa_layers:
+        raise FormatError(
+            f"{name} keeps its full-precision residual in the SWA pool: the model has no SWA layers"
+        )
+    if (f.head_dim, f.v_head_dim) != (s.head_dim, s.v_head_dim) or f.num_kv_heads > s.num_kv_heads:
+        raise FormatError(
+            f"{name}: the full layers' KV ({f.num_kv_heads} heads x {f.head_dim}/{f.v_head_dim}) must fit "
+            f"SWA rows ({s.num_kv_heads} heads x {s.head_dim}/{s.v_head_dim}) to keep their residual there"
+        )
+    g = ecfg.kv_kivi_group or ecfg.page_size
+    r = ecfg.kv_kivi_residual or min(DEFAULT_RESIDUAL, w)
+    if ecfg.page_size % g:
+        raise FormatError(f"KIVI key group {g} must divide the page size {ecfg.page_size}")
+    if not g <= r <= w:
+        raise FormatError(f"KIVI needs key group <= residual <= window: {g} <= {r} <= {w} does not hold")
+    fmt = KVFormat(name, ecfg.kv_quant_group, g, r)
+    fmt.check((f.head_dim, f.v_head_dim))
+    return fmt
 
 
 POOL_NAMES = {FULL: "full", SWA: "swa"}  # the pools' names in stats, metrics and GetLoad
@@ -201,84 +297,3 @@ def format_label(dtype: str, formats: Mapping[str, KVFormat]) -> str:
     return " ".join(
         [dtype, *(f"{POOL_NAMES[k]}={formats[k].describe()}" for k in (FULL, SWA) if k in formats)]
     )
-
-
-# --- KIVI (arXiv:2402.02750): asymmetric 2/4-bit blocks --------------------------------------
-
-
-@dataclass(frozen=True)
-class KiviBlock:
-    """One quantized block: ``codes`` uint8 (``8 / bits`` codes per byte, along the last axis),
-    ``scale`` and ``zero`` fp16, ``x' = code * scale + zero``; ``shape`` of the original."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    bits: int
-    shape: tuple[int, ...]
-
-
-def _pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    q = q.to(torch.uint8)
-    n = q.shape[-1]
-    pad = (-n) % per
-    if pad:
-        q = torch.nn.functional.pad(q, (0, pad))
-    q = q.reshape(*q.shape[:-1], -1, per)
-    out = torch.zeros(q.shape[:-1], dtype=torch.uint8, device=q.device)
-    for i in range(per):
-        out |= q[..., i] << (bits * i)
-    return out
-
-
-def _unpack_bits(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    per, mask = 8 // bits, (1 << bits) - 1
-    parts = [(codes >> (bits * i)) & mask for i in range(per)]
-    return torch.stack(parts, dim=-1).reshape(*codes.shape[:-1], -1)[..., :n]
-
-
-def _asym(x: torch.Tensor, bits: int, dim: int) -> KiviBlock:
-    xf = x.float()
-    mn = xf.amin(dim=dim, keepdim=True)
-    mx = xf.amax(dim=dim, keepdim=True)
-    levels = (1 << bits) - 1
-    scale = ((mx - mn) / levels).half()
-    zero = mn.half()
-    s = scale.float()
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.round((xf - zero.float()) / s).clamp(0, levels)
-    return KiviBlock(_pack_bits(q, bits), scale, zero, bits, tuple(x.shape))
-
-
-def _deq(b: KiviBlock) -> torch.Tensor:
-    q = _unpack_bits(b.codes, b.bits, b.shape[-1]).float()
-    return q * b.scale.float() + b.zero.float()
-
-
-def kivi_keys(k: torch.Tensor, bits: int) -> KiviBlock:
-    """Keys ``k [G, H, D]`` (one group of G tokens) per channel: a scale and zero per (head,
-    channel) over the G tokens. Raises FormatError for bits other than 2 or 4."""
-    if bits not in (2, 4):
-        raise FormatError(f"KIVI bits must be 2 or 4, got {bits}")
-    return _asym(k, bits, dim=0)
-
-
-def kivi_values(v: torch.Tensor, bits: int, group: int) -> KiviBlock:
-    """Values ``v [T, H, D]`` per token: a scale and zero per (token, head, ``group`` channels).
-
-    Raises:
-        FormatError: bits not 2 or 4, or ``group`` not dividing D."""
-    if bits not in (2, 4):
-        raise FormatError(f"KIVI bits must be 2 or 4, got {bits}")
-    t, h, d = v.shape
-    if group <= 0 or d % group:
-        raise FormatError(f"KIVI value group {group} does not divide head dim {d}")
-    blk = _asym(v.reshape(t, h, d // group, group), bits, dim=-1)
-    return blk
-
-
-def kivi_dequant(b: KiviBlock) -> torch.Tensor:
-    """The block back in fp32, shaped as it was quantized (``[G, H, D]`` or ``[T, H, D]``)."""
-    x = _deq(b)
-    return x.reshape(b.shape[0], b.shape[1], -1) if len(b.shape) == 4 else x

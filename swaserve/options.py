@@ -256,7 +256,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4"],
             typer.Option(
                 help="Page format of the full-attention pool: auto (--dtype) or quantized with a "
-                "per-token scale (fp8_e4m3, fp8_e5m2, int8): about half of bf16's bytes. kivi2/kivi4: not built yet.",
+                "per-token scale (fp8_e4m3, fp8_e5m2, int8): about half of bf16's bytes; kivi2/kivi4: KIVI 2/4-bit "
+                "keys per channel over token groups, values per token, the last --kv-kivi-residual "
+                "tokens in full precision (kept in the SWA pool).",
             ),
         ],
         "auto",
@@ -268,6 +270,25 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             typer.Option(help="Page format of the SWA pool (default: --kv-cache-dtype's)."),
         ],
         None,
+    ),
+    EngineOption(
+        "kv_kivi_group",
+        Annotated[
+            int,
+            typer.Option(min=0, help="KIVI: tokens per key group (divides --page-size; 0: the page size)."),
+        ],
+        0,
+    ),
+    EngineOption(
+        "kv_kivi_residual",
+        Annotated[
+            int,
+            typer.Option(
+                min=0,
+                help="KIVI: recent tokens read in full precision (key group .. window; 0: min(128, W)).",
+            ),
+        ],
+        0,
     ),
     EngineOption(
         "kv_quant_group",

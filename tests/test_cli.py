@@ -396,7 +396,11 @@ def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
         (["--ep-size", "2", "--engine-process", "inline"], "runs each rank in its own process"),
         (["--ep-size", "2", "--ep-placement", "/nonexistent.json"], "expert placement /nonexistent.json"),
         (["--kv-cache-dtype", "int8", "--kv-quant-group", "5"], "group 5 does not divide head dim 32"),
-        (["--kv-cache-dtype-swa", "kivi2"], "the paged KIVI format (2/4-bit with a full-precision residual"),
+        (
+            ["--kv-cache-dtype", "kivi2", "--kv-kivi-residual", "9"],
+            "key group <= residual <= window: 16 <= 9 <= 8",
+        ),
+        (["--kv-cache-dtype-swa", "kivi2", "--kv-kivi-residual", "4"], "SWA keys never leave the window"),
     ],
 )
 def test_serve_refuses_an_ep_or_kv_setup_that_cannot_start(

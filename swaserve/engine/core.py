@@ -39,7 +39,7 @@ from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, plan_pools, spec_lookahead
 from swaserve.kvcache.storage import KVStorage
-from swaserve.kvformat import engine_formats
+from swaserve.kvformat import engine_formats, residual_layers
 from swaserve.media.placeholders import MediaInputs, text_ids
 from swaserve.model.ep import ExpertComm, build_ep_shard
 from swaserve.model.loader import load_model
@@ -115,8 +115,9 @@ class EngineCore:
             self.ep.on_device(self.device)
         self.model = load_model(model_dir, cfg, self.dtype, self.device, self.ep)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        kcfg = kv_config(cfg, K)  # the MTP layers' KV: extra SWA layers
         self.kv_formats = engine_formats(config, cfg)
+        # the MTP layers' KV and KIVI's full-precision residuals: extra SWA layers
+        kcfg = kv_config(cfg, K, residual_layers(self.kv_formats, cfg))
         arena = (
             arena_layout(kcfg, config.page_size, elem, self.kv_formats)
             if cfg.full_layers and cfg.swa_layers

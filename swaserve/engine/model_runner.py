@@ -25,7 +25,7 @@ from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.kind import KindManager
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
-from swaserve.model.attention import KindMeta, kind_meta
+from swaserve.model.attention import KindMeta, KiviSpan, kind_meta
 from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM
 
 # Prompt-logprob rows whose logits are computed at once: bounds memory to rows x vocab x 4 bytes.
@@ -61,7 +61,13 @@ class ModelRunner:
             row += c.n
             if c.samples:
                 sample_rows.extend(range(row - 1 - c.draft, row))
-        meta = {FULL: self._kind_metas(chunks, FULL, self.kv.full, None)}
+        kivi = self.storage.formats[FULL].kivi
+        residual = self._residual_layers() if kivi else None
+        meta = {
+            FULL: self._kivi_metas(chunks, residual)
+            if residual
+            else self._kind_metas(chunks, FULL, self.kv.full, None)
+        }
         if self.cfg.swa_layers:
             meta[SWA] = self._kind_metas(chunks, SWA, self.kv.swa, self.cfg.window)
         batch = ForwardBatch(
@@ -72,8 +78,37 @@ class ModelRunner:
             groups=self.storage.groups,
             before_layer=self.host.wait_layer if self.host is not None and self.host.pending() else None,
             embeds=media.build(self.device),
+            residual=residual,
         )
         return batch, sample_rows
+
+    def _residual_layers(self) -> list[int]:
+        """KIVI: each full layer's residual, by index among the storage's SWA layers (the last
+        ones, ``config.kv_config``)."""
+        n_full, n_swa = len(self.cfg.full_layers), len(self.storage.kv[SWA][0])
+        return [n_swa - n_full + j for j in range(n_full)]
+
+    def _kivi_metas(self, chunks: Sequence[ScheduledChunk], residual: list[int]) -> list[KindMeta]:
+        """A KIVI full pool's metadata per unit group: each chunk's full-pool slots of ``[0, end)``
+        and its residual slots of ``[start - W, end)`` in every SWA group a residual layer uses."""
+        fmt, window = self.storage.formats[FULL], self.cfg.window
+        res_groups = sorted({self.storage.groups[SWA][r] for r in residual})
+        spans = []
+        for c in chunks:
+            rid, start, end = c.req.request_id, c.start, c.start + c.n
+            lo = max(0, start - window)
+            res = self.kv.swa.slots(rid, lo, end)
+            located = {rg: self.storage.locate(SWA, rg, res).to(self.device) for rg in res_groups}
+            spans.append((start, end, lo, self.kv.full.slots(rid, 0, end), located))
+        out = []
+        for g in range(self.storage.num_groups(FULL)):
+            row, items = 0, []
+            for start, end, lo, full, located in spans:
+                full_g = self.storage.locate(FULL, g, full).to(self.device)
+                items.append(KiviSpan(row, start, end, lo, full_g, located))
+                row += end - start
+            out.append(KindMeta(write_slots=torch.empty(0, dtype=torch.int64), fmt=fmt, kivi=items))
+        return out
 
     def _kind_metas(
         self, chunks: Sequence[ScheduledChunk], kind: str, mgr: KindManager, window: int | None

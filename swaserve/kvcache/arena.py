@@ -49,7 +49,9 @@ class ArenaLayout:
 
 def _layer_bytes(shape: AttnShape, page_size: int, dtype_bytes: int, fmt: KVFormat) -> tuple[int, int]:
     h = page_size * shape.num_kv_heads
-    return h * fmt.row_bytes(shape.head_dim, dtype_bytes), h * fmt.row_bytes(shape.v_head_dim, dtype_bytes)
+    return h * fmt.row_bytes(shape.head_dim, dtype_bytes, key=True), h * fmt.row_bytes(
+        shape.v_head_dim, dtype_bytes
+    )
 
 
 def arena_layout(

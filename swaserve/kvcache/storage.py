@@ -81,15 +81,15 @@ class PagedKV:
                 sdt = fmt.storage_dtype(dtype)
 
                 def view(
-                    offset: int, dim: int, h: int = h, fmt: KVFormat = fmt, sdt: torch.dtype = sdt
+                    offset: int, dim: int, key: bool, h: int = h, fmt: KVFormat = fmt, sdt: torch.dtype = sdt
                 ) -> torch.Tensor:
-                    w = fmt.row_bytes(dim, elem) // sdt.itemsize  # row width in the kind's dtype
+                    w = fmt.row_bytes(dim, elem, key) // sdt.itemsize  # row width in the kind's dtype
                     lo, n = offset // adt.itemsize, page_size * h * w * sdt.itemsize // adt.itemsize
                     return arena[:, lo : lo + n].view(sdt).view(units, page_size, h, w)
 
                 places = layout.places[kind]
-                ks = [view(p.k_offset, shape.head_dim) for p in places]
-                vs = [view(p.v_offset, shape.v_head_dim) for p in places]
+                ks = [view(p.k_offset, shape.head_dim, True) for p in places]
+                vs = [view(p.v_offset, shape.v_head_dim, False) for p in places]
                 self.kv[kind] = (ks, vs)
                 self.groups[kind] = [p.group for p in layout.places[kind]]
             return
@@ -99,14 +99,14 @@ class PagedKV:
             sdt = fmt.storage_dtype(dtype)
 
             def alloc(
-                dim: int, n: int = n, h: int = h, fmt: KVFormat = fmt, sdt: torch.dtype = sdt
+                dim: int, key: bool, n: int = n, h: int = h, fmt: KVFormat = fmt, sdt: torch.dtype = sdt
             ) -> torch.Tensor:
-                w = fmt.row_bytes(dim, elem) // sdt.itemsize
+                w = fmt.row_bytes(dim, elem, key) // sdt.itemsize
                 return torch.zeros(n, page_size, h, w, dtype=sdt, device=device, pin_memory=pin)
 
             self.kv[kind] = (
-                [alloc(shape.head_dim) for _ in layers],
-                [alloc(shape.v_head_dim) for _ in layers],
+                [alloc(shape.head_dim, True) for _ in layers],
+                [alloc(shape.v_head_dim, False) for _ in layers],
             )
             self.groups[kind] = [0] * len(layers)
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
+from swaserve import kivi
 from swaserve.config import FULL, ModelConfig
 from swaserve.kvformat import KVFormat
 from swaserve.model.layers import PartialRope
@@ -59,6 +60,21 @@ class MultiAttn:
 
 
 @dataclass
+class KiviSpan:
+    """One sequence's rows in a KIVI full layer (``swaserve.kvformat``): flat rows ``row ..`` hold
+    its new positions ``[start, end)``; ``full_slots`` [end] full-pool slots of ``[0, end)`` (the
+    layer's unit group); ``resid_slots``: per SWA unit group, [end - lo] slots of the residual's
+    positions ``[lo, end)``, ``lo = max(0, start - W)``."""
+
+    row: int
+    start: int
+    end: int
+    lo: int
+    full_slots: torch.Tensor
+    resid_slots: dict[int, torch.Tensor]
+
+
+@dataclass
 class KindMeta:
     """Per-step attention metadata for one attention kind.
 
@@ -69,6 +85,7 @@ class KindMeta:
             key slots (padded), decode_mask [B, L] bool validity.
         multi: groups of short multi-row queries batched together (``MultiAttn``).
         fmt: the pool's page format (``auto``: the model dtype, nothing packed).
+        kivi: a KIVI full pool: the sequences (``KiviSpan``), instead of the fields above.
     """
 
     write_slots: torch.Tensor
@@ -78,6 +95,7 @@ class KindMeta:
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     fmt: KVFormat = field(default_factory=KVFormat)
+    kivi: list[KiviSpan] | None = None
 
 
 # Queries of at most this many rows (verify chunks, draft-layer rows) of several sequences are
@@ -160,9 +178,11 @@ class AttentionBackend(ABC):
         meta: KindMeta,
         sinks: torch.Tensor | None,
         scale: float,
+        residual: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """Args: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]; caches [rows, P, Hkv, D] as in the module doc;
-        sinks [Hq] or None. Returns [T, Hq, Dv]."""
+        sinks [Hq] or None; ``residual``: a KIVI layer's full-precision residual (its SWA-pool K and V
+        caches, [rows, P, H_swa >= Hkv, D], and their unit group). Returns [T, Hq, Dv]."""
 
 
 def _attend(
@@ -202,7 +222,10 @@ def _attend(
 class TorchPagedAttention(AttentionBackend):
     """Pure-torch reference backend (CPU or CUDA): gathers each sequence's slots and attends."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, sinks, scale):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, k_cache, v_cache, meta, sinks, scale, residual=None):  # type: ignore[no-untyped-def]
+        if meta.kivi is not None:
+            assert residual is not None, "a KIVI layer reads its residual"
+            return _kivi_attend(q, k, v, k_cache, v_cache, meta, residual, sinks, scale)
         fmt, dk, dv = meta.fmt, k.shape[-1], v.shape[-1]
         put(k_cache, meta.write_slots, fmt.pack(k))
         put(v_cache, meta.write_slots, fmt.pack(v))
@@ -225,6 +248,61 @@ class TorchPagedAttention(AttentionBackend):
             kd, vd = kv(meta.decode_slots)  # [B, L, Hkv, Dk]
             out[meta.decode_rows] = _attend(qd, kd, vd, meta.decode_mask.unsqueeze(1), sinks, scale)[:, 0]
         return out
+
+
+def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [n, h, d]`` widened to ``heads`` heads with zeros (full-layer rows in SWA-pool rows)."""
+    return (
+        x
+        if x.shape[1] == heads
+        else torch.cat((x, x.new_zeros(x.shape[0], heads - x.shape[1], x.shape[2])), 1)
+    )
+
+
+def _kivi_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: KindMeta,
+    residual: tuple[torch.Tensor, torch.Tensor, int],
+    sinks: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """A KIVI full layer, sequence by sequence (``swaserve.kvformat``): new K/V go to the
+    full-precision residual, values are packed per token, keys of every group completing in
+    ``[start, end)`` are packed from the residual; a query at q reads positions <= q - R from the
+    packed pages and ``(q - R, q]`` from the residual, one softmax over both."""
+    fmt, (rk, rv, rg) = meta.fmt, residual
+    bits, g, r = fmt.bits, fmt.kivi_group, fmt.residual
+    hkv, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
+    gv = fmt.group or dv
+    out = q.new_empty(q.shape[0], q.shape[1], dv)
+    assert meta.kivi is not None
+    for s in meta.kivi:
+        rows = slice(s.row, s.row + s.end - s.start)
+        res = s.resid_slots[rg]
+        put(rk, res[s.start - s.lo :], _pad_heads(k[rows], rk.shape[2]))
+        put(rv, res[s.start - s.lo :], _pad_heads(v[rows], rv.shape[2]))
+        put(v_cache, s.full_slots[s.start :], kivi.pack_values(v[rows], bits, gv))
+        first, last = (s.start + g) // g - 1, s.end // g  # key groups completing in [start, end)
+        if last > first:
+            a, b = first * g, last * g
+            whole = at(rk, res[a - s.lo : b - s.lo])[:, :hkv]
+            put(k_cache, s.full_slots[a:b], kivi.pack_keys(whole, bits, g))
+        c = max(0, s.end - r)  # positions the last query reads packed (whole groups, R >= G)
+        kq = kivi.unpack_keys(at(k_cache, s.full_slots[: -(-c // g) * g]), dk, bits, g, q.dtype)[:c]
+        vq = kivi.unpack_values(at(v_cache, s.full_slots[:c]), dv, bits, gv, q.dtype)
+        kr, vr = at(rk, res)[:, :hkv].to(q.dtype), at(rv, res)[:, :hkv].to(q.dtype)
+        qpos = torch.arange(s.start, s.end, device=q.device)[:, None]
+        rpos = torch.arange(s.lo, s.end, device=q.device)[None, :]
+        mask = torch.cat(
+            (torch.arange(c, device=q.device)[None, :] <= qpos - r, (rpos > qpos - r) & (rpos <= qpos)), dim=1
+        )
+        kk, vv = torch.cat((kq, kr)), torch.cat((vq, vr))
+        out[rows] = _attend(q[rows][None], kk[None], vv[None], mask[None], sinks, scale)[0]
+    return out
 
 
 class Attention(nn.Module):
@@ -253,6 +331,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         meta: KindMeta,
         backend: AttentionBackend,
+        residual: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.nh, self.dk)
@@ -260,5 +339,5 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.nkv, self.dv) * self.v_scale
         cos, sin = cos_sin
         q, k = PartialRope.rotate(q, cos, sin), PartialRope.rotate(k, cos, sin)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.attention_sink_bias, self.scale)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.attention_sink_bias, self.scale, residual)
         return self.o_proj(out.reshape(t, self.nh * self.dv))

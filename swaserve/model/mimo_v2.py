@@ -48,6 +48,9 @@ class ForwardBatch:
     before_layer: Callable[[str, int], None] | None = None
     """Called with (kind, index within kind) before a layer reads its KV cache: waits for that
     layer's pages loaded back from the host tier (layer-by-layer overlap on a GPU)."""
+    residual: list[int] | None = None
+    """KIVI full layers (``swaserve.kvformat``): each full layer's residual, by its index among
+    the SWA layers of ``kv``; None: no KIVI."""
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     """Rows whose input is not a token embedding: (rows [k] int64, values [k, hidden]), media
     encoder outputs at placeholder positions (``input_ids`` holds 0 there)."""
@@ -126,6 +129,12 @@ class MiMoV2ForCausalLM(nn.Module):
             j = self.kind_index[i]
             if batch.before_layer is not None:
                 batch.before_layer(kind, j)
+            residual = None
+            if batch.residual is not None and kind == FULL:
+                r = batch.residual[j]
+                if batch.before_layer is not None:
+                    batch.before_layer(SWA, r)
+                residual = (batch.kv[SWA][0][r], batch.kv[SWA][1][r], batch.groups[SWA][r])
             a = layer.self_attn(
                 layer.input_layernorm(h),
                 cos_sin[kind],
@@ -133,6 +142,7 @@ class MiMoV2ForCausalLM(nn.Module):
                 vc[j],
                 batch.meta[kind][batch.groups[kind][j]],
                 self.backend,
+                residual,
             )
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))

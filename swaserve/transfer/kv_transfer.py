@@ -263,7 +263,7 @@ class KVStaging:
         s, fmt, elem = self.shapes[kind], self.formats[kind], self.dtype.itemsize
         if not fmt.quantized:
             return s.head_dim, s.v_head_dim
-        return fmt.row_bytes(s.head_dim, elem), fmt.row_bytes(s.v_head_dim, elem)
+        return fmt.row_bytes(s.head_dim, elem, key=True), fmt.row_bytes(s.v_head_dim, elem)
 
     def add(self, page: KVPage) -> None:
         """Verify one page and copy it into its request's staging tensors.

@@ -12,6 +12,8 @@ import dataclasses
 import itertools
 from pathlib import Path
 
+import pytest
+
 from swaserve.config import EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.gcache.l3 import local_store
@@ -101,11 +103,17 @@ def test_puts_carry_the_routers_index_blocks(tiny_dir: Path) -> None:
     assert any(op == "removed" for op, _ in store.events)
 
 
-def test_quantized_pages_round_trip_through_l3_and_another_format_never_hits(tiny_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "quant",
+    [{"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3"}, {"kv_cache_dtype": "kivi4"}],
+    ids=["int8-fp8", "kivi4"],
+)
+def test_quantized_pages_round_trip_through_l3_and_another_format_never_hits(
+    tiny_dir: Path, quant: dict
+) -> None:  # type: ignore[type-arg]
     """Packed int8 / fp8 rows go to L3 and come back byte for byte (engine B's outputs equal
     the cache-off run of the same format); an engine of another KV format on the same store never
     reads them (the format is in the salt), nor does an unquantized one."""
-    quant = {"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3"}
     off = EngineConfig(page_size=4, max_num_batched_tokens=64, enable_prefix_caching=False, **quant)  # type: ignore[arg-type]
     base = workload(LLMEngine(tiny_dir, off), seed=7)
     cfg = l3_config(**quant)
@@ -121,11 +129,13 @@ def test_quantized_pages_round_trip_through_l3_and_another_format_never_hits(tin
         assert all(
             abs(x - y) <= TOL_FLIP for (x, _), (y, _) in zip(r.logprobs, base[rid].logprobs, strict=True)
         )
-    for other in (
-        {"kv_cache_dtype_swa": "int8"},
-        {"kv_quant_group": 8},
-        {"kv_cache_dtype": "auto", "kv_cache_dtype_swa": None},
-    ):
+    others: list[dict] = [{"kv_cache_dtype": "auto", "kv_cache_dtype_swa": None}, {"kv_quant_group": 8}]  # type: ignore[type-arg]
+    others += (
+        [{"kv_cache_dtype": "kivi2"}, {"kv_kivi_residual": 4}]
+        if "kivi" in quant["kv_cache_dtype"]
+        else [{"kv_cache_dtype_swa": "int8"}]
+    )
+    for other in others:
         c = LLMEngine(tiny_dir, dataclasses.replace(cfg, **other))  # type: ignore[arg-type]
         workload(c, seed=7)
         assert c.kv.cache.stats.hits_l3 == 0, other  # type: ignore[union-attr]

@@ -150,21 +150,30 @@ def test_cuda_arena_and_host_arena_equal_cache_off(tiny_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "formats", [("int8", "fp8_e4m3", 0), ("fp8_e5m2", "int8", 8)], ids=["int8-fp8e4m3", "fp8e5m2-int8-g8"]
+    "formats",
+    [
+        ("int8", "fp8_e4m3", 0, 90_000),
+        ("fp8_e5m2", "int8", 8, 90_000),
+        ("kivi4", None, 8, 150_000),
+        ("kivi2", "auto", 0, 150_000),
+    ],
+    ids=["int8-fp8e4m3", "fp8e5m2-int8-g8", "kivi4-g8", "kivi2"],
 )
 def test_quantized_pages_from_device_and_host_equal_cache_off(
-    tiny_dir: Path, formats: tuple[str, str, int]
+    tiny_dir: Path, formats: tuple[str, str | None, int, int]
 ) -> None:
     """Quantized pools (``--kv-cache-dtype``): hits from the device and the host tier read the
     packed rows the cold run wrote, so outputs equal the cache-off run of the same format (greedy
-    tokens; logprobs up to one code flip where a chunk boundary moved, ``TOL_FLIP``)."""
-    full, swa, group = formats
+    tokens; logprobs up to one code flip where a chunk boundary moved, ``TOL_FLIP``). KIVI: the
+    residuals are SWA layers, cached and loaded back with the window."""
+    full, swa, group, budget = formats
     quant = {"kv_cache_dtype": full, "kv_cache_dtype_swa": swa, "kv_quant_group": group}
-    # packed rows take about 0.3x of float32's bytes: a device budget as tight as host-tier's
-    on = dataclasses.replace(CONFIGS["host-tier"], kv_cache_memory=90_000, **quant)  # type: ignore[arg-type]
+    # packed rows take about 0.3x of float32's bytes (KIVI: more SWA layers): a device budget as
+    # tight as host-tier's
+    on = dataclasses.replace(CONFIGS["host-tier"], kv_cache_memory=budget, **quant)  # type: ignore[arg-type]
     off = EngineConfig(page_size=4, max_num_batched_tokens=64, enable_prefix_caching=False, **quant)  # type: ignore[arg-type]
     eng = LLMEngine(tiny_dir, on)
-    assert {f.name for f in eng.core.storage.formats.values()} == {full, swa}
+    assert [f.name for f in eng.core.storage.formats.values()] == [full, "auto" if swa is None else swa]
     got, base = workload(eng, seed=7), workload(LLMEngine(tiny_dir, off), seed=7)
     for rid, r in got.items():
         assert r.tokens == base[rid].tokens, f"{rid} differs with the prefix cache on"

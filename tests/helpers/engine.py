@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import ScheduledChunk
@@ -16,7 +16,7 @@ from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import plan_pools
 from swaserve.kvcache.storage import KVStorage
-from swaserve.kvformat import KVFormat
+from swaserve.kvformat import KVFormat, residual_layers
 from swaserve.model.loader import load_model
 
 
@@ -38,13 +38,15 @@ class Harness:
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.model = load_model(model_dir, self.cfg)
         ecfg = EngineConfig(page_size=page_size, kv_cache_memory=budget, kv_layout=layout)  # type: ignore[arg-type]
-        arena = arena_layout(self.cfg, page_size, 4, formats) if shared else None
-        plan = plan_pools(self.cfg, ecfg, 4, shared=shared, arena=arena, formats=formats)
+        # KIVI: the full layers' residuals are more SWA layers
+        kcfg = kv_config(self.cfg, 0, residual_layers(formats, self.cfg)) if formats else self.cfg
+        arena = arena_layout(kcfg, page_size, 4, formats) if shared else None
+        plan = plan_pools(kcfg, ecfg, 4, shared=shared, arena=arena, formats=formats)
         assert (plan.unit_bytes is not None) == shared
         self.kv = KVCacheManager(
-            plan, page_size, self.cfg.window, layout, len(self.cfg.full_layers), len(self.cfg.swa_layers)
+            plan, page_size, self.cfg.window, layout, len(kcfg.full_layers), len(kcfg.swa_layers)
         )
-        self.storage = KVStorage(self.cfg, plan, page_size, torch.float32, "cpu", formats)
+        self.storage = KVStorage(kcfg, plan, page_size, torch.float32, "cpu", formats)
         self.storage.bind(FULL, self.kv.full.pool)
         self.storage.bind(SWA, self.kv.swa.pool)
         self.runner = ModelRunner(self.model, self.cfg, self.kv, self.storage, torch.device("cpu"))

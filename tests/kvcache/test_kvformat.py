@@ -3,20 +3,24 @@ with outlier channels, the packed layout against an independent reference, KIVI 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swaserve import kivi
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.kivi import kivi_dequant, kivi_keys, kivi_values
 from swaserve.kvformat import (
     ROW_FORMATS,
     FormatError,
     KVFormat,
-    kivi_dequant,
-    kivi_keys,
-    kivi_values,
+    engine_formats,
     parse_format,
+    residual_layers,
 )
 
 
@@ -106,8 +110,57 @@ def test_refusals() -> None:
         parse_format("fp4")
     with pytest.raises(FormatError, match="does not divide head dim 48"):
         KVFormat("int8", 32).check((64, 48))
-    with pytest.raises(FormatError, match="not built yet"):
-        KVFormat("kivi2").check((64,))
+    with pytest.raises(FormatError, match="KIVI key group 3 must be >= 1 and divide 4 x head dim 64"):
+        KVFormat("kivi2", 0, 3, 8).check((64, 64))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"kv_kivi_group": 3}, "KIVI key group 3 must divide the page size 4"),
+        ({"kv_kivi_residual": 2}, "key group <= residual <= window: 4 <= 2 <= 8"),
+        ({"kv_kivi_residual": 9}, "4 <= 9 <= 8"),
+        ({"kv_cache_dtype_swa": "int8"}, "keeps its full-precision residual in the SWA pool"),
+        ({"kv_quant_group": 5}, "KV quantization group 5 does not divide head dim 32"),
+    ],
+)
+def test_kivi_refusals(tiny_dir, flags: dict, message: str) -> None:  # type: ignore[no-untyped-def, type-arg]
+    mcfg = ModelConfig.from_pretrained(tiny_dir)
+    with pytest.raises(FormatError, match=re.escape(message)):
+        engine_formats(EngineConfig(page_size=4, kv_cache_dtype="kivi2", **flags), mcfg)
+
+
+def test_kivi_engine_formats(tiny_dir) -> None:  # type: ignore[no-untyped-def]
+    """Defaults: key group = page size, residual = min(128, W); the SWA pool stores the model dtype
+    (its layers and the residuals), whether its flag says auto or the same KIVI format."""
+    mcfg = ModelConfig.from_pretrained(tiny_dir)
+    for swa in (None, "auto", "kivi4"):
+        f = engine_formats(EngineConfig(page_size=4, kv_cache_dtype="kivi4", kv_cache_dtype_swa=swa), mcfg)
+        assert f[FULL] == KVFormat("kivi4", 0, 4, 8) and f[SWA] == KVFormat()
+    assert residual_layers(f, mcfg) == len(mcfg.full_layers)
+    # a 2-bit key row at head dim 32, group 4: 8 bytes of codes + 32 of the group's fp16 scale/zero
+    assert KVFormat("kivi2", 0, 4, 8).row_bytes(32, 4, key=True) == 8 + 32
+    assert KVFormat("kivi2", 8, 4, 8).row_bytes(16, 4) == 4 + 4 * 2  # values: 2 groups of 8 channels
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_rows_equal_the_block_quantizers(bits: int) -> None:
+    """Paged rows (``kivi.pack_keys`` / ``pack_values``) hold exactly what the block quantizers
+    give: each key group's scale and zero spread over its rows, value rows on their own."""
+    k, v = _tensor(3, 12, 2, 32, 3, 1.0), _tensor(4, 5, 2, 16, 2, 1.0)
+    rows = kivi.pack_keys(k, bits, 4)
+    assert rows.shape == (12, 2, 32 * bits // 8 + 32) and rows.dtype == torch.uint8
+    want = torch.cat([kivi_dequant(kivi_keys(k[i : i + 4], bits)) for i in range(0, 12, 4)])
+    assert torch.equal(kivi.unpack_keys(rows, 32, bits, 4, torch.float32), want)
+    # a group's rows are enough: the first group unpacks alone to the same values
+    assert torch.equal(kivi.unpack_keys(rows[:4], 32, bits, 4, torch.float32), want[:4])
+    vrows = kivi.pack_values(v, bits, 8)
+    assert torch.equal(
+        kivi.unpack_values(vrows, 16, bits, 8, torch.float32), kivi_dequant(kivi_values(v, bits, 8))
+    )
+    assert torch.equal(
+        kivi.unpack_values(vrows[2:3], 16, bits, 8, torch.float32), kivi_dequant(kivi_values(v[2:3], bits, 8))
+    )
 
 
 @settings(max_examples=40, deadline=None)

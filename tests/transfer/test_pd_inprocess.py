@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swaserve.config import FULL, SWA, EngineConfig
+from swaserve.config import FULL, SWA, EngineConfig, kv_config
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 from swaserve.kvcache import invariants
-from swaserve.kvformat import engine_formats
+from swaserve.kvformat import engine_formats, residual_layers
 from swaserve.transfer.kv_transfer import KVStaging, LayerShape, TransferError, expected_pages, to_pages
 from tests.model.test_kv_quant_exact import TOL_FLIP
 
@@ -26,8 +26,10 @@ CFG = EngineConfig(page_size=4, max_num_batched_tokens=24, kv_cache_memory=8 << 
 
 def staging_for(eng: LLMEngine) -> KVStaging:
     cfg = eng.model_config
+    formats = engine_formats(eng.config, cfg)
+    kcfg = kv_config(cfg, 0, residual_layers(formats, cfg))  # KIVI: the residuals are SWA layers
     return KVStaging(
-        {FULL: len(cfg.full_layers), SWA: len(cfg.swa_layers)},
+        {FULL: len(kcfg.full_layers), SWA: len(kcfg.swa_layers)},
         {
             FULL: LayerShape(cfg.full.num_kv_heads, cfg.full.head_dim, cfg.full.v_head_dim),
             SWA: LayerShape(cfg.swa.num_kv_heads, cfg.swa.head_dim, cfg.swa.v_head_dim),
@@ -35,7 +37,7 @@ def staging_for(eng: LLMEngine) -> KVStaging:
         cfg.window if eng.config.kv_layout == "hybrid" else 1 << 30,
         eng.config.page_size,
         eng.dtype,
-        formats=engine_formats(eng.config, cfg),
+        formats=formats,
     )
 
 
@@ -100,14 +102,16 @@ def run_pd(
 
 
 QUANT = {"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3", "kv_quant_group": 8}
+KIVI = {"kv_cache_dtype": "kivi2", "kv_quant_group": 8}
 
 
-@pytest.mark.parametrize("layout, quant", [("hybrid", False), ("full", False), ("hybrid", True)],
-                         ids=["hybrid", "full", "hybrid-int8-fp8"])  # fmt: skip
-def test_pd_equals_single_engine(tiny_dir: Path, layout: str, quant: bool) -> None:
-    """``quant``: quantized pages (int8 full pool, fp8 SWA pool, a scale per 8 channels) travel as
-    packed bytes: codes plus fp32 scales, half a float32 token's bytes and an eighth more."""
-    cfg = dataclasses.replace(CFG, kv_layout=layout, **(QUANT if quant else {}))  # type: ignore[arg-type]
+@pytest.mark.parametrize("layout, quant", [("hybrid", None), ("full", None), ("hybrid", QUANT), ("hybrid", KIVI)],
+                         ids=["hybrid", "full", "hybrid-int8-fp8", "hybrid-kivi2"])  # fmt: skip
+def test_pd_equals_single_engine(tiny_dir: Path, layout: str, quant: dict | None) -> None:  # type: ignore[type-arg]
+    """``quant``: quantized pages travel as packed bytes (per-token formats: codes plus fp32
+    scales; KIVI: 2-bit codes with fp16 scales and zeros, and the full layers' full-precision
+    residuals as more SWA layers)."""
+    cfg = dataclasses.replace(CFG, kv_layout=layout, **(quant or {}))  # type: ignore[arg-type]
     single = LLMEngine(str(tiny_dir), cfg)
     pre = LLMEngine(str(tiny_dir), cfg)
     dec = LLMEngine(str(tiny_dir), dataclasses.replace(cfg, enable_prefix_caching=False))
@@ -120,10 +124,18 @@ def test_pd_equals_single_engine(tiny_dir: Path, layout: str, quant: bool) -> No
             # quantized: the one engine batches decodes with other prompts' chunks, where a value
             # on a rounding boundary may land one code away (tests/model/test_kv_quant_exact.py)
             assert got[rid][1] == pytest.approx(want[rid][1], abs=TOL_FLIP if quant else 1e-4)
-        m = single.model_config
-        elem = (1 + 4 / 8) if quant else pre.dtype.itemsize
-        full_tok = len(m.full_layers) * m.full.num_kv_heads * (m.full.head_dim + m.full.v_head_dim) * elem
-        swa_tok = len(m.swa_layers) * m.swa.num_kv_heads * (m.swa.head_dim + m.swa.v_head_dim) * elem
+        m, elem = single.model_config, pre.dtype.itemsize
+        fmts = engine_formats(cfg, m)
+        n_swa = len(m.swa_layers) + residual_layers(fmts, m)
+        full_tok = len(m.full_layers) * fmts[FULL].token_bytes(
+            m.full.num_kv_heads, m.full.head_dim, m.full.v_head_dim, elem
+        )
+        swa_tok = n_swa * fmts[SWA].token_bytes(m.swa.num_kv_heads, m.swa.head_dim, m.swa.v_head_dim, elem)
+        if quant is QUANT:  # per layer: codes + 4 bytes of scale per 8 channels, K and V
+            assert (
+                full_tok
+                == len(m.full_layers) * m.full.num_kv_heads * (m.full.head_dim + m.full.v_head_dim) * 1.5
+            )
         for rid, p in ps.items():
             n = len(p)
             swa_n = min(n, m.window) if layout == "hybrid" else n
