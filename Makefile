@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/swaserve bench gcache --json bench/results/gcache.json
 	$(BIN)/swaserve bench encoder --json bench/results/encoder.json
 	$(BIN)/swaserve bench ep --json bench/results/ep.json
+	$(BIN)/swaserve bench kv-quant --json bench/results/kv_quant.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,497 @@
+"""KV cache quantization (``swaserve.kvformat``): capacity, quality, decode speed and prefix-cache hit
+rate of each page format in one run (``swaserve bench kv-quant``).
+
+1. Capacity: MiMo-V2.5-Pro and MiMo-V2-Flash shapes at 32K and 128K context; requests admitted into
+   80 GB through the real allocator (``plan_pools(formats=)`` sizes the pages, ``KVCacheManager``
+   holds them, no tensors) as ``bench.kv_capacity`` does (pools planned without and with the prefix
+   cache's SWA reserve), for each format in the hybrid and full layouts; every row's bytes per
+   request as a ratio vs the bf16 full layout, with the token-exact theory (W SWA tokens, no
+   paging) and the fp32 scale overhead per group.
+2. Quality on real text, default model: corpus prompts several windows long; per format the mean
+   KL(auto || format) of the next-token distribution over every prompt position (every row's
+   logits from the engine's own runner and pools), the share of it at rows where some MoE layer
+   routed to other experts than auto, and the greedy agreement length (leading equal tokens of N
+   greedy tokens vs auto); ablations: group 16, one pool quantized.
+3. Decode tokens/s at batch 1 and 8 per format, rounds interleaved over the formats, ratio vs auto.
+4. Prefix-cache hit rate on the conversation trace at 5% of its bf16 full-layout footprint per
+   format (``bench.prefix_cache.replay``): smaller pages, more of them in the same bytes.
+KIVI rows are recorded as not built (``KVFormat.check`` refuses them).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.prefix_cache import CHUNK, CONVERSATION_TRACE, PAGE, SHAPE, footprint_bytes, load_workload, replay
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.engine.llm_engine import LLMEngine
+from swaserve.engine.request import Request
+from swaserve.engine.scheduler import ScheduledChunk
+from swaserve.engine.types import SamplingParams
+from swaserve.kvcache.manager import KVCacheManager
+from swaserve.kvcache.plan import PoolPlan
+from swaserve.kvcache.sizing import page_bytes, plan_pools
+from swaserve.kvformat import AUTO, KIVI_FORMATS, ROW_FORMATS, FormatError, KVFormat
+from swaserve.shapes import SHAPES, model_config
+
+FORMATS = (AUTO, *ROW_FORMATS)
+GB80 = 80 * 10**9
+BF16 = 2  # bytes per element of the capacity and hit-rate rows (the real models' KV dtype)
+CAP_CHUNK = 8192
+HIT_BUDGET_SHARE = 0.05
+TARGET_RATIO_32K = 13.0  # hybrid + FP8 vs bf16 full, MiMo-V2.5-Pro at 32K
+TARGET_KL = 1e-3
+
+
+@dataclass(frozen=True)
+class Settings:
+    contexts: tuple[int, ...] = (32768, 131072)
+    shapes: tuple[str, ...] = ("MiMo-V2.5-Pro", "MiMo-V2-Flash")
+    prompts: int = 8
+    windows: int = 6  # prompt length in windows of the model
+    new_tokens: int = 64  # greedy tokens (agreement and decode timing)
+    batches: tuple[int, ...] = (1, 8)
+    rounds: int = 3
+    trace_limit: int | None = None
+    seed: int = 1234
+
+
+QUICK = Settings(
+    contexts=(32768,), prompts=2, windows=3, new_tokens=8, batches=(1, 2), rounds=1, trace_limit=200
+)
+
+
+def formats_of(name: str, group: int = 0) -> dict[str, KVFormat]:
+    return {FULL: KVFormat(name, group), SWA: KVFormat(name, group)}
+
+
+# -- 1. capacity ----------------------------------------------------------------------------------
+def admitted(
+    cfg: ModelConfig, layout: str, context: int, seqs: int, fmt: str, cache: bool = False
+) -> tuple[int, int, PoolPlan]:
+    """Requests of ``context`` tokens admitted, prefilled and stepped once in 80 GB with pools planned
+    for ``seqs`` of them (``cache``: with the prefix cache's SWA reserve, ``swa_full_tokens_ratio``
+    1/9 of the full pages); (how many fit, bytes the first holds, the plan)."""
+    ecfg = EngineConfig(page_size=PAGE, kv_cache_memory=GB80, kv_layout=layout, max_num_seqs=seqs,  # type: ignore[arg-type]
+                        max_num_batched_tokens=CAP_CHUNK, kv_cache_dtype=fmt,
+                        enable_prefix_caching=cache)  # fmt: skip
+    plan = plan_pools(cfg, ecfg, BF16, formats=formats_of(fmt))
+    kv = KVCacheManager(plan, PAGE, cfg.window, layout, len(cfg.full_layers), len(cfg.swa_layers))
+    first = 0
+    for n in range(seqs):
+        rid = str(n)
+        if kv.admit(rid, context + 1) is None:
+            return n, first, plan
+        pos = 0
+        while pos < context:
+            step = kv.max_chunk(rid, pos, min(context, pos + CAP_CHUNK))
+            if step == 0 or not kv.allocate(rid, pos, pos + step):
+                return n, first, plan
+            pos += step
+        kv.allocate(rid, context, context + 1)
+        if n == 0:
+            first = kv.held_bytes(rid)
+            pages = kv.full.held(rid) * plan.full_page_bytes + kv.swa.held(rid) * plan.swa_page_bytes
+            assert first == pages
+    return seqs, first, plan
+
+
+def most_requests(
+    cfg: ModelConfig, layout: str, context: int, fmt: str, cache: bool = False
+) -> tuple[int, int, PoolPlan]:
+    """The largest m such that m requests fit when the pools are planned for m (doubling, then
+    bisection), with its bytes per request and plan."""
+    fits = {}
+
+    def ok(m: int) -> bool:
+        fits[m] = admitted(cfg, layout, context, m, fmt, cache)
+        return fits[m][0] >= m
+
+    hi = 1
+    while ok(hi):
+        hi *= 2
+    lo = hi // 2 if hi > 1 else 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    if lo not in fits:
+        ok(lo)
+    return fits[lo]
+
+
+def token_bytes(cfg: ModelConfig, fmt: KVFormat, elem: int = BF16) -> tuple[int, int]:
+    """(full-attention, SWA) KV bytes of one token over all layers of each kind."""
+    f, s = cfg.full, cfg.swa
+    return (len(cfg.full_layers) * fmt.token_bytes(f.num_kv_heads, f.head_dim, f.v_head_dim, elem),
+            len(cfg.swa_layers) * fmt.token_bytes(s.num_kv_heads, s.head_dim, s.v_head_dim, elem))  # fmt: skip
+
+
+def scale_overhead(cfg: ModelConfig) -> list[dict[str, Any]]:
+    """Bytes the fp32 scales add to a 1-byte format's token (both kinds), per group size."""
+    out = []
+    for g in (0, 64, 32):
+        fmt = KVFormat("fp8_e4m3", g)
+        f, s = token_bytes(cfg, fmt)
+        data = sum(len(layers) * a.num_kv_heads * (a.head_dim + a.v_head_dim)
+                   for layers, a in ((cfg.full_layers, cfg.full), (cfg.swa_layers, cfg.swa)))  # fmt: skip
+        out.append({"group": g, "token_bytes": f + s, "data_bytes": data, "overhead": _r((f + s) / data - 1)})
+    return out
+
+
+def capacity(settings: Settings) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    shapes = {s.name: s for s in SHAPES}
+    for name in settings.shapes:
+        cfg = model_config(shapes[name])
+        base_f, base_s = token_bytes(cfg, KVFormat())
+        for ctx in settings.contexts:
+            base: int | None = None
+            for layout in ("full", "hybrid"):
+                for fmt in FORMATS:
+                    n, per_req, plan = most_requests(cfg, layout, ctx, fmt)
+                    n_cache, per_req_cache, _ = most_requests(cfg, layout, ctx, fmt, cache=True)
+                    assert per_req_cache == per_req
+                    want = page_bytes(cfg, PAGE, BF16, formats_of(fmt))
+                    assert (plan.full_page_bytes, plan.swa_page_bytes) == want, "plan ignores the format"
+                    base = per_req if base is None else base  # first row: full layout, auto
+                    f, s = token_bytes(cfg, KVFormat(fmt))
+                    swa_tokens = ctx + 1 if layout == "full" else min(ctx + 1, cfg.window + 1)
+                    theory = (base_f + base_s) * (ctx + 1) / (f * (ctx + 1) + s * swa_tokens)
+                    ratio = base / per_req
+                    rows.append({
+                        "shape": name, "context_tokens": ctx, "layout": layout, "format": fmt,
+                        "full_page_bytes": plan.full_page_bytes, "swa_page_bytes": plan.swa_page_bytes,
+                        "bytes_per_request": per_req, "requests_in_80GB": n,
+                        "requests_in_80GB_cache_plan": n_cache, "ratio_vs_bf16_full": _r(ratio),
+                        "theoretical_ratio": _r(theory), "achieved_vs_theory": _r(ratio / theory),
+                    })  # fmt: skip
+    pro32 = [r for r in rows if r["shape"] == "MiMo-V2.5-Pro" and r["context_tokens"] == 32768
+             and r["layout"] == "hybrid" and r["format"].startswith("fp8")]  # fmt: skip
+    targets = {
+        f"{r['format']}: hybrid >= {TARGET_RATIO_32K}x less KV than bf16 full (V2.5-Pro, 32K)": bool(
+            r["ratio_vs_bf16_full"] >= TARGET_RATIO_32K
+        )
+        for r in pro32
+    } | {
+        f"{r['format']}: achieved >= 0.95x theory (V2.5-Pro, 32K)": bool(r["achieved_vs_theory"] >= 0.95)
+        for r in pro32
+    }
+    overhead = {name: scale_overhead(model_config(shapes[name])) for name in settings.shapes}
+    return {"budget_bytes": GB80, "page_size": PAGE, "kv_dtype_bytes": BF16, "rows": rows,
+            "scale_overhead": overhead, "targets": targets}  # fmt: skip
+
+
+# -- 2, 3. quality and decode speed on the model --------------------------------------------------
+def engine(model_dir: Path, fmt: str, seqs: int, group: int = 0, swa: str | None = None) -> LLMEngine:
+    ecfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=2048, kv_cache_memory=256 << 20,
+                        enable_prefix_caching=False, kv_cache_dtype=fmt, kv_cache_dtype_swa=swa,
+                        kv_quant_group=group, seed=0)  # fmt: skip
+    return LLMEngine(model_dir, ecfg)
+
+
+# quality ablations of the 1-byte formats: (label, full pool's format, SWA pool's, group)
+ABLATIONS = tuple(
+    (f"{f} {label}", full, swa, g)
+    for f in ("fp8_e4m3", "int8")
+    for label, full, swa, g in (
+        ("group 16", f, f, 16),
+        ("full pool only", f, AUTO, 0),
+        ("swa pool only", AUTO, f, 0),
+    )
+)
+
+
+def corpus(eng: LLMEngine, n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` token windows of ``length`` cut from the bundled corpus (as the checkpoint's training)."""
+    from swaserve.model.checkpoint import CORPUS_PATH
+    from swaserve.model.train import corpus_prompts
+
+    return [list(map(int, row)) for row in corpus_prompts(eng.tokenizer, CORPUS_PATH, n, length, seed)]
+
+
+@contextmanager
+def expert_choices() -> Iterator[list[torch.Tensor]]:
+    """Each MoE layer's chosen experts (sorted ids [T, top_k]) of the forwards run inside, in call
+    order: ``swaserve.model.layers.route_sigmoid_topk`` wrapped for the duration."""
+    import swaserve.model.layers as layers
+
+    seen: list[torch.Tensor] = []
+    route = layers.route_sigmoid_topk
+
+    def recorded(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = route(*args, **kwargs)
+        seen.append(ids.sort(-1).values)
+        return weights, ids
+
+    layers.route_sigmoid_topk = recorded  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        layers.route_sigmoid_topk = route
+
+
+@torch.no_grad()
+def prompt_logits(eng: LLMEngine, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fp32 logits [len(tokens), vocab] of every prompt row, one prefill chunk through the engine's
+    runner, pools and page formats (attention reads the stored K/V, this chunk's too); and each
+    MoE layer's expert choices per row."""
+    core, rid = eng.core, "kl"
+    req = Request(rid, list(tokens), SamplingParams(max_tokens=1), 0.0, len(tokens) + 1)
+    assert core.kv.admit(rid, len(tokens) + 1) is not None and core.kv.allocate(rid, 0, len(tokens))
+    try:
+        batch, _ = core.runner.build([ScheduledChunk(req, 0, len(tokens))])
+        with expert_choices() as experts:
+            logits = core.model.logits(core.model.norm(core.model.forward_hidden(batch))).float()
+        return logits, experts
+    finally:
+        core.kv.free(rid)
+
+
+def kl_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(ref || got) of each row's next-token distribution, nats (float64)."""
+    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def kl_summary(
+    ref: list[tuple[torch.Tensor, list[torch.Tensor]]], got: list[tuple[torch.Tensor, list[torch.Tensor]]]
+) -> dict[str, Any]:
+    """Mean and max KL over every prompt row, and how much of it sits at rows where some MoE layer
+    chose other experts than auto's (a routing flip: top-k is discontinuous in its input)."""
+    kls, flips = [], []
+    for (a, ea), (b, eb) in zip(ref, got, strict=True):
+        kls.append(kl_rows(a, b))
+        flip = torch.zeros(a.shape[0], dtype=torch.bool)
+        for x, y in zip(ea, eb, strict=True):
+            flip |= (x != y).any(-1)
+        flips.append(flip)
+    k, f = torch.cat(kls), torch.cat(flips)
+    return {"mean_kl": float(k.mean()), "max_kl": float(k.max()), "median_kl": float(k.median()),
+            "rows_with_expert_flip": _r(float(f.double().mean())),
+            "kl_share_at_expert_flips": _r(float(k[f].sum() / k.sum())) if k.sum() > 0 else 0.0,
+            "mean_kl_without_flips": float(k[~f].mean()) if (~f).any() else 0.0}  # fmt: skip
+
+
+def agreement(ref: list[int], got: list[int]) -> int:
+    n = 0
+    while n < min(len(ref), len(got)) and ref[n] == got[n]:
+        n += 1
+    return n
+
+
+def timed_decode(eng: LLMEngine, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s of the prompts added at once: tokens after the last first token, over the
+    time from it to the end; and the greedy outputs."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"t{i}", p, params)
+    events: list[tuple[float, str, int]] = []
+    outs: dict[str, list[int]] = {f"t{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            events.append((time.perf_counter(), o.request_id, len(o.new_token_ids)))
+            outs[o.request_id] += o.new_token_ids
+    start = max(next(t for t, r, k in events if r == rid and k) for rid in outs)
+    tokens = sum(k for t, _, k in events if t > start)
+    return tokens / (events[-1][0] - start), [outs[f"t{i}"] for i in range(len(prompts))]
+
+
+def model_part(model_dir: Path, s: Settings) -> dict[str, Any]:
+    cfg = ModelConfig.from_pretrained(model_dir)
+    engines = {f: engine(model_dir, f, max(s.batches)) for f in FORMATS}
+    ref_eng = engine(model_dir, AUTO, max(s.batches))  # a second auto engine: auto vs auto
+    length = s.windows * cfg.window
+    prompts = corpus(ref_eng, s.prompts, length, s.seed)
+    greedy = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
+    ref_logits = [prompt_logits(ref_eng, p) for p in prompts]
+    ref_out = ref_eng.generate(prompts, greedy)
+    greedy_out: dict[str, list[list[int]]] = {}
+
+    def judge(eng: LLMEngine, name: str) -> dict[str, Any]:
+        kl = kl_summary(ref_logits, [prompt_logits(eng, p) for p in prompts])
+        greedy_out[name] = eng.generate(prompts, greedy)
+        agree = [agreement(a, b) for a, b in zip(ref_out, greedy_out[name], strict=True)]
+        plan = eng.kv.plan  # the engine's own pools hold tensors of exactly the planned bytes
+        held = plan.full_pages * plan.full_page_bytes + plan.swa_pages * plan.swa_page_bytes
+        return {"format": name, **kl, "agreement": agree,
+                "mean_agreement": statistics.mean(agree), "kl_target_met": kl["mean_kl"] < TARGET_KL,
+                "page_bytes": [plan.full_page_bytes, plan.swa_page_bytes],
+                "storage_bytes_match_plan": eng.storage.nbytes() == held}  # fmt: skip
+
+    quality = [judge(eng, f) for f, eng in engines.items()]
+    ablations = []
+    for label, full, swa, g in ABLATIONS:
+        row = judge(engine(model_dir, full, 1, g, swa), label)
+        ablations.append({**row, "full_pool": full, "swa_pool": swa, "group": g})
+    del ref_eng
+    tok_s: dict[int, dict[str, list[float]]] = {b: {f: [] for f in FORMATS} for b in s.batches}
+    same = True  # every timed run's outputs equal its format's greedy outputs above
+    for r in range(s.rounds):
+        for b in s.batches:
+            work = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
+            order = FORMATS if r % 2 == 0 else FORMATS[::-1]
+            for f in order:
+                rate, outs = timed_decode(engines[f], work, s.new_tokens)
+                tok_s[b][f].append(rate)
+                same &= outs == [greedy_out[f][(r * b + i) % len(prompts)] for i in range(b)]
+    speed = []
+    for b in s.batches:
+        auto = statistics.median(tok_s[b][AUTO])
+        for f in FORMATS:
+            med = statistics.median(tok_s[b][f])
+            speed.append({"batch": b, "format": f, "tok_s": [round(x, 1) for x in tok_s[b][f]],
+                          "median_tok_s": round(med, 1), "vs_auto": _r(med / auto)})  # fmt: skip
+    return {"model_dir": str(model_dir), "kv_dtype": engines[AUTO].config.dtype, "window": cfg.window,
+            "prompts": len(prompts), "prompt_tokens": length, "new_tokens": s.new_tokens, "rounds": s.rounds,
+            "quality": quality, "ablations": ablations, "decode": speed, "timed_outputs_equal_greedy": same}  # fmt: skip
+
+
+# -- 4. prefix-cache hit rate at a fixed byte budget ------------------------------------------------
+_WORK: dict[str, Any] = {}
+
+
+def _replay(job: tuple[str, str, int]) -> dict[str, Any]:
+    layout, fmt, budget = job
+    cfg, work = _WORK["cfg"], _WORK["work"]
+    ecfg = EngineConfig(page_size=PAGE, kv_cache_memory=budget, kv_layout=layout, max_num_seqs=1,  # type: ignore[arg-type]
+                        max_num_batched_tokens=CHUNK, enable_prefix_caching=layout == "hybrid")  # fmt: skip
+    plan = plan_pools(cfg, ecfg, BF16, shared=layout == "hybrid", formats=formats_of(fmt))
+    r = replay(cfg, work, layout, plan)
+    return {"full_pages": r.full_pages, "swa_pages": r.swa_pages, "hit_rate": _r(r.rates()["hit_rate"]),
+            "rejected": r.rejected + r.stalled, "seconds": round(r.seconds, 1)}  # fmt: skip
+
+
+def hit_rates(s: Settings, jobs: int) -> dict[str, Any]:
+    cfg = model_config(SHAPE)
+    work = load_workload(CONVERSATION_TRACE, s.trace_limit)
+    budget = int(footprint_bytes(cfg, work.unique_pages) * HIT_BUDGET_SHARE)
+    _WORK.update(cfg=cfg, work=work)
+    # formats of equal page bytes replay the same: one replay per (layout, page bytes)
+    key = {f: page_bytes(cfg, PAGE, BF16, formats_of(f)) for f in FORMATS}
+    first = {k: f for f, k in reversed(key.items())}
+    tasks = [
+        (layout, first[key[f]], budget)
+        for layout in ("hybrid", "full")
+        for f in FORMATS
+        if first[key[f]] == f
+    ]
+    if jobs <= 1:  # in this process
+        done = {t: _replay(t) for t in tasks}
+    else:
+        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("fork")) as ex:
+            done = dict(zip(tasks, ex.map(_replay, tasks), strict=True))
+    rows: list[dict[str, Any]] = []
+    for layout in ("hybrid", "full"):
+        for f in FORMATS:
+            rec = done[layout, first[key[f]], budget]
+            rows.append({"layout": layout, "format": f, **rec, "same_replay_as": first[key[f]]})
+    for k in KIVI_FORMATS:
+        try:
+            KVFormat(k).check((cfg.full.head_dim, cfg.full.v_head_dim))
+        except FormatError as e:
+            rows.append({"layout": "hybrid", "format": k, "status": "not built", "reason": str(e)})
+    return {"trace": CONVERSATION_TRACE.name, "requests": work.requests, "shape": SHAPE.name,
+            "budget_share_of_bf16_full_footprint": HIT_BUDGET_SHARE, "budget_bytes": budget,
+            "ideal_hit_rate": _r(work.ideal_hit_rate), "rows": rows,
+            "targets": {"kivi2 hit rate at 5% budget above fp8's": "not built"}}  # fmt: skip
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _r(x: float) -> float:
+    return round(x, 4)
+
+
+def print_report(res: dict[str, Any]) -> None:
+    cap = res["capacity"]
+    print("1. KV capacity in 80 GB (bf16 model, page 16, real allocator); ratio = bf16 full bytes / row's;")
+    print(
+        "   reqs: pools planned without the prefix cache, (cache): with its SWA reserve (1/9 of full pages)"
+    )
+    print(f"{'shape':<15}{'ctx':>7}{'layout':>8}{'format':>10}{'MB/req':>10}{'reqs':>7}{'(cache)':>8}{'ratio':>8}"
+          f"{'theory':>8}{'/theory':>9}")  # fmt: skip
+    for r in cap["rows"]:
+        print(f"{r['shape']:<15}{r['context_tokens']:>7}{r['layout']:>8}{r['format']:>10}"
+              f"{r['bytes_per_request'] / 1e6:>10.1f}{r['requests_in_80GB']:>7}"
+              f"{r['requests_in_80GB_cache_plan']:>8}{r['ratio_vs_bf16_full']:>8}"
+              f"{r['theoretical_ratio']:>8}{r['achieved_vs_theory']:>9}")  # fmt: skip
+    for name, rows in cap["scale_overhead"].items():
+        print(f"fp32 scale overhead of a 1-byte format, {name}: "
+              + ", ".join(f"group {o['group'] or 'row'} +{o['overhead']:.1%}" for o in rows))  # fmt: skip
+    _targets(cap["targets"])
+    m = res["model"]
+    if m is not None:
+        print(f"2. Quality vs auto ({m['kv_dtype']} KV): {m['prompts']} corpus prompts of {m['prompt_tokens']} "
+              f"tokens (window {m['window']}), {m['new_tokens']} greedy tokens")  # fmt: skip
+        print(
+            "   flip rows: some MoE layer chose other experts than auto's; KL there: its share of the KL sum"
+        )
+        print(f"{'format':<24}{'mean KL':>10}{'median':>10}{'max':>9}{'flip rows':>10}{'KL there':>9}"
+              f"{'KL other':>10}{'agree':>7}  agreement per prompt")  # fmt: skip
+        for q in m["quality"] + m["ablations"]:
+            print(f"{q['format']:<24}{q['mean_kl']:>10.2e}{q['median_kl']:>10.2e}{q['max_kl']:>9.3f}"
+                  f"{q['rows_with_expert_flip']:>10.3f}{q['kl_share_at_expert_flips']:>9.2f}"
+                  f"{q['mean_kl_without_flips']:>10.2e}{q['mean_agreement']:>7.1f}  {q['agreement']}")  # fmt: skip
+        print(
+            f"3. Decode tokens/s (median of {m['rounds']} interleaved rounds; pure-torch CPU dequantize-on-read)"
+        )
+        print(f"{'batch':>6}{'format':>10}{'tok/s':>9}{'vs auto':>9}  rounds")
+        for d in m["decode"]:
+            print(f"{d['batch']:>6}{d['format']:>10}{d['median_tok_s']:>9}{d['vs_auto']:>9}  {d['tok_s']}")
+    h = res["hit_rate"]
+    print(f"4. Prefix-cache hit rate, {h['trace']} ({h['requests']} requests, {h['shape']}), device budget "
+          f"{h['budget_bytes'] / 1e9:.2f} GB = {h['budget_share_of_bf16_full_footprint']} of the bf16 full "
+          f"footprint; ideal {h['ideal_hit_rate']}")  # fmt: skip
+    for r in h["rows"]:
+        if "status" in r:
+            print(f"{r['layout']:<8}{r['format']:>10}  {r['status']}")
+        else:
+            print(f"{r['layout']:<8}{r['format']:>10}{r['hit_rate']:>8}  pages {r['full_pages']} full / "
+                  f"{r['swa_pages']} swa")  # fmt: skip
+
+
+def _targets(t: dict[str, Any]) -> None:
+    for k, ok in t.items():
+        print(f"target {k}: {ok if isinstance(ok, str) else 'met' if ok else 'NOT met'}")
+
+
+def main(json_path: str | None = None, quick: bool = False, model_dir: str | None = None,
+         model: bool = True, jobs: int = 2) -> dict[str, Any]:  # fmt: skip
+    """Run the four parts (``model=False``: skip 2 and 3), print them, write JSON."""
+    from swaserve.model.checkpoint import default_model_dir, tiny_model_dir
+
+    s = QUICK if quick else Settings()
+    t0 = time.perf_counter()
+    mdir = Path(model_dir) if model_dir else tiny_model_dir() if quick else default_model_dir()
+    res: dict[str, Any] = {"quick": quick, "settings": s.__dict__, "part_wall_s": {}}
+    for part, run in (("capacity", lambda: capacity(s)), ("model", lambda: model_part(mdir, s) if model else None),
+                      ("hit_rate", lambda: hit_rates(s, jobs))):  # fmt: skip
+        t = time.perf_counter()
+        res[part] = run()
+        res["part_wall_s"][part] = round(time.perf_counter() - t, 1)
+    if res["model"] is not None:
+        res["targets"] = {f"{q['format']}: mean KL < {TARGET_KL}": q["kl_target_met"]
+                          for q in res["model"]["quality"] if q["format"] != AUTO}  # fmt: skip
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    print_report(res)
+    if "targets" in res:
+        _targets(res["targets"])
+    print(f"wall {res['wall_s']} s (" + ", ".join(f"{k} {v} s" for k, v in res["part_wall_s"].items()) + ")")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(res, indent=2, default=list) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

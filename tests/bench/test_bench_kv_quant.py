@@ -1,0 +1,99 @@
+"""``swaserve bench kv-quant --quick`` on the tiny model: every part runs in this process (``--jobs 1``) and its JSON
+holds together (exact byte ratios of the formats, auto vs auto KL 0 and full agreement, one hit
+rate per page size, KIVI recorded as not built)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from bench.kv_quant import FORMATS, QUICK
+from swaserve.cli import app
+from swaserve.config import ModelConfig
+from swaserve.kvformat import KVFormat
+from swaserve.shapes import SHAPES, model_config
+
+
+def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
+    out = tmp_path / "kv_quant.json"
+    res = CliRunner().invoke(
+        app, ["bench", "kv-quant", "--quick", "--jobs", "1", "--json", str(out), "--model", str(tiny_dir)]
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+
+    cap = data["capacity"]
+    shapes = {s.name: model_config(s) for s in SHAPES}
+    rows = {(r["shape"], r["context_tokens"], r["layout"], r["format"]): r for r in cap["rows"]}
+    assert len(rows) == len(QUICK.shapes) * len(QUICK.contexts) * 2 * len(FORMATS)
+    for (shape, ctx, layout, fmt), r in rows.items():
+        cfg = shapes[shape]
+        auto = rows[shape, ctx, layout, "auto"]
+        f, s = cfg.full, cfg.swa
+        # one page's bytes: the format's bytes per token exactly, the same page counts as auto
+        assert r["full_page_bytes"] == len(cfg.full_layers) * 16 * KVFormat(fmt).token_bytes(
+            f.num_kv_heads, f.head_dim, f.v_head_dim, 2
+        )
+        assert r["swa_page_bytes"] == len(cfg.swa_layers) * 16 * KVFormat(fmt).token_bytes(
+            s.num_kv_heads, s.head_dim, s.v_head_dim, 2
+        )
+        if fmt != "auto":
+            # head dims 192 / 128: a 1-byte row + one fp32 scale, (192 + 4 + 128 + 4) / (2 * 320)
+            assert r["bytes_per_request"] * 640 == auto["bytes_per_request"] * 328
+            assert r["requests_in_80GB"] > auto["requests_in_80GB"]
+        assert 0.95 <= r["achieved_vs_theory"] <= 1.0
+        assert r["ratio_vs_bf16_full"] >= 1.0
+    assert rows["MiMo-V2.5-Pro", 32768, "full", "auto"]["ratio_vs_bf16_full"] == 1.0
+    pro = rows["MiMo-V2.5-Pro", 32768, "hybrid", "fp8_e4m3"]
+    hyb_auto = rows["MiMo-V2.5-Pro", 32768, "hybrid", "auto"]
+    assert pro["ratio_vs_bf16_full"] >= 13.0 and pro["requests_in_80GB"] >= 2 * hyb_auto["requests_in_80GB"]
+    assert cap["targets"] and all(cap["targets"].values())
+    for r in rows.values():  # the prefix cache's SWA reserve only costs the hybrid layout requests
+        assert r["requests_in_80GB_cache_plan"] <= r["requests_in_80GB"]
+    for over in cap["scale_overhead"].values():
+        assert [o["overhead"] for o in over] == [0.025, 0.0625, 0.125]  # 8 / 320, 4 / 64, 4 / 32
+
+    m = data["model"]
+    q = {r["format"]: r for r in m["quality"]}
+    assert set(q) == set(FORMATS)
+    assert q["auto"]["mean_kl"] == 0.0 and q["auto"]["max_kl"] == 0.0
+    assert q["auto"]["rows_with_expert_flip"] == 0.0  # same KV, same routing
+    for r in m["quality"] + m["ablations"]:
+        assert 0 <= r["rows_with_expert_flip"] <= 1 and 0 <= r["kl_share_at_expert_flips"] <= 1
+        assert r["median_kl"] <= r["max_kl"]
+        if r["rows_with_expert_flip"] == 0:  # no flip: every row counts in the "without" mean
+            assert (
+                r["mean_kl_without_flips"] == pytest.approx(r["mean_kl"])
+                and r["kl_share_at_expert_flips"] == 0
+            )
+    assert q["auto"]["agreement"] == [QUICK.new_tokens] * QUICK.prompts
+    tiny = ModelConfig.from_pretrained(tiny_dir)
+    for f in FORMATS:  # the engine's pages in the format, fp32 model: 4-byte auto elements
+        assert q[f]["storage_bytes_match_plan"] is True
+        assert q[f]["page_bytes"][0] == len(tiny.full_layers) * 16 * KVFormat(f).token_bytes(
+            tiny.full.num_kv_heads, tiny.full.head_dim, tiny.full.v_head_dim, 4
+        )
+    for f in FORMATS[1:]:
+        assert 0 < q[f]["mean_kl"] <= q[f]["max_kl"]
+        assert all(0 <= a <= QUICK.new_tokens for a in q[f]["agreement"])
+    assert m["timed_outputs_equal_greedy"] is True
+    dec = {(d["batch"], d["format"]): d for d in m["decode"]}
+    assert set(dec) == {(b, f) for b in QUICK.batches for f in FORMATS}
+    for (b, _), d in dec.items():
+        assert len(d["tok_s"]) == QUICK.rounds and d["median_tok_s"] > 0
+        assert d["vs_auto"] == pytest.approx(d["median_tok_s"] / dec[b, "auto"]["median_tok_s"], rel=1e-3)
+
+    h = data["hit_rate"]
+    hits = {(r["layout"], r["format"]): r for r in h["rows"]}
+    for layout in ("hybrid", "full"):
+        auto = hits[layout, "auto"]
+        for f in FORMATS[1:]:  # same page bytes -> one replay; smaller pages -> more of them
+            assert hits[layout, f]["hit_rate"] == hits[layout, "fp8_e4m3"]["hit_rate"]
+            assert hits[layout, f]["full_pages"] > auto["full_pages"]
+        for r in (hits[layout, f] for f in FORMATS):
+            assert 0 <= r["hit_rate"] <= h["ideal_hit_rate"] and r["rejected"] == 0
+    assert hits["hybrid", "fp8_e4m3"]["hit_rate"] >= hits["hybrid", "auto"]["hit_rate"]
+    assert hits["hybrid", "kivi2"]["status"] == hits["hybrid", "kivi4"]["status"] == "not built"
