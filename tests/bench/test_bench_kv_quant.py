@@ -1,6 +1,6 @@
 """``swaserve bench kv-quant --quick`` on the tiny model: every part runs in this process (``--jobs 1``) and its JSON
 holds together (exact byte ratios of the formats, auto vs auto KL 0 and full agreement, one hit
-rate per page size, KIVI recorded as not built)."""
+rate per page size, KIVI recorded as not measured)."""
 
 from __future__ import annotations
 
@@ -96,4 +96,4 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
         for r in (hits[layout, f] for f in FORMATS):
             assert 0 <= r["hit_rate"] <= h["ideal_hit_rate"] and r["rejected"] == 0
     assert hits["hybrid", "fp8_e4m3"]["hit_rate"] >= hits["hybrid", "auto"]["hit_rate"]
-    assert hits["hybrid", "kivi2"]["status"] == hits["hybrid", "kivi4"]["status"] == "not built"
+    assert hits["hybrid", "kivi2"]["status"] == hits["hybrid", "kivi4"]["status"] == "not measured"
