@@ -15,7 +15,10 @@ rate of each page format in one run (``swaserve bench kv-quant``).
 3. Decode tokens/s at batch 1 and 8 per format, rounds interleaved over the formats, ratio vs auto.
 4. Prefix-cache hit rate on the conversation trace at 5% of its bf16 full-layout footprint per
    format (``bench.prefix_cache.replay``): smaller pages, more of them in the same bytes.
-KIVI rows are recorded as not measured (``KIVI_REASON``).
+KIVI (``kivi2``, ``kivi4``: 2/4-bit full pool, key group = page size, residual min(128, W) kept
+in full precision as one more SWA layer per full layer, the SWA pool in the model dtype) is
+measured in the hybrid layout only: in the full layout its residual would keep every token in
+full precision.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 from bench.prefix_cache import CHUNK, CONVERSATION_TRACE, PAGE, SHAPE, footprint_bytes, load_workload, replay
-from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import ScheduledChunk
@@ -42,20 +45,16 @@ from swaserve.engine.types import SamplingParams
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.plan import PoolPlan
 from swaserve.kvcache.sizing import page_bytes, plan_pools
-from swaserve.kvformat import AUTO, KIVI_FORMATS, ROW_FORMATS, KVFormat
+from swaserve.kvformat import AUTO, KIVI_FORMATS, ROW_FORMATS, KVFormat, engine_formats, residual_layers
 from swaserve.shapes import SHAPES, model_config
 
-FORMATS = (AUTO, *ROW_FORMATS)
+FORMATS = (AUTO, *ROW_FORMATS, *KIVI_FORMATS)
 GB80 = 80 * 10**9
 BF16 = 2  # bytes per element of the capacity and hit-rate rows (the real models' KV dtype)
 CAP_CHUNK = 8192
 HIT_BUDGET_SHARE = 0.05
 TARGET_RATIO_32K = 13.0  # hybrid + FP8 vs bf16 full, MiMo-V2.5-Pro at 32K
 TARGET_KL = 1e-3
-KIVI_REASON = (
-    "this bench does not size KIVI pools yet (its residual SWA layers, key groups); the engine's "
-    "KIVI pages landed while it was written"
-)
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,20 @@ QUICK = Settings(
 )
 
 
-def formats_of(name: str, group: int = 0) -> dict[str, KVFormat]:
+def formats_of(name: str, cfg: ModelConfig, group: int = 0) -> dict[str, KVFormat]:
+    """Both pools' formats for ``--kv-cache-dtype name`` at page 16 (KIVI: the engine's defaults)."""
+    if name in KIVI_FORMATS:
+        return engine_formats(EngineConfig(page_size=PAGE, kv_cache_dtype=name, kv_quant_group=group), cfg)
     return {FULL: KVFormat(name, group), SWA: KVFormat(name, group)}
+
+
+def pool_config(cfg: ModelConfig, fmts: dict[str, KVFormat]) -> ModelConfig:
+    """``cfg`` as the pools see it: KIVI adds a residual SWA layer per full layer."""
+    return kv_config(cfg, 0, residual_layers(fmts, cfg))
+
+
+def layouts(fmt: str) -> tuple[str, ...]:
+    return ("hybrid",) if fmt in KIVI_FORMATS else ("full", "hybrid")
 
 
 # -- 1. capacity ----------------------------------------------------------------------------------
@@ -90,8 +101,10 @@ def admitted(
     ecfg = EngineConfig(page_size=PAGE, kv_cache_memory=GB80, kv_layout=layout, max_num_seqs=seqs,  # type: ignore[arg-type]
                         max_num_batched_tokens=CAP_CHUNK, kv_cache_dtype=fmt,
                         enable_prefix_caching=cache)  # fmt: skip
-    plan = plan_pools(cfg, ecfg, BF16, formats=formats_of(fmt))
-    kv = KVCacheManager(plan, PAGE, cfg.window, layout, len(cfg.full_layers), len(cfg.swa_layers))
+    fmts = formats_of(fmt, cfg)
+    kcfg = pool_config(cfg, fmts)
+    plan = plan_pools(kcfg, ecfg, BF16, formats=fmts)
+    kv = KVCacheManager(plan, PAGE, cfg.window, layout, len(kcfg.full_layers), len(kcfg.swa_layers))
     first = 0
     for n in range(seqs):
         rid = str(n)
@@ -134,11 +147,13 @@ def most_requests(
     return fits[lo]
 
 
-def token_bytes(cfg: ModelConfig, fmt: KVFormat, elem: int = BF16) -> tuple[int, int]:
-    """(full-attention, SWA) KV bytes of one token over all layers of each kind."""
-    f, s = cfg.full, cfg.swa
-    return (len(cfg.full_layers) * fmt.token_bytes(f.num_kv_heads, f.head_dim, f.v_head_dim, elem),
-            len(cfg.swa_layers) * fmt.token_bytes(s.num_kv_heads, s.head_dim, s.v_head_dim, elem))  # fmt: skip
+def token_bytes(cfg: ModelConfig, fmt: KVFormat | dict[str, KVFormat], elem: int = BF16) -> tuple[int, int]:
+    """(full-attention, SWA) KV bytes of one token over all layers of each kind (``fmt``: one for
+    both pools, or each pool's; KIVI's residual layers counted in SWA)."""
+    fmts = fmt if isinstance(fmt, dict) else {FULL: fmt, SWA: fmt}
+    kcfg, f, s = pool_config(cfg, fmts), cfg.full, cfg.swa
+    return (len(kcfg.full_layers) * fmts[FULL].token_bytes(f.num_kv_heads, f.head_dim, f.v_head_dim, elem),
+            len(kcfg.swa_layers) * fmts[SWA].token_bytes(s.num_kv_heads, s.head_dim, s.v_head_dim, elem))  # fmt: skip
 
 
 def scale_overhead(cfg: ModelConfig) -> list[dict[str, Any]]:
@@ -162,14 +177,15 @@ def capacity(settings: Settings) -> dict[str, Any]:
         for ctx in settings.contexts:
             base: int | None = None
             for layout in ("full", "hybrid"):
-                for fmt in FORMATS:
+                for fmt in (f for f in FORMATS if layout in layouts(f)):
                     n, per_req, plan = most_requests(cfg, layout, ctx, fmt)
                     n_cache, per_req_cache, _ = most_requests(cfg, layout, ctx, fmt, cache=True)
                     assert per_req_cache == per_req
-                    want = page_bytes(cfg, PAGE, BF16, formats_of(fmt))
+                    fmts = formats_of(fmt, cfg)
+                    want = page_bytes(pool_config(cfg, fmts), PAGE, BF16, fmts)
                     assert (plan.full_page_bytes, plan.swa_page_bytes) == want, "plan ignores the format"
                     base = per_req if base is None else base  # first row: full layout, auto
-                    f, s = token_bytes(cfg, KVFormat(fmt))
+                    f, s = token_bytes(cfg, fmts)
                     swa_tokens = ctx + 1 if layout == "full" else min(ctx + 1, cfg.window + 1)
                     theory = (base_f + base_s) * (ctx + 1) / (f * (ctx + 1) + s * swa_tokens)
                     ratio = base / per_req
@@ -181,7 +197,7 @@ def capacity(settings: Settings) -> dict[str, Any]:
                         "theoretical_ratio": _r(theory), "achieved_vs_theory": _r(ratio / theory),
                     })  # fmt: skip
     pro32 = [r for r in rows if r["shape"] == "MiMo-V2.5-Pro" and r["context_tokens"] == 32768
-             and r["layout"] == "hybrid" and r["format"].startswith("fp8")]  # fmt: skip
+             and r["layout"] == "hybrid" and r["format"].startswith(("fp8", "kivi"))]  # fmt: skip
     targets = {
         f"{r['format']}: hybrid >= {TARGET_RATIO_32K}x less KV than bf16 full (V2.5-Pro, 32K)": bool(
             r["ratio_vs_bf16_full"] >= TARGET_RATIO_32K
@@ -198,9 +214,13 @@ def capacity(settings: Settings) -> dict[str, Any]:
 
 # -- 2, 3. quality and decode speed on the model --------------------------------------------------
 def engine(model_dir: Path, fmt: str, seqs: int, group: int = 0, swa: str | None = None) -> LLMEngine:
+    """An engine storing ``fmt`` pages (page 16; KIVI: key group 16, or the largest divisor of the
+    page within a smaller window, residual min(128, W))."""
+    window = ModelConfig.from_pretrained(model_dir).window
+    kivi_group = max(g for g in (1, 2, 4, 8, 16) if g <= min(128, window))
     ecfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=2048, kv_cache_memory=256 << 20,
                         enable_prefix_caching=False, kv_cache_dtype=fmt, kv_cache_dtype_swa=swa,
-                        kv_quant_group=group, seed=0)  # fmt: skip
+                        kv_quant_group=group, kv_kivi_group=kivi_group, seed=0)  # fmt: skip
     return LLMEngine(model_dir, ecfg)
 
 
@@ -328,7 +348,8 @@ def model_part(model_dir: Path, s: Settings) -> dict[str, Any]:
         agree = [agreement(a, b) for a, b in zip(ref_out, greedy_out[name], strict=True)]
         plan = eng.kv.plan  # the engine's own pools hold tensors of exactly the planned bytes
         held = plan.full_pages * plan.full_page_bytes + plan.swa_pages * plan.swa_page_bytes
-        return {"format": name, **kl, "agreement": agree,
+        fmts = {pool: eng.core.kv_formats[kind].describe() for pool, kind in (("full", FULL), ("swa", SWA))}
+        return {"format": name, **kl, "agreement": agree, "formats": fmts,
                 "mean_agreement": statistics.mean(agree), "kl_target_met": kl["mean_kl"] < TARGET_KL,
                 "page_bytes": [plan.full_page_bytes, plan.swa_page_bytes],
                 "storage_bytes_match_plan": eng.storage.nbytes() == held}  # fmt: skip
@@ -368,9 +389,11 @@ _WORK: dict[str, Any] = {}
 def _replay(job: tuple[str, str, int]) -> dict[str, Any]:
     layout, fmt, budget = job
     cfg, work = _WORK["cfg"], _WORK["work"]
+    fmts = formats_of(fmt, cfg)
+    cfg = pool_config(cfg, fmts)
     ecfg = EngineConfig(page_size=PAGE, kv_cache_memory=budget, kv_layout=layout, max_num_seqs=1,  # type: ignore[arg-type]
                         max_num_batched_tokens=CHUNK, enable_prefix_caching=layout == "hybrid")  # fmt: skip
-    plan = plan_pools(cfg, ecfg, BF16, shared=layout == "hybrid", formats=formats_of(fmt))
+    plan = plan_pools(cfg, ecfg, BF16, shared=layout == "hybrid", formats=fmts)
     r = replay(cfg, work, layout, plan)
     return {"full_pages": r.full_pages, "swa_pages": r.swa_pages, "hit_rate": _r(r.rates()["hit_rate"]),
             "rejected": r.rejected + r.stalled, "seconds": round(r.seconds, 1)}  # fmt: skip
@@ -382,13 +405,16 @@ def hit_rates(s: Settings, jobs: int) -> dict[str, Any]:
     budget = int(footprint_bytes(cfg, work.unique_pages) * HIT_BUDGET_SHARE)
     _WORK.update(cfg=cfg, work=work)
     # formats of equal page bytes replay the same: one replay per (layout, page bytes)
-    key = {f: page_bytes(cfg, PAGE, BF16, formats_of(f)) for f in FORMATS}
+    fmts = {f: formats_of(f, cfg) for f in FORMATS}
+    key = {
+        f: (page_bytes(pool_config(cfg, fmts[f]), PAGE, BF16, fmts[f]), f in KIVI_FORMATS) for f in FORMATS
+    }
     first = {k: f for f, k in reversed(key.items())}
     tasks = [
         (layout, first[key[f]], budget)
         for layout in ("hybrid", "full")
         for f in FORMATS
-        if first[key[f]] == f
+        if first[key[f]] == f and layout in layouts(f)
     ]
     if jobs <= 1:  # in this process
         done = {t: _replay(t) for t in tasks}
@@ -397,16 +423,14 @@ def hit_rates(s: Settings, jobs: int) -> dict[str, Any]:
             done = dict(zip(tasks, ex.map(_replay, tasks), strict=True))
     rows: list[dict[str, Any]] = []
     for layout in ("hybrid", "full"):
-        for f in FORMATS:
+        for f in (f for f in FORMATS if layout in layouts(f)):
             rec = done[layout, first[key[f]], budget]
             rows.append({"layout": layout, "format": f, **rec, "same_replay_as": first[key[f]]})
-    for k in KIVI_FORMATS:  # KIVI pages (0c32f63) keep a full-precision residual of each full layer as
-        # one more SWA layer (kv_config residual_layers, --kv-kivi-group / --kv-kivi-residual)
-        rows.append({"layout": "hybrid", "format": k, "status": "not measured", "reason": KIVI_REASON})
+    hyb = {r["format"]: r["hit_rate"] for r in rows if r["layout"] == "hybrid"}
     return {"trace": CONVERSATION_TRACE.name, "requests": work.requests, "shape": SHAPE.name,
             "budget_share_of_bf16_full_footprint": HIT_BUDGET_SHARE, "budget_bytes": budget,
             "ideal_hit_rate": _r(work.ideal_hit_rate), "rows": rows,
-            "targets": {"kivi2 hit rate at 5% budget above fp8's": "not measured"}}  # fmt: skip
+            "targets": {"kivi2 hit rate at 5% budget above fp8_e4m3's (hybrid)": bool(hyb["kivi2"] > hyb["fp8_e4m3"])}}  # fmt: skip
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -483,7 +507,7 @@ def main(json_path: str | None = None, quick: bool = False, model_dir: str | Non
         res["part_wall_s"][part] = round(time.perf_counter() - t, 1)
     if res["model"] is not None:
         res["targets"] = {f"{q['format']}: mean KL < {TARGET_KL}": q["kl_target_met"]
-                          for q in res["model"]["quality"] if q["format"] != AUTO}  # fmt: skip
+                          for q in res["model"]["quality"] if q["format"] in ROW_FORMATS}  # fmt: skip
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print_report(res)
     if "targets" in res:

@@ -1,6 +1,6 @@
 """``swaserve bench kv-quant --quick`` on the tiny model: every part runs in this process (``--jobs 1``) and its JSON
 holds together (exact byte ratios of the formats, auto vs auto KL 0 and full agreement, one hit
-rate per page size, KIVI recorded as not measured)."""
+rate per page size; KIVI in the hybrid layout, its residual SWA layers counted)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.kv_quant import FORMATS, QUICK
+from bench.kv_quant import FORMATS, QUICK, formats_of, pool_config
 from swaserve.cli import app
-from swaserve.config import ModelConfig
-from swaserve.kvformat import KVFormat
+from swaserve.config import FULL, SWA, ModelConfig
+from swaserve.kvformat import KIVI_FORMATS, ROW_FORMATS, KVFormat
 from swaserve.shapes import SHAPES, model_config
 
 
@@ -28,19 +28,25 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     cap = data["capacity"]
     shapes = {s.name: model_config(s) for s in SHAPES}
     rows = {(r["shape"], r["context_tokens"], r["layout"], r["format"]): r for r in cap["rows"]}
-    assert len(rows) == len(QUICK.shapes) * len(QUICK.contexts) * 2 * len(FORMATS)
+    # KIVI only in the hybrid layout (its residual would keep every token in the full one)
+    assert len(rows) == len(QUICK.shapes) * len(QUICK.contexts) * (2 * len(FORMATS) - len(KIVI_FORMATS))
     for (shape, ctx, layout, fmt), r in rows.items():
         cfg = shapes[shape]
         auto = rows[shape, ctx, layout, "auto"]
         f, s = cfg.full, cfg.swa
-        # one page's bytes: the format's bytes per token exactly, the same page counts as auto
-        assert r["full_page_bytes"] == len(cfg.full_layers) * 16 * KVFormat(fmt).token_bytes(
+        fmts = formats_of(fmt, cfg)
+        # one page's bytes: the format's bytes per token exactly, KIVI's residuals as SWA layers
+        assert r["full_page_bytes"] == len(cfg.full_layers) * 16 * fmts[FULL].token_bytes(
             f.num_kv_heads, f.head_dim, f.v_head_dim, 2
         )
-        assert r["swa_page_bytes"] == len(cfg.swa_layers) * 16 * KVFormat(fmt).token_bytes(
+        n_swa = len(cfg.swa_layers) + (len(cfg.full_layers) if fmt in KIVI_FORMATS else 0)
+        assert len(pool_config(cfg, fmts).swa_layers) == n_swa
+        assert r["swa_page_bytes"] == n_swa * 16 * fmts[SWA].token_bytes(
             s.num_kv_heads, s.head_dim, s.v_head_dim, 2
         )
-        if fmt != "auto":
+        if fmt in KIVI_FORMATS:  # 2/4-bit full pages: fewer bytes than any 1-byte format's
+            assert r["bytes_per_request"] < rows[shape, ctx, layout, "int8"]["bytes_per_request"]
+        if fmt in ROW_FORMATS:
             # head dims 192 / 128: a 1-byte row + one fp32 scale, (192 + 4 + 128 + 4) / (2 * 320)
             assert r["bytes_per_request"] * 640 == auto["bytes_per_request"] * 328
             assert r["requests_in_80GB"] > auto["requests_in_80GB"]
@@ -73,7 +79,10 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     tiny = ModelConfig.from_pretrained(tiny_dir)
     for f in FORMATS:  # the engine's pages in the format, fp32 model: 4-byte auto elements
         assert q[f]["storage_bytes_match_plan"] is True
-        assert q[f]["page_bytes"][0] == len(tiny.full_layers) * 16 * KVFormat(f).token_bytes(
+        # KIVI on the tiny model (W = 8): key group 8, residual 8
+        fmt = KVFormat(f, 0, 8, 8) if f in KIVI_FORMATS else KVFormat(f)
+        assert q[f]["formats"]["full"] == fmt.describe()
+        assert q[f]["page_bytes"][0] == len(tiny.full_layers) * 16 * fmt.token_bytes(
             tiny.full.num_kv_heads, tiny.full.head_dim, tiny.full.v_head_dim, 4
         )
     for f in FORMATS[1:]:
@@ -88,12 +97,21 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
 
     h = data["hit_rate"]
     hits = {(r["layout"], r["format"]): r for r in h["rows"]}
+    assert set(hits) == {(lay, f) for lay in ("hybrid", "full") for f in FORMATS} - {
+        ("full", k) for k in KIVI_FORMATS
+    }
     for layout in ("hybrid", "full"):
         auto = hits[layout, "auto"]
-        for f in FORMATS[1:]:  # same page bytes -> one replay; smaller pages -> more of them
+        for f in ROW_FORMATS:  # same page bytes -> one replay; smaller pages -> more of them
             assert hits[layout, f]["hit_rate"] == hits[layout, "fp8_e4m3"]["hit_rate"]
             assert hits[layout, f]["full_pages"] > auto["full_pages"]
-        for r in (hits[layout, f] for f in FORMATS):
+        for r in (hits[k] for k in hits if k[0] == layout):
             assert 0 <= r["hit_rate"] <= h["ideal_hit_rate"] and r["rejected"] == 0
     assert hits["hybrid", "fp8_e4m3"]["hit_rate"] >= hits["hybrid", "auto"]["hit_rate"]
-    assert hits["hybrid", "kivi2"]["status"] == hits["hybrid", "kivi4"]["status"] == "not measured"
+    # 2-bit full pages: more of them than the 1-byte formats' in the same bytes
+    assert (
+        hits["hybrid", "kivi2"]["full_pages"]
+        > hits["hybrid", "kivi4"]["full_pages"]
+        > hits["hybrid", "int8"]["full_pages"]
+    )
+    assert list(h["targets"]) == ["kivi2 hit rate at 5% budget above fp8_e4m3's (hybrid)"]
