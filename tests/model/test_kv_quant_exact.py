@@ -152,3 +152,33 @@ def test_a_batch_of_requests_equals_each_alone(case) -> None:  # type: ignore[no
         ours = torch.cat(got[rid])
         assert torch.equal(ours.argmax(-1), alone[rid].argmax(-1))
         assert (ours - alone[rid]).abs().max().item() <= TOL_FLIP
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "kivi2"])
+def test_quantized_pages_on_cuda_equal_cpu(tiny_dir, fmt: str) -> None:  # type: ignore[no-untyped-def]
+    """On a GPU: packing, the arena's byte views and dequantize-on-read give the CPU's greedy
+    tokens, logprobs within a code flip (untested on this CPU-only machine until a device is lent)."""
+    from swaserve.config import EngineConfig
+    from swaserve.engine.llm_engine import LLMEngine
+    from swaserve.engine.types import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    prompts = [_tokens(n, 20 + n) for n in (45, 30, 9)]
+
+    def run(device: str) -> list[tuple[list[int], list[float]]]:
+        cfg = EngineConfig(page_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20, kv_cache_dtype=fmt,
+                           device=device, dtype="float32")  # fmt: skip
+        eng = LLMEngine(tiny_dir, cfg)
+        out: dict[str, tuple[list[int], list[float]]] = {f"r{i}": ([], []) for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params)
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id][0].extend(o.new_token_ids)
+                out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs)
+        return list(out.values())
+
+    for (tc, lc), (tg, lg) in zip(run("cpu"), run("cuda"), strict=True):
+        assert tg == tc
+        assert all(abs(a - b) <= TOL_FLIP for a, b in zip(lg, lc, strict=True))
