@@ -220,7 +220,8 @@ def engine(model_dir: Path, fmt: str, seqs: int, group: int = 0, swa: str | None
     kivi_group = max(g for g in (1, 2, 4, 8, 16) if g <= min(128, window))
     ecfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=2048, kv_cache_memory=256 << 20,
                         enable_prefix_caching=False, kv_cache_dtype=fmt, kv_cache_dtype_swa=swa,
-                        kv_quant_group=group, kv_kivi_group=kivi_group, seed=0)  # fmt: skip
+                        kv_quant_group=group, kv_kivi_group=kivi_group if fmt in KIVI_FORMATS else 0,
+                        seed=0)  # fmt: skip
     return LLMEngine(model_dir, ecfg)
 
 

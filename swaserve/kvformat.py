@@ -218,6 +218,11 @@ def engine_formats(ecfg: EngineConfig, mcfg: ModelConfig) -> dict[str, KVFormat]
         FormatError: a format this model cannot be stored in (``KVFormat.check``, ``kivi_format``).
     """
     names = ecfg.kv_formats()
+    kivi = any(n in KIVI_FORMATS for n in names.values())
+    if not kivi and (ecfg.kv_kivi_group or ecfg.kv_kivi_residual):
+        raise FormatError("--kv-kivi-group / --kv-kivi-residual apply to kivi2 / kivi4 only")
+    if ecfg.kv_quant_group and all(n == AUTO for n in names.values()):
+        raise FormatError("--kv-quant-group applies to a quantized --kv-cache-dtype(-swa) only")
     out: dict[str, KVFormat] = {}
     if names[FULL] in KIVI_FORMATS:
         out[FULL] = kivi_format(ecfg, mcfg)
@@ -257,13 +262,13 @@ DEFAULT_RESIDUAL = 128  # KIVI's residual length (arXiv:2402.02750, section 4)
 
 def kivi_format(ecfg: EngineConfig, mcfg: ModelConfig) -> KVFormat:
     """The full pool's KIVI format: bits from the name, value channel group ``kv_quant_group``,
-    key group G = ``kv_kivi_group`` (0: the page size), residual R = ``kv_kivi_residual``
-    (0: min(128, W)). The residual of each full layer lives in the SWA pool as one more SWA layer
+    key group G = ``kv_kivi_group`` (0: the page size, or its largest divisor <= R), residual
+    R = ``kv_kivi_residual`` (0: min(128, W)). The residual of each full layer lives in the SWA pool as one more SWA layer
     (``config.kv_config``), so the full layers' KV rows must fit SWA rows.
 
     Raises:
-        FormatError: no SWA layers; full-layer KV wider than SWA rows; G not dividing the page
-            size; not G <= R <= W; a group not dividing a head dim.
+        FormatError: no SWA layers; the full layout; full-layer KV wider than SWA rows; G not
+            dividing the page size; not G <= R <= W; a group not dividing a head dim.
     """
     name = ecfg.kv_cache_dtype
     f, s, w = mcfg.full, mcfg.swa, mcfg.window
@@ -276,12 +281,23 @@ def kivi_format(ecfg: EngineConfig, mcfg: ModelConfig) -> KVFormat:
             f"{name}: the full layers' KV ({f.num_kv_heads} heads x {f.head_dim}/{f.v_head_dim}) must fit "
             f"SWA rows ({s.num_kv_heads} heads x {s.head_dim}/{s.v_head_dim}) to keep their residual there"
         )
-    g = ecfg.kv_kivi_group or ecfg.page_size
+    if ecfg.kv_layout == "full":
+        raise FormatError(
+            f"{name} keeps its residual as SWA layers, which --kv-layout full keeps for every token: "
+            "it would take more memory than auto; use the hybrid layout"
+        )
     r = ecfg.kv_kivi_residual or min(DEFAULT_RESIDUAL, w)
+    # default key group: the page size, or its largest divisor within the residual
+    g = ecfg.kv_kivi_group or max(
+        d for d in range(1, ecfg.page_size + 1) if ecfg.page_size % d == 0 and d <= r
+    )
     if ecfg.page_size % g:
-        raise FormatError(f"KIVI key group {g} must divide the page size {ecfg.page_size}")
+        raise FormatError(f"KIVI key group {g} must divide the page size {ecfg.page_size} (--kv-kivi-group)")
     if not g <= r <= w:
-        raise FormatError(f"KIVI needs key group <= residual <= window: {g} <= {r} <= {w} does not hold")
+        raise FormatError(
+            f"KIVI needs key group <= residual <= window: {g} <= {r} <= {w} does not hold "
+            "(--kv-kivi-group, --kv-kivi-residual)"
+        )
     fmt = KVFormat(name, ecfg.kv_quant_group, g, r)
     fmt.check((f.head_dim, f.v_head_dim))
     return fmt

@@ -398,7 +398,7 @@ def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
         (["--kv-cache-dtype", "int8", "--kv-quant-group", "5"], "group 5 does not divide head dim 32"),
         (
             ["--kv-cache-dtype", "kivi2", "--kv-kivi-residual", "9"],
-            "key group <= residual <= window: 16 <= 9 <= 8",
+            "key group <= residual <= window: 8 <= 9 <= 8",
         ),
         (["--kv-cache-dtype-swa", "kivi2", "--kv-kivi-residual", "4"], "SWA keys never leave the window"),
     ],

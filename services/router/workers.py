@@ -456,7 +456,8 @@ class WorkerPool:
                 return (
                     f"its KV format is {mine!r}, the workers in routing use {theirs!r} ({o.address}): "
                     "prefill pages are never converted, so give every worker the same --dtype, "
-                    "--kv-cache-dtype, --kv-cache-dtype-swa and --kv-quant-group"
+                    "--kv-cache-dtype, --kv-cache-dtype-swa, --kv-quant-group, --kv-kivi-group and "
+                    "--kv-kivi-residual"
                 )
         return None
 

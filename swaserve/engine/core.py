@@ -37,7 +37,7 @@ from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
-from swaserve.kvcache.sizing import host_plan, plan_pools, spec_lookahead
+from swaserve.kvcache.sizing import host_plan, page_bytes, plan_pools, spec_lookahead
 from swaserve.kvcache.storage import KVStorage
 from swaserve.kvformat import engine_formats, residual_layers
 from swaserve.media.placeholders import MediaInputs, text_ids
@@ -125,6 +125,17 @@ class EngineCore:
         )
         # with prefix caching and no --swa-full-tokens-ratio: one arena both pools draw from
         plan = plan_pools(kcfg, config, elem, shared=arena is not None, arena=arena, formats=self.kv_formats)
+        if plan.unit_bytes is not None and arena is not None:
+            full = page_bytes(kcfg, config.page_size, elem, self.kv_formats)[0]
+            if full < 0.8 * arena.unit_bytes:  # a full page is one arena unit: the rest is padding
+                log.warning(
+                    "a %s full page (%d B) fills %.0f%% of a shared KV arena unit (%d B, one SWA layer's "
+                    "page): the rest is padding; --swa-full-tokens-ratio gives the pools arenas of their own",
+                    self.kv_formats[FULL].describe(),
+                    full,
+                    100 * full / arena.unit_bytes,
+                    arena.unit_bytes,
+                )
         self.storage = KVStorage(kcfg, plan, config.page_size, self.dtype, self.device, self.kv_formats)
         self.host: HostKVStorage | None = None
         host_pages = host_bytes = host_units = None

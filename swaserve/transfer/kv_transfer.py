@@ -283,8 +283,8 @@ class KVStaging:
         if page.dtype != want_format:
             raise TransferError(
                 f"{page.kind} page in KV format {page.dtype!r}, this decode worker stores {want_format!r}: "
-                "prefill and decode workers need the same --dtype, --kv-cache-dtype(-swa) and "
-                "--kv-quant-group (pages are never reinterpreted)"
+                "prefill and decode workers need the same --dtype, --kv-cache-dtype(-swa), "
+                "--kv-quant-group and --kv-kivi-* flags (pages are never reinterpreted)"
             )
         if page.page_size != self.page_size:
             raise TransferError(f"page size {page.page_size}, expected {self.page_size}")

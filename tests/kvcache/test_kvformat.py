@@ -118,7 +118,13 @@ def test_refusals() -> None:
     ("flags", "message"),
     [
         ({"kv_kivi_group": 3}, "KIVI key group 3 must divide the page size 4"),
-        ({"kv_kivi_residual": 2}, "key group <= residual <= window: 4 <= 2 <= 8"),
+        ({"kv_kivi_group": 4, "kv_kivi_residual": 2}, "key group <= residual <= window: 4 <= 2 <= 8"),
+        ({"kv_layout": "full"}, "it would take more memory than auto; use the hybrid layout"),
+        ({"kv_cache_dtype": "int8", "kv_kivi_group": 4}, "apply to kivi2 / kivi4 only"),
+        (
+            {"kv_cache_dtype": "auto", "kv_quant_group": 8},
+            "applies to a quantized --kv-cache-dtype(-swa) only",
+        ),
         ({"kv_kivi_residual": 9}, "4 <= 9 <= 8"),
         ({"kv_cache_dtype_swa": "int8"}, "keeps its full-precision residual in the SWA pool"),
         ({"kv_quant_group": 5}, "KV quantization group 5 does not divide head dim 32"),
@@ -127,7 +133,7 @@ def test_refusals() -> None:
 def test_kivi_refusals(tiny_dir, flags: dict, message: str) -> None:  # type: ignore[no-untyped-def, type-arg]
     mcfg = ModelConfig.from_pretrained(tiny_dir)
     with pytest.raises(FormatError, match=re.escape(message)):
-        engine_formats(EngineConfig(page_size=4, kv_cache_dtype="kivi2", **flags), mcfg)
+        engine_formats(EngineConfig(**{"page_size": 4, "kv_cache_dtype": "kivi2", **flags}), mcfg)  # type: ignore[arg-type]
 
 
 def test_kivi_engine_formats(tiny_dir) -> None:  # type: ignore[no-untyped-def]
@@ -138,6 +144,9 @@ def test_kivi_engine_formats(tiny_dir) -> None:  # type: ignore[no-untyped-def]
         f = engine_formats(EngineConfig(page_size=4, kv_cache_dtype="kivi4", kv_cache_dtype_swa=swa), mcfg)
         assert f[FULL] == KVFormat("kivi4", 0, 4, 8) and f[SWA] == KVFormat()
     assert residual_layers(f, mcfg) == len(mcfg.full_layers)
+    # page 16 > R = 8: the key group defaults to the page's largest divisor within R
+    f16 = engine_formats(EngineConfig(page_size=16, kv_cache_dtype="kivi2"), mcfg)
+    assert (f16[FULL].kivi_group, f16[FULL].residual) == (8, 8)
     # a 2-bit key row at head dim 32, group 4: 8 bytes of codes + 32 of the group's fp16 scale/zero
     assert KVFormat("kivi2", 0, 4, 8).row_bytes(32, 4, key=True) == 8 + 32
     assert KVFormat("kivi2", 8, 4, 8).row_bytes(16, 4) == 4 + 4 * 2  # values: 2 groups of 8 channels

@@ -47,7 +47,7 @@ def test_pages_arrive_byte_for_byte_and_name_their_format(tiny_dir: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "decode", [{"kv_cache_dtype": "auto", "kv_cache_dtype_swa": None}, {"kv_cache_dtype_swa": "int8"},
+    "decode", [{"kv_cache_dtype": "auto", "kv_cache_dtype_swa": None, "kv_quant_group": 0}, {"kv_cache_dtype_swa": "int8"},
                {"kv_quant_group": 0}],
     ids=["auto", "other-swa-format", "other-group"],
 )  # fmt: skip
