@@ -39,7 +39,7 @@ from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.sizing import host_plan, page_bytes, plan_pools, spec_lookahead
 from swaserve.kvcache.storage import KVStorage
-from swaserve.kvformat import engine_formats, residual_layers
+from swaserve.kvformat import POOL_NAMES, engine_formats, residual_layers
 from swaserve.media.placeholders import MediaInputs, text_ids
 from swaserve.model.ep import ExpertComm, build_ep_shard
 from swaserve.model.loader import load_model
@@ -48,6 +48,7 @@ from swaserve.sched.priority import ComputeAwarePriority
 from swaserve.transfer.kv_transfer import KVPayload, gather, scatter
 
 log = logging.getLogger(__name__)
+KIND_OF_POOL = {pool: kind for kind, pool in POOL_NAMES.items()}  # "full" -> FULL, "swa" -> SWA
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -541,7 +542,8 @@ class EngineCore:
                 name: dataclasses.replace(
                     p, kv_format=self.kv_formats[kind].describe(), page_size=self.config.page_size
                 )
-                for (name, p), kind in zip(self.kv.stats().items(), (FULL, SWA), strict=True)
+                for name, p in self.kv.stats().items()
+                for kind in [KIND_OF_POOL[name]]
             },
             prefix_cache=self.kv.cache.stats if self.kv.cache is not None else None,
             cache_pages=self.kv.cached_pages() if self.kv.cache is not None else {},

@@ -25,7 +25,7 @@ from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.kind import KindManager
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
-from swaserve.model.attention import KindMeta, KiviSpan, kind_meta
+from swaserve.model.attention import KindMeta, KiviSpan, kind_meta, kivi_mask
 from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM
 
 # Prompt-logprob rows whose logits are computed at once: bounds memory to rows x vocab x 4 bytes.
@@ -99,13 +99,14 @@ class ModelRunner:
             lo = max(0, start - window)
             res = self.kv.swa.slots(rid, lo, end)
             located = {rg: self.storage.locate(SWA, rg, res).to(self.device) for rg in res_groups}
-            spans.append((start, end, lo, self.kv.full.slots(rid, 0, end), located))
+            mask = kivi_mask(start, end, lo, fmt.residual, self.device)  # shared by the full layers
+            spans.append((start, end, lo, self.kv.full.slots(rid, 0, end), located, mask))
         out = []
         for g in range(self.storage.num_groups(FULL)):
             row, items = 0, []
-            for start, end, lo, full, located in spans:
+            for start, end, lo, full, located, mask in spans:
                 full_g = self.storage.locate(FULL, g, full).to(self.device)
-                items.append(KiviSpan(row, start, end, lo, full_g, located))
+                items.append(KiviSpan(row, start, end, lo, full_g, located, mask))
                 row += end - start
             out.append(KindMeta(write_slots=torch.empty(0, dtype=torch.int64), fmt=fmt, kivi=items))
         return out

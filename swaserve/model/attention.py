@@ -64,7 +64,8 @@ class KiviSpan:
     """One sequence's rows in a KIVI full layer (``swaserve.kvformat``): flat rows ``row ..`` hold
     its new positions ``[start, end)``; ``full_slots`` [end] full-pool slots of ``[0, end)`` (the
     layer's unit group); ``resid_slots``: per SWA unit group, [end - lo] slots of the residual's
-    positions ``[lo, end)``, ``lo = max(0, start - W)``."""
+    positions ``[lo, end)``, ``lo = max(0, start - W)``; ``mask`` [end - start, c + end - lo] bool
+    (``kivi_mask``), the same for every full layer of the step."""
 
     row: int
     start: int
@@ -72,6 +73,18 @@ class KiviSpan:
     lo: int
     full_slots: torch.Tensor
     resid_slots: dict[int, torch.Tensor]
+    mask: torch.Tensor
+
+
+def kivi_mask(start: int, end: int, lo: int, residual: int, device: torch.device) -> torch.Tensor:
+    """Which keys a KIVI span's queries ``[start, end)`` read: the packed positions ``[0, c)``,
+    ``c = max(0, end - R)``, where ``pos <= q - R``, then the residual's ``[lo, end)`` where
+    ``q - R < pos <= q``. Returns [end - start, c + end - lo] bool."""
+    c = max(0, end - residual)
+    q = torch.arange(start, end, device=device)[:, None]
+    rpos = torch.arange(lo, end, device=device)[None, :]
+    packed = torch.arange(c, device=device)[None, :] <= q - residual
+    return torch.cat((packed, (rpos > q - residual) & (rpos <= q)), dim=1)
 
 
 @dataclass
@@ -295,13 +308,8 @@ def _kivi_attend(
         kq = kivi.unpack_keys(at(k_cache, s.full_slots[: -(-c // g) * g]), dk, bits, g, q.dtype)[:c]
         vq = kivi.unpack_values(at(v_cache, s.full_slots[:c]), dv, bits, gv, q.dtype)
         kr, vr = at(rk, res)[:, :hkv].to(q.dtype), at(rv, res)[:, :hkv].to(q.dtype)
-        qpos = torch.arange(s.start, s.end, device=q.device)[:, None]
-        rpos = torch.arange(s.lo, s.end, device=q.device)[None, :]
-        mask = torch.cat(
-            (torch.arange(c, device=q.device)[None, :] <= qpos - r, (rpos > qpos - r) & (rpos <= qpos)), dim=1
-        )
         kk, vv = torch.cat((kq, kr)), torch.cat((vq, vr))
-        out[rows] = _attend(q[rows][None], kk[None], vv[None], mask[None], sinks, scale)[0]
+        out[rows] = _attend(q[rows][None], kk[None], vv[None], s.mask[None], sinks, scale)[0]
     return out
 
 

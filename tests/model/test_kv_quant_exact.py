@@ -127,7 +127,10 @@ def test_pages_hold_packed_rows(case) -> None:  # type: ignore[no-untyped-def]
     cfg = harness.cfg
     for kind, shape in ((FULL, cfg.full), (SWA, cfg.swa)):
         fmt = harness.storage.formats[kind]
-        row = shape.num_kv_heads * (fmt.row_bytes(shape.head_dim, 4) + fmt.row_bytes(shape.v_head_dim, 4))
+        k0, v0 = harness.storage.kv[kind][0][0], harness.storage.kv[kind][1][0]  # layer 0's pages
+        assert k0.dtype == v0.dtype == (torch.uint8 if fmt.quantized else torch.float32)
+        # bytes the pages really hold per token of a layer (K and V rows of every head)
+        row = (k0.shape[-1] * k0.element_size() + v0.shape[-1] * v0.element_size()) * k0.shape[2]
         assert row == fmt.token_bytes(shape.num_kv_heads, shape.head_dim, shape.v_head_dim, 4)
         if fmt.quantized:
             g = group or shape.head_dim
