@@ -11,7 +11,7 @@ rate of each page format in one run (``swaserve bench kv-quant``).
    KL(auto || format) of the next-token distribution over every prompt position (every row's
    logits from the engine's own runner and pools), the share of it at rows where some MoE layer
    routed to other experts than auto, and the greedy agreement length (leading equal tokens of N
-   greedy tokens vs auto); ablations: group 16, one pool quantized.
+   greedy tokens vs auto); ablations: group 16, one pool quantized, 4 sink tokens in full precision.
 3. Decode tokens/s at batch 1 and 8 per format, rounds interleaved over the formats, ratio vs auto.
 4. Prefix-cache hit rate on the conversation trace at 5% of its bf16 full-layout footprint per
    format (``bench.prefix_cache.replay``): smaller pages, more of them in the same bytes.
@@ -213,28 +213,31 @@ def capacity(settings: Settings) -> dict[str, Any]:
 
 
 # -- 2, 3. quality and decode speed on the model --------------------------------------------------
-def engine(model_dir: Path, fmt: str, seqs: int, group: int = 0, swa: str | None = None) -> LLMEngine:
+def engine(
+    model_dir: Path, fmt: str, seqs: int, group: int = 0, swa: str | None = None, sinks: int = 0
+) -> LLMEngine:
     """An engine storing ``fmt`` pages (page 16; KIVI: key group 16, or the largest divisor of the
-    page within a smaller window, residual min(128, W))."""
+    page within a smaller window, residual min(128, W)); ``sinks``: ``--kv-sink-tokens``."""
     window = ModelConfig.from_pretrained(model_dir).window
     kivi_group = max(g for g in (1, 2, 4, 8, 16) if g <= min(128, window))
     ecfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=2048, kv_cache_memory=256 << 20,
                         enable_prefix_caching=False, kv_cache_dtype=fmt, kv_cache_dtype_swa=swa,
                         kv_quant_group=group, kv_kivi_group=kivi_group if fmt in KIVI_FORMATS else 0,
-                        seed=0)  # fmt: skip
+                        kv_sink_tokens=sinks, seed=0)  # fmt: skip
     return LLMEngine(model_dir, ecfg)
 
 
-# quality ablations of the 1-byte formats: (label, full pool's format, SWA pool's, group)
+# quality ablations: (label, full pool's format, SWA pool's, group, sink tokens)
+SINKS = 4  # the sink-token ablations' --kv-sink-tokens
 ABLATIONS = tuple(
-    (f"{f} {label}", full, swa, g)
+    (f"{f} {label}", full, swa, g, 0)
     for f in ("fp8_e4m3", "int8")
     for label, full, swa, g in (
         ("group 16", f, f, 16),
         ("full pool only", f, AUTO, 0),
         ("swa pool only", AUTO, f, 0),
     )
-)
+) + tuple((f"{f} sink {SINKS}", f, None, 0, SINKS) for f in ("int8", "fp8_e4m3", "kivi4", "kivi2"))
 
 
 def corpus(eng: LLMEngine, n: int, length: int, seed: int) -> list[list[int]]:
@@ -357,9 +360,9 @@ def model_part(model_dir: Path, s: Settings) -> dict[str, Any]:
 
     quality = [judge(eng, f) for f, eng in engines.items()]
     ablations = []
-    for label, full, swa, g in ABLATIONS:
-        row = judge(engine(model_dir, full, 1, g, swa), label)
-        ablations.append({**row, "full_pool": full, "swa_pool": swa, "group": g})
+    for label, full, swa, g, sinks in ABLATIONS:
+        row = judge(engine(model_dir, full, 1, g, swa, sinks), label)
+        ablations.append({**row, "full_pool": full, "swa_pool": swa, "group": g, "sink_tokens": sinks})
     del ref_eng
     tok_s: dict[int, dict[str, list[float]]] = {b: {f: [] for f in FORMATS} for b in s.batches}
     same = True  # every timed run's outputs equal its format's greedy outputs above

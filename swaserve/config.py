@@ -330,6 +330,8 @@ class EngineConfig:
         kv_quant_group: channels per scale of the quantized formats (0: one per token and head).
         kv_kivi_group: KIVI: tokens per key group (0: the page size). kv_kivi_residual: KIVI: recent
             tokens read in full precision (0: min(128, W)).
+        kv_sink_tokens: the first N prompt tokens' full-layer K/V read in full precision
+            (attention sinks, ``engine.sinks``); needs a quantized full pool; 0 = off.
     """
 
     page_size: int = 16
@@ -368,6 +370,7 @@ class EngineConfig:
     kv_quant_group: int = 0
     kv_kivi_group: int = 0
     kv_kivi_residual: int = 0
+    kv_sink_tokens: int = 0
 
     def kv_formats(self) -> dict[str, str]:
         """Each pool's page format name: {"full_attention": ..., "sliding_attention": ...}."""

@@ -30,7 +30,7 @@ scale and zero.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,12 +62,15 @@ class KVFormat:
             row (divides every head dim of the pool); 0 = one per (token, head) row.
         kivi_group: KIVI: tokens per key group G (divides the page size).
         residual: KIVI: the most recent R tokens a query reads in full precision (G <= R <= W).
+        sinks: full pool: the first S prompt tokens' K/V read in full precision (attention
+            sinks, ``engine.sinks``), not from the pages; 0 = none.
     """
 
     name: str = AUTO
     group: int = 0
     kivi_group: int = 0
     residual: int = 0
+    sinks: int = 0
 
     @property
     def quantized(self) -> bool:
@@ -132,9 +135,10 @@ class KVFormat:
         ``fp8_e4m3/g0/scale=f32-after-data``."""
         if not self.quantized:
             return AUTO
+        sink = f"/sink{self.sinks}" if self.sinks else ""
         if self.kivi:
-            return f"{self.name}/g{self.group}/kg{self.kivi_group}/r{self.residual}/scale-zero=f16"
-        return f"{self.name}/g{self.group}/scale=f32-after-data"
+            return f"{self.name}/g{self.group}/kg{self.kivi_group}/r{self.residual}/scale-zero=f16{sink}"
+        return f"{self.name}/g{self.group}/scale=f32-after-data{sink}"
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """Quantize ``x [..., dim]`` (any float dtype) into packed rows ``[..., row_bytes]`` uint8;
@@ -249,7 +253,32 @@ def engine_formats(ecfg: EngineConfig, mcfg: ModelConfig) -> dict[str, KVFormat]
         shape = mcfg.full if kind == FULL else mcfg.swa
         fmt.check((shape.head_dim, shape.v_head_dim))
         out[kind] = fmt
+    if ecfg.kv_sink_tokens:
+        out[FULL] = replace(out[FULL], sinks=_sink_tokens(ecfg, out[FULL]))
     return out
+
+
+MAX_SINK_TOKENS = 64
+
+
+def _sink_tokens(ecfg: EngineConfig, full: KVFormat) -> int:
+    """``--kv-sink-tokens``, checked against the full pool's format and the engine.
+
+    Raises:
+        FormatError: an unquantized full pool, more than ``MAX_SINK_TOKENS``, or EP (the sinks'
+            own forward runs on one rank, outside the ranks' collectives).
+    """
+    n = ecfg.kv_sink_tokens
+    if not full.quantized:
+        raise FormatError(
+            "--kv-sink-tokens keeps the first tokens of a quantized full pool in full precision: "
+            "name a quantized --kv-cache-dtype"
+        )
+    if not 0 < n <= MAX_SINK_TOKENS:
+        raise FormatError(f"--kv-sink-tokens must be 1..{MAX_SINK_TOKENS}, got {n}")
+    if ecfg.ep_size > 1:
+        raise FormatError("--kv-sink-tokens with --ep-size > 1 is not built (the sinks' forward is per rank)")
+    return n
 
 
 def residual_layers(formats: Mapping[str, KVFormat], mcfg: ModelConfig) -> int:

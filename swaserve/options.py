@@ -291,6 +291,19 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         0,
     ),
     EngineOption(
+        "kv_sink_tokens",
+        Annotated[
+            int,
+            typer.Option(
+                min=0,
+                help="Attention sinks: the first N prompt tokens' full-layer K/V read in full "
+                "precision (computed by a forward over those tokens alone), not from quantized "
+                "pages. Needs a quantized --kv-cache-dtype. 0: off.",
+            ),
+        ],
+        0,
+    ),
+    EngineOption(
         "kv_quant_group",
         Annotated[
             int,

@@ -20,6 +20,7 @@ from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.engine.media_rows import MediaRows
 from swaserve.engine.sampler import fill_logprobs
 from swaserve.engine.scheduler import ScheduledChunk
+from swaserve.engine.sinks import SinkTable
 from swaserve.engine.types import TokenLogprob
 from swaserve.kvcache.host import HostKVStorage
 from swaserve.kvcache.kind import KindManager
@@ -44,6 +45,8 @@ class ModelRunner:
     ) -> None:
         self.model, self.cfg, self.kv, self.storage, self.device = model, cfg, kv, storage, device
         self.host = host
+        sinks = storage.formats[FULL].sinks
+        self.sinks = SinkTable(model, cfg, storage.formats, device) if sinks else None
 
     def build(self, chunks: Sequence[ScheduledChunk]) -> tuple[ForwardBatch, list[int]]:
         """Returns the batch and the flat rows whose logits are sampled: each sampling chunk's last
@@ -79,6 +82,7 @@ class ModelRunner:
             before_layer=self.host.wait_layer if self.host is not None and self.host.pending() else None,
             embeds=media.build(self.device),
             residual=residual,
+            sink_tokens=self.sinks.step(chunks) if self.sinks is not None else None,
         )
         return batch, sample_rows
 
@@ -104,9 +108,9 @@ class ModelRunner:
         out = []
         for g in range(self.storage.num_groups(FULL)):
             row, items = 0, []
-            for start, end, lo, full, located, mask in spans:
+            for seq, (start, end, lo, full, located, mask) in enumerate(spans):
                 full_g = self.storage.locate(FULL, g, full).to(self.device)
-                items.append(KiviSpan(row, start, end, lo, full_g, located, mask))
+                items.append(KiviSpan(row, start, end, lo, full_g, located, mask, seq))
                 row += end - start
             out.append(KindMeta(write_slots=torch.empty(0, dtype=torch.int64), fmt=fmt, kivi=items))
         return out

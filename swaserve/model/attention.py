@@ -36,12 +36,14 @@ class SeqAttn:
         q_start, q_len: rows of this sequence's new tokens in the flat batch.
         kv_slots: [L_kv] int64 pool slots of the keys it reads (positions ``kv_pos``, ascending).
         mask: [q_len, L_kv] bool, True where the query may attend; None = all allowed.
+        seq: the sequence's index among the step's spans (``SinkKV``).
     """
 
     q_start: int
     q_len: int
     kv_slots: torch.Tensor
     mask: torch.Tensor | None
+    seq: int = 0
 
 
 @dataclass
@@ -51,12 +53,14 @@ class MultiAttn:
 
     Attributes:
         rows: [B, Lq] int64 rows of the flat batch; kv_slots: [B, L] int64 key slots (padded);
-        mask: [B, Lq, L] bool, True where the query may attend (False on padding).
+        mask: [B, Lq, L] bool, True where the query may attend (False on padding); seqs: [B]
+        int64 the sequences' indices among the step's spans.
     """
 
     rows: torch.Tensor
     kv_slots: torch.Tensor
     mask: torch.Tensor
+    seqs: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,7 +69,8 @@ class KiviSpan:
     its new positions ``[start, end)``; ``full_slots`` [end] full-pool slots of ``[0, end)`` (the
     layer's unit group); ``resid_slots``: per SWA unit group, [end - lo] slots of the residual's
     positions ``[lo, end)``, ``lo = max(0, start - W)``; ``mask`` [end - start, c + end - lo] bool
-    (``kivi_mask``), the same for every full layer of the step."""
+    (``kivi_mask``), the same for every full layer of the step; ``seq``: its index among the
+    step's spans."""
 
     row: int
     start: int
@@ -74,6 +79,55 @@ class KiviSpan:
     full_slots: torch.Tensor
     resid_slots: dict[int, torch.Tensor]
     mask: torch.Tensor
+    seq: int = 0
+
+
+@dataclass
+class SinkKV:
+    """One full layer's attention sinks in full precision (``engine.sinks``): ``k [E, S, Hkv, Dk]``,
+    ``v [E, S, Hkv, Dv]`` in the model dtype, and per span of the step (``kind_meta`` order)
+    ``entry [N]`` int64 and ``count [N]`` int64: the span's keys and values at positions
+    ``< count`` are ``k[entry, pos]``, ``v[entry, pos]``, not what the pages hold."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    entry: torch.Tensor
+    count: torch.Tensor
+
+    def over(
+        self, kk: torch.Tensor, vv: torch.Tensor, seqs: torch.Tensor, first: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``kk, vv [B, L, H, D]`` of spans ``seqs [B]`` at positions ``first ..
+        first + L - 1`` with the sink positions taken from the sinks (new tensors)."""
+        s = self.k.shape[1]
+        m = max(0, min(s, first + kk.shape[1]) - first)  # columns that may hold a sink position
+        if m == 0:
+            return kk, vv
+        seqs = seqs.to(self.entry.device)
+        entry, count = self.entry[seqs], self.count[seqs]
+        pos = torch.arange(first, first + m, device=kk.device)
+        sel = (pos[None, :] < count[:, None].to(kk.device))[..., None, None]  # [B, m, 1, 1]
+        sk = self.k[entry][:, first : first + m].to(kk.device, kk.dtype)
+        sv = self.v[entry][:, first : first + m].to(vv.device, vv.dtype)
+        kk, vv = kk.clone(), vv.clone()
+        kk[:, :m] = torch.where(sel, sk, kk[:, :m])
+        vv[:, :m] = torch.where(sel, sv, vv[:, :m])
+        return kk, vv
+
+
+@dataclass
+class SinkTokens:
+    """A step's sink tokens for every full layer: ``k [n_full, E, S, Hkv, Dk]``, ``v [n_full, E,
+    S, Hkv, Dv]`` (entries padded to S), ``entry``/``count`` [N] per span (``SinkKV``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    entry: torch.Tensor
+    count: torch.Tensor
+
+    def layer(self, j: int) -> SinkKV:
+        """Full layer ``j``'s (index among the full layers)."""
+        return SinkKV(self.k[j], self.v[j], self.entry, self.count)
 
 
 def kivi_mask(start: int, end: int, lo: int, residual: int, device: torch.device) -> torch.Tensor:
@@ -95,7 +149,7 @@ class KindMeta:
         write_slots: [T] int64 pool slot of each new token's K/V.
         prefills: sequences handled one by one (q_len > 1).
         decode_rows: [B] rows of single-token queries batched together; decode_slots [B, L] their
-            key slots (padded), decode_mask [B, L] bool validity.
+            key slots (padded), decode_mask [B, L] bool validity, decode_seqs [B] their spans.
         multi: groups of short multi-row queries batched together (``MultiAttn``).
         fmt: the pool's page format (``auto``: the model dtype, nothing packed).
         kivi: a KIVI full pool: the sequences (``KiviSpan``), instead of the fields above.
@@ -107,6 +161,7 @@ class KindMeta:
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_seqs: torch.Tensor | None = None
     fmt: KVFormat = field(default_factory=KVFormat)
     kivi: list[KiviSpan] | None = None
 
@@ -133,9 +188,11 @@ def kind_meta(
     prefills: list[SeqAttn] = []
     dec_rows: list[int] = []
     dec_slots: list[torch.Tensor] = []
-    short: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # q_len -> (row, slots, mask)
+    dec_seqs: list[int] = []
+    # q_len -> (row, slots, mask, seq)
+    short: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, int]]] = {}
     row = 0
-    for rid, start, end in spans:
+    for seq, (rid, start, end) in enumerate(spans):
         n = end - start
         writes.append(locate(slots_of(rid, start, end)))
         lo = 0 if window is None else max(0, start - window)
@@ -143,6 +200,7 @@ def kind_meta(
         if n == 1:
             dec_rows.append(row)
             dec_slots.append(slots)
+            dec_seqs.append(seq)
         else:
             kv_pos = torch.arange(lo, end, dtype=torch.int64)
             q_pos = torch.arange(start, end, dtype=torch.int64)
@@ -150,23 +208,24 @@ def kind_meta(
             if window is not None:
                 mask &= kv_pos[None, :] >= q_pos[:, None] - window
             if n <= MULTI_MAX_ROWS:
-                short.setdefault(n, []).append((row, slots, mask))
+                short.setdefault(n, []).append((row, slots, mask, seq))
             else:
-                prefills.append(SeqAttn(row, n, slots.to(dev), mask.to(dev)))
+                prefills.append(SeqAttn(row, n, slots.to(dev), mask.to(dev), seq))
         row += n
     meta = KindMeta(write_slots=torch.cat(writes).to(dev), prefills=prefills, fmt=fmt or KVFormat())
     for n, group in short.items():
         if len(group) == 1:  # alone: nothing to batch
-            r, slots, mask = group[0]
-            prefills.append(SeqAttn(r, n, slots.to(dev), mask.to(dev)))
+            r, slots, mask, seq = group[0]
+            prefills.append(SeqAttn(r, n, slots.to(dev), mask.to(dev), seq))
             continue
-        width = max(len(sl) for _, sl, _ in group)
+        width = max(len(sl) for _, sl, _, _ in group)
         masks = torch.zeros(len(group), n, width, dtype=torch.bool)
-        for i, (_, sl, mk) in enumerate(group):
+        for i, (_, sl, mk, _) in enumerate(group):
             masks[i, :, : len(sl)] = mk
-        rows = torch.tensor([r for r, _, _ in group], dtype=torch.int64)[:, None] + torch.arange(n)
-        padded = pad_sequence([sl for _, sl, _ in group], batch_first=True)
-        meta.multi.append(MultiAttn(rows.to(dev), padded.to(dev), masks.to(dev)))
+        rows = torch.tensor([r for r, _, _, _ in group], dtype=torch.int64)[:, None] + torch.arange(n)
+        padded = pad_sequence([sl for _, sl, _, _ in group], batch_first=True)
+        seqs = torch.tensor([q for _, _, _, q in group], dtype=torch.int64)
+        meta.multi.append(MultiAttn(rows.to(dev), padded.to(dev), masks.to(dev), seqs))
     if dec_rows:
         lengths = torch.tensor([len(s) for s in dec_slots])
         slots_pad = pad_sequence(dec_slots, batch_first=True)
@@ -174,6 +233,7 @@ def kind_meta(
         meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
         meta.decode_slots = slots_pad.to(dev)
         meta.decode_mask = valid.to(dev)
+        meta.decode_seqs = torch.tensor(dec_seqs, dtype=torch.int64)
     return meta
 
 
@@ -192,10 +252,12 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None,
         scale: float,
         residual: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+        sink_kv: SinkKV | None = None,
     ) -> torch.Tensor:
         """Args: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]; caches [rows, P, Hkv, D] as in the module doc;
         sinks [Hq] or None; ``residual``: a KIVI layer's full-precision residual (its SWA-pool K and V
-        caches, [rows, P, H_swa >= Hkv, D], and their unit group). Returns [T, Hq, Dv]."""
+        caches, [rows, P, H_swa >= Hkv, D], and their unit group); ``sink_kv``: a full layer's
+        first tokens in full precision (read instead of the pages). Returns [T, Hq, Dv]."""
 
 
 def _attend(
@@ -235,30 +297,32 @@ def _attend(
 class TorchPagedAttention(AttentionBackend):
     """Pure-torch reference backend (CPU or CUDA): gathers each sequence's slots and attends."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, sinks, scale, residual=None):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, k_cache, v_cache, meta, sinks, scale, residual=None, sink_kv=None):  # type: ignore[no-untyped-def]
         if meta.kivi is not None:
             assert residual is not None, "a KIVI layer reads its residual"
-            return _kivi_attend(q, k, v, k_cache, v_cache, meta, residual, sinks, scale)
+            return _kivi_attend(q, k, v, k_cache, v_cache, meta, residual, sinks, scale, sink_kv)
         fmt, dk, dv = meta.fmt, k.shape[-1], v.shape[-1]
         put(k_cache, meta.write_slots, fmt.pack(k))
         put(v_cache, meta.write_slots, fmt.pack(v))
 
-        def kv(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return fmt.unpack(at(k_cache, slots), dk, q.dtype), fmt.unpack(at(v_cache, slots), dv, q.dtype)
+        def kv(slots: torch.Tensor, seqs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            """K, V [B, L, H, D] of ``slots [B, L]`` (a full layer's: positions 0 ..)."""
+            kk, vv = fmt.unpack(at(k_cache, slots), dk, q.dtype), fmt.unpack(at(v_cache, slots), dv, q.dtype)
+            return (kk, vv) if sink_kv is None or seqs is None else sink_kv.over(kk, vv, seqs)
 
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for s in meta.prefills:
             qs = q[s.q_start : s.q_start + s.q_len].unsqueeze(0)
-            ks, vs = kv(s.kv_slots)
+            ks, vs = kv(s.kv_slots[None], torch.tensor([s.seq]))
             m = None if s.mask is None else s.mask.unsqueeze(0)
-            out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks[None], vs[None], m, sinks, scale)[0]
+            out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, m, sinks, scale)[0]
         for m in meta.multi:
-            km, vm = kv(m.kv_slots)  # [B, L, Hkv, Dk]
+            km, vm = kv(m.kv_slots, m.seqs)  # [B, L, Hkv, Dk]
             out[m.rows] = _attend(q[m.rows], km, vm, m.mask, sinks, scale)
         if meta.decode_rows is not None:
             assert meta.decode_slots is not None and meta.decode_mask is not None
             qd = q[meta.decode_rows].unsqueeze(1)  # [B, 1, Hq, Dk]
-            kd, vd = kv(meta.decode_slots)  # [B, L, Hkv, Dk]
+            kd, vd = kv(meta.decode_slots, meta.decode_seqs)  # [B, L, Hkv, Dk]
             out[meta.decode_rows] = _attend(qd, kd, vd, meta.decode_mask.unsqueeze(1), sinks, scale)[:, 0]
         return out
 
@@ -282,11 +346,13 @@ def _kivi_attend(
     residual: tuple[torch.Tensor, torch.Tensor, int],
     sinks: torch.Tensor | None,
     scale: float,
+    sink_kv: SinkKV | None = None,
 ) -> torch.Tensor:
     """A KIVI full layer, sequence by sequence (``swaserve.kvformat``): new K/V go to the
     full-precision residual, values are packed per token, keys of every group completing in
     ``[start, end)`` are packed from the residual; a query at q reads positions <= q - R from the
-    packed pages and ``(q - R, q]`` from the residual, one softmax over both."""
+    packed pages and ``(q - R, q]`` from the residual, one softmax over both; sink positions
+    (``sink_kv``) read the sinks on either side."""
     fmt, (rk, rv, rg) = meta.fmt, residual
     bits, g, r = fmt.bits, fmt.kivi_group, fmt.residual
     hkv, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
@@ -308,6 +374,10 @@ def _kivi_attend(
         kq = kivi.unpack_keys(at(k_cache, s.full_slots[: -(-c // g) * g]), dk, bits, g, q.dtype)[:c]
         vq = kivi.unpack_values(at(v_cache, s.full_slots[:c]), dv, bits, gv, q.dtype)
         kr, vr = at(rk, res)[:, :hkv].to(q.dtype), at(rv, res)[:, :hkv].to(q.dtype)
+        if sink_kv is not None:
+            seq = torch.tensor([s.seq])
+            kq, vq = (x[0] for x in sink_kv.over(kq[None], vq[None], seq))
+            kr, vr = (x[0] for x in sink_kv.over(kr[None], vr[None], seq, first=s.lo))
         kk, vv = torch.cat((kq, kr)), torch.cat((vq, vr))
         out[rows] = _attend(q[rows][None], kk[None], vv[None], s.mask[None], sinks, scale)[0]
     return out
@@ -340,6 +410,7 @@ class Attention(nn.Module):
         meta: KindMeta,
         backend: AttentionBackend,
         residual: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+        sink_kv: SinkKV | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.nh, self.dk)
@@ -347,5 +418,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.nkv, self.dv) * self.v_scale
         cos, sin = cos_sin
         q, k = PartialRope.rotate(q, cos, sin), PartialRope.rotate(k, cos, sin)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.attention_sink_bias, self.scale, residual)
+        out = backend.forward(
+            q, k, v, k_cache, v_cache, meta, self.attention_sink_bias, self.scale, residual, sink_kv
+        )
         return self.o_proj(out.reshape(t, self.nh * self.dv))

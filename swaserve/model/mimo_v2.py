@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from swaserve.config import FULL, SWA, ModelConfig
-from swaserve.model.attention import Attention, AttentionBackend, KindMeta, TorchPagedAttention
+from swaserve.model.attention import Attention, AttentionBackend, KindMeta, SinkTokens, TorchPagedAttention
 from swaserve.model.layers import DenseMLP, MoE, PartialRope, RMSNorm
 from swaserve.model.mtp import MTPLayer
 
@@ -54,6 +54,8 @@ class ForwardBatch:
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     """Rows whose input is not a token embedding: (rows [k] int64, values [k, hidden]), media
     encoder outputs at placeholder positions (``input_ids`` holds 0 there)."""
+    sink_tokens: SinkTokens | None = None
+    """The full layers' sink tokens in full precision (``engine.sinks``); None: none."""
 
 
 class DecoderLayer(nn.Module):
@@ -143,6 +145,7 @@ class MiMoV2ForCausalLM(nn.Module):
                 batch.meta[kind][batch.groups[kind][j]],
                 self.backend,
                 residual,
+                batch.sink_tokens.layer(j) if batch.sink_tokens is not None and kind == FULL else None,
             )
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -85,6 +85,10 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
         assert q[f]["page_bytes"][0] == len(tiny.full_layers) * 16 * fmt.token_bytes(
             tiny.full.num_kv_heads, tiny.full.head_dim, tiny.full.v_head_dim, 4
         )
+    for a in m["ablations"]:  # sink tokens: another KV identity, and other logits than without
+        if a["sink_tokens"]:
+            assert a["formats"]["full"].endswith(f"/sink{a['sink_tokens']}")
+            assert a["mean_kl"] != q[a["full_pool"]]["mean_kl"]
     for f in FORMATS[1:]:
         assert 0 < q[f]["mean_kl"] <= q[f]["max_kl"]
         assert all(0 <= a <= QUICK.new_tokens for a in q[f]["agreement"])

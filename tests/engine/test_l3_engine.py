@@ -105,8 +105,12 @@ def test_puts_carry_the_routers_index_blocks(tiny_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     "quant",
-    [{"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3"}, {"kv_cache_dtype": "kivi4"}],
-    ids=["int8-fp8", "kivi4"],
+    [
+        {"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3"},
+        {"kv_cache_dtype": "kivi4"},
+        {"kv_cache_dtype": "int8", "kv_sink_tokens": 3},
+    ],
+    ids=["int8-fp8", "kivi4", "int8-sink3"],
 )
 def test_quantized_pages_round_trip_through_l3_and_another_format_never_hits(
     tiny_dir: Path, quant: dict
@@ -135,6 +139,8 @@ def test_quantized_pages_round_trip_through_l3_and_another_format_never_hits(
         if "kivi" in quant["kv_cache_dtype"]
         else [{"kv_cache_dtype_swa": "int8"}]
     )
+    if quant.get("kv_sink_tokens"):  # another sink count reads other values: never a hit
+        others = [{"kv_sink_tokens": 0}, {"kv_sink_tokens": 2}]
     for other in others:
         c = LLMEngine(tiny_dir, dataclasses.replace(cfg, **other))  # type: ignore[arg-type]
         workload(c, seed=7)

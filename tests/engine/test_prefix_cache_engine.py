@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swaserve.config import EngineConfig
+from swaserve.config import FULL, EngineConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 from swaserve.kvcache import invariants
@@ -152,28 +152,37 @@ def test_cuda_arena_and_host_arena_equal_cache_off(tiny_dir: Path) -> None:
 @pytest.mark.parametrize(
     "formats",
     [
-        ("int8", "fp8_e4m3", 0, 90_000),
-        ("fp8_e5m2", "int8", 8, 90_000),
-        ("kivi4", None, 8, 150_000),
-        ("kivi2", "auto", 0, 150_000),
+        ("int8", "fp8_e4m3", 0, 90_000, 0),
+        ("fp8_e5m2", "int8", 8, 90_000, 0),
+        ("kivi4", None, 8, 150_000, 0),
+        ("kivi2", "auto", 0, 150_000, 0),
+        ("int8", "int8", 0, 90_000, 3),
+        ("kivi2", "auto", 0, 150_000, 2),
     ],
-    ids=["int8-fp8e4m3", "fp8e5m2-int8-g8", "kivi4-g8", "kivi2"],
+    ids=["int8-fp8e4m3", "fp8e5m2-int8-g8", "kivi4-g8", "kivi2", "int8-sink3", "kivi2-sink2"],
 )
 def test_quantized_pages_from_device_and_host_equal_cache_off(
-    tiny_dir: Path, formats: tuple[str, str | None, int, int]
+    tiny_dir: Path, formats: tuple[str, str | None, int, int, int]
 ) -> None:
     """Quantized pools (``--kv-cache-dtype``): hits from the device and the host tier read the
     packed rows the cold run wrote, so outputs equal the cache-off run of the same format (greedy
     tokens; logprobs up to one code flip where a chunk boundary moved, ``TOL_FLIP``). KIVI: the
-    residuals are SWA layers, cached and loaded back with the window."""
-    full, swa, group, budget = formats
-    quant = {"kv_cache_dtype": full, "kv_cache_dtype_swa": swa, "kv_quant_group": group}
+    residuals are SWA layers, cached and loaded back with the window. Sink tokens: a hit reads
+    the same full-precision first tokens (computed from the tokens, not cached)."""
+    full, swa, group, budget, sinks = formats
+    quant = {
+        "kv_cache_dtype": full,
+        "kv_cache_dtype_swa": swa,
+        "kv_quant_group": group,
+        "kv_sink_tokens": sinks,
+    }
     # packed rows take about 0.3x of float32's bytes (KIVI: more SWA layers): a device budget as
     # tight as host-tier's
     on = dataclasses.replace(CONFIGS["host-tier"], kv_cache_memory=budget, **quant)  # type: ignore[arg-type]
     off = EngineConfig(page_size=4, max_num_batched_tokens=64, enable_prefix_caching=False, **quant)  # type: ignore[arg-type]
     eng = LLMEngine(tiny_dir, on)
     assert [f.name for f in eng.core.storage.formats.values()] == [full, "auto" if swa is None else swa]
+    assert eng.core.storage.formats[FULL].sinks == sinks
     got, base = workload(eng, seed=7), workload(LLMEngine(tiny_dir, off), seed=7)
     for rid, r in got.items():
         assert r.tokens == base[rid].tokens, f"{rid} differs with the prefix cache on"

@@ -343,7 +343,11 @@ def test_greedy_with_mtp_on_cuda_equals_cpu_without_it(mtp_dir: Path, refs) -> N
     assert eng.core.spec is not None and eng.core.spec.stats.drafts > 0
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "kivi2"])
+# Greedy equality holds for these inputs, not in general: a verify row's K/V differs from a lone
+# decode row's by float noise (~1e-6), which now and then lands a value one code away, and on the
+# tiny random model a flip can cascade into another token (seen: fp8_e5m2 at token 25 of 48,
+# int8 with 2 sink tokens at token 18 of 48 on these prompts; with 8 prompts batched both agree)
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "kivi2", "fp8_e4m3+sink2"])
 def test_greedy_with_mtp_on_quantized_pages_equals_mtp_off(
     mtp_dir: Path, refs, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
@@ -353,8 +357,10 @@ def test_greedy_with_mtp_on_quantized_pages_equals_mtp_off(
     and with always-right oracle drafts (every verify accepts K)."""
     params = SamplingParams(max_tokens=NEW, temperature=0.0)
     prompts = [p for p, _ in refs]
-    want = _engine(mtp_dir, 0, kv_cache_dtype=fmt).generate(prompts, params)
-    eng = _engine(mtp_dir, K, kv_cache_dtype=fmt)
+    fmt, _, sinks = fmt.partition("+sink")
+    quant = {"kv_cache_dtype": fmt, "kv_sink_tokens": int(sinks or 0)}
+    want = _engine(mtp_dir, 0, **quant).generate(prompts, params)
+    eng = _engine(mtp_dir, K, **quant)
     assert eng.core.storage.formats[FULL].name == fmt
     for _ in range(2):
         assert eng.generate(prompts, params) == want
@@ -362,7 +368,7 @@ def test_greedy_with_mtp_on_quantized_pages_equals_mtp_off(
     spec = eng.core.spec
     assert spec is not None and spec.stats.drafts > 0 and spec.stats.draft_tokens > 0
     _oracle(monkeypatch, {tuple(p): w for p, w in zip(prompts, want, strict=True)}, right=True)
-    eng = _engine(mtp_dir, K, kv_cache_dtype=fmt)
+    eng = _engine(mtp_dir, K, **quant)
     assert eng.generate(prompts, params) == want
     st = eng.core.spec.stats  # type: ignore[union-attr]
     assert st.accepted > 0 and st.accepted_per_pos[K - 1] > 0

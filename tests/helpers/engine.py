@@ -82,3 +82,14 @@ class Harness:
 def reference_logits(hf_model, tokens: Sequence[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     with torch.no_grad():
         return hf_model(torch.tensor([list(tokens)])).logits[0].float()
+
+
+def feed_chunks(hf, cache, tokens: Sequence[int], chunks: Sequence[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Transformers ``hf`` fed ``tokens`` in ``chunks`` through ``cache``: fp32 logits [sum, vocab]."""
+    out, start = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            ids = torch.tensor([list(tokens[start : start + n])])
+            out.append(hf(ids, past_key_values=cache, use_cache=True).logits[0].float())
+            start += n
+    return torch.cat(out)

@@ -23,7 +23,7 @@ from transformers import DynamicCache, MiMoV2FlashForCausalLM
 
 from swaserve.config import FULL, SWA
 from swaserve.kvformat import KVFormat
-from tests.helpers.engine import Harness
+from tests.helpers.engine import Harness, feed_chunks
 from tests.model.test_kv_quant_exact import TOL_FLIP, TOL_PREFILL
 
 W = 8  # the tiny checkpoint's window
@@ -39,16 +39,30 @@ def asym(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def kivi_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: int, g: int, gv: int, r: int, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bits: int,
+    g: int,
+    gv: int,
+    r: int,
+    scaling: float,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, Lq, D] at the last Lq of positions [0, L); k, v [B, Hkv, L, D] full precision.
     Keys are laid out as the engine reads them (the quantized positions <= L - 1 - R, then the
-    full-precision ones from L - Lq - W), so the sums run in the same order. Returns [B, Lq, Hq, Dv]."""
+    full-precision ones from L - Lq - W), so the sums run in the same order. ``sink``: (k, v)
+    [B, Hkv, S, D] read at positions < S on both sides (sink tokens). Returns [B, Lq, Hq, Dv]."""
     b, hkv, n, d = k.shape
     dv, lq = v.shape[-1], q.shape[2]
     whole = n // g * g  # complete key groups
     kq = asym(k[:, :, :whole].reshape(b, hkv, -1, g, d), bits, dim=3).reshape(b, hkv, whole, d)
     vq = asym(v.reshape(b, hkv, n, dv // gv, gv), bits, dim=4).reshape(b, hkv, n, dv)
+    if sink is not None:
+        m = sink[0].shape[2]
+        kq, vq, k, v = kq.clone(), vq.clone(), k.clone(), v.clone()
+        kq[:, :, : min(m, whole)] = sink[0][:, :, : min(m, whole)]
+        vq[:, :, :m], k[:, :, :m], v[:, :, :m] = sink[1], sink[0], sink[1]
     c, lo = max(0, n - r), max(0, n - lq - W)
     kk = torch.cat((kq[:, :, :c], k[:, :, lo:]), dim=2)
     vv = torch.cat((vq[:, :, :c], v[:, :, lo:]), dim=2)
@@ -82,14 +96,10 @@ def reference(
         return kivi_attention(query, key, value, fmt.bits, fmt.kivi_group, gv, fmt.residual, scaling), None
 
     monkeypatch.setattr(hf_mimo, "eager_attention_forward", attend)
-    cache, out, start = DynamicCache(config=hf.config), [], 0
-    with torch.no_grad():
-        for n in chunks:
-            ids = torch.tensor([list(tokens[start : start + n])])
-            out.append(hf(ids, past_key_values=cache, use_cache=True).logits[0].float())
-            start += n
-    monkeypatch.undo()
-    return torch.cat(out)
+    try:
+        return feed_chunks(hf, DynamicCache(config=hf.config), tokens, chunks)
+    finally:
+        monkeypatch.undo()
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from swaserve.config import FULL, SWA
 from swaserve.kvformat import KVFormat
-from tests.helpers.engine import Harness
+from tests.helpers.engine import Harness, feed_chunks
 
 TOL_PREFILL = 1e-5
 TOL_DECODE = 1e-4
@@ -69,13 +69,7 @@ def reference(
     hf, tokens: Sequence[int], chunks: Sequence[int], names: dict[str, str], group: int
 ) -> torch.Tensor:  # type: ignore[no-untyped-def]
     cache = FakeQuantCache(hf.config, names, group)
-    out, start = [], 0
-    with torch.no_grad():
-        for n in chunks:
-            ids = torch.tensor([list(tokens[start : start + n])])
-            out.append(hf(ids, past_key_values=cache, use_cache=True).logits[0].float())
-            start += n
-    return torch.cat(out)
+    return feed_chunks(hf, cache, tokens, chunks)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Quantized KV pages through the disaggregated cluster (tiny checkpoint, W = 8): a router, one
 prefill and one decode worker with ``--kv-cache-dtype int8 --kv-cache-dtype-swa fp8_e4m3``, then
-with ``kivi2``. The
+with ``kivi2``. The first also keeps 2 sink tokens in full precision (``--kv-sink-tokens``). The
 decode worker continues from the prefill worker's packed pages: greedy outputs equal one engine
 with the same formats; ``/workers`` and the workers' ``/metrics`` name the format."""
 
@@ -23,10 +23,11 @@ pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as c
 
 # per case: worker flags, the engine config, each pool's format name, the label /workers shows
 CASES = {
-    "int8-fp8": (
-        ["--kv-cache-dtype", "int8", "--kv-cache-dtype-swa", "fp8_e4m3"],
-        {"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3"},
-        ("int8/g0/scale=f32-after-data", "fp8_e4m3/g0/scale=f32-after-data"),
+    # with sink tokens: the decode worker computes the first 2 tokens' full-precision K/V itself
+    "int8-fp8-sink2": (
+        ["--kv-cache-dtype", "int8", "--kv-cache-dtype-swa", "fp8_e4m3", "--kv-sink-tokens", "2"],
+        {"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3", "kv_sink_tokens": 2},
+        ("int8/g0/scale=f32-after-data/sink2", "fp8_e4m3/g0/scale=f32-after-data"),
     ),
     "kivi2": (
         ["--kv-cache-dtype", "kivi2"],
