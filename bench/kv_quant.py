@@ -18,7 +18,8 @@ rate of each page format in one run (``swaserve bench kv-quant``).
 KIVI (``kivi2``, ``kivi4``: 2/4-bit full pool, key group = page size, residual min(128, W) kept
 in full precision as one more SWA layer per full layer, the SWA pool in the model dtype) is
 measured in the hybrid layout only: in the full layout its residual would keep every token in
-full precision.
+full precision. ``kivi2+fp8_e4m3``: the same over an FP8 SWA pool (``--kv-cache-dtype-swa
+fp8_e4m3``), SWA layers and the residual at 8 bits (capacity, hit rate, a quality ablation).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ from swaserve.kvformat import AUTO, KIVI_FORMATS, ROW_FORMATS, KVFormat, engine_
 from swaserve.shapes import SHAPES, model_config
 
 FORMATS = (AUTO, *ROW_FORMATS, *KIVI_FORMATS)
+# KIVI over an 8-bit SWA pool (``--kv-cache-dtype-swa fp8_e4m3``: SWA layers and the residual at 8
+# bits): capacity and hit-rate rows, "<full>+<swa>"
+KIVI_8BIT_SWA = ("kivi2+fp8_e4m3", "kivi4+fp8_e4m3")
+POOL_FORMATS = (*FORMATS, *KIVI_8BIT_SWA)
 GB80 = 80 * 10**9
 BF16 = 2  # bytes per element of the capacity and hit-rate rows (the real models' KV dtype)
 CAP_CHUNK = 8192
@@ -75,11 +80,24 @@ QUICK = Settings(
 )
 
 
+def split(name: str) -> tuple[str, str | None]:
+    """A row's format name -> (``--kv-cache-dtype``, ``--kv-cache-dtype-swa`` or None)."""
+    full, _, swa = name.partition("+")
+    return full, swa or None
+
+
+def is_kivi(name: str) -> bool:
+    return split(name)[0] in KIVI_FORMATS
+
+
 def formats_of(name: str, cfg: ModelConfig, group: int = 0) -> dict[str, KVFormat]:
-    """Both pools' formats for ``--kv-cache-dtype name`` at page 16 (KIVI: the engine's defaults)."""
-    if name in KIVI_FORMATS:
-        return engine_formats(EngineConfig(page_size=PAGE, kv_cache_dtype=name, kv_quant_group=group), cfg)
-    return {FULL: KVFormat(name, group), SWA: KVFormat(name, group)}
+    """Both pools' formats for ``--kv-cache-dtype name`` (or ``full+swa``) at page 16 (KIVI: the
+    engine's defaults)."""
+    full, swa = split(name)
+    if full in KIVI_FORMATS:
+        ecfg = EngineConfig(page_size=PAGE, kv_cache_dtype=full, kv_cache_dtype_swa=swa, kv_quant_group=group)
+        return engine_formats(ecfg, cfg)
+    return {FULL: KVFormat(full, group), SWA: KVFormat(swa or full, group)}
 
 
 def pool_config(cfg: ModelConfig, fmts: dict[str, KVFormat]) -> ModelConfig:
@@ -88,7 +106,7 @@ def pool_config(cfg: ModelConfig, fmts: dict[str, KVFormat]) -> ModelConfig:
 
 
 def layouts(fmt: str) -> tuple[str, ...]:
-    return ("hybrid",) if fmt in KIVI_FORMATS else ("full", "hybrid")
+    return ("hybrid",) if is_kivi(fmt) else ("full", "hybrid")
 
 
 # -- 1. capacity ----------------------------------------------------------------------------------
@@ -99,8 +117,8 @@ def admitted(
     for ``seqs`` of them (``cache``: with the prefix cache's SWA reserve, ``swa_full_tokens_ratio``
     1/9 of the full pages); (how many fit, bytes the first holds, the plan)."""
     ecfg = EngineConfig(page_size=PAGE, kv_cache_memory=GB80, kv_layout=layout, max_num_seqs=seqs,  # type: ignore[arg-type]
-                        max_num_batched_tokens=CAP_CHUNK, kv_cache_dtype=fmt,
-                        enable_prefix_caching=cache)  # fmt: skip
+                        max_num_batched_tokens=CAP_CHUNK, kv_cache_dtype=split(fmt)[0],
+                        kv_cache_dtype_swa=split(fmt)[1], enable_prefix_caching=cache)  # fmt: skip
     fmts = formats_of(fmt, cfg)
     kcfg = pool_config(cfg, fmts)
     plan = plan_pools(kcfg, ecfg, BF16, formats=fmts)
@@ -177,7 +195,7 @@ def capacity(settings: Settings) -> dict[str, Any]:
         for ctx in settings.contexts:
             base: int | None = None
             for layout in ("full", "hybrid"):
-                for fmt in (f for f in FORMATS if layout in layouts(f)):
+                for fmt in (f for f in POOL_FORMATS if layout in layouts(f)):
                     n, per_req, plan = most_requests(cfg, layout, ctx, fmt)
                     n_cache, per_req_cache, _ = most_requests(cfg, layout, ctx, fmt, cache=True)
                     assert per_req_cache == per_req
@@ -238,6 +256,7 @@ ABLATIONS = tuple(
         ("swa pool only", AUTO, f, 0),
     )
 ) + tuple((f"{f} sink {SINKS}", f, None, 0, SINKS) for f in ("int8", "fp8_e4m3", "kivi4", "kivi2"))
+ABLATIONS += tuple((f"{f}+fp8_e4m3", f, "fp8_e4m3", 0, 0) for f in ("kivi4", "kivi2"))
 
 
 def corpus(eng: LLMEngine, n: int, length: int, seed: int) -> list[list[int]]:
@@ -409,15 +428,13 @@ def hit_rates(s: Settings, jobs: int) -> dict[str, Any]:
     budget = int(footprint_bytes(cfg, work.unique_pages) * HIT_BUDGET_SHARE)
     _WORK.update(cfg=cfg, work=work)
     # formats of equal page bytes replay the same: one replay per (layout, page bytes)
-    fmts = {f: formats_of(f, cfg) for f in FORMATS}
-    key = {
-        f: (page_bytes(pool_config(cfg, fmts[f]), PAGE, BF16, fmts[f]), f in KIVI_FORMATS) for f in FORMATS
-    }
+    fmts = {f: formats_of(f, cfg) for f in POOL_FORMATS}
+    key = {f: (page_bytes(pool_config(cfg, fmts[f]), PAGE, BF16, fmts[f]), is_kivi(f)) for f in POOL_FORMATS}
     first = {k: f for f, k in reversed(key.items())}
     tasks = [
         (layout, first[key[f]], budget)
         for layout in ("hybrid", "full")
-        for f in FORMATS
+        for f in POOL_FORMATS
         if first[key[f]] == f and layout in layouts(f)
     ]
     if jobs <= 1:  # in this process
@@ -427,14 +444,15 @@ def hit_rates(s: Settings, jobs: int) -> dict[str, Any]:
             done = dict(zip(tasks, ex.map(_replay, tasks), strict=True))
     rows: list[dict[str, Any]] = []
     for layout in ("hybrid", "full"):
-        for f in (f for f in FORMATS if layout in layouts(f)):
+        for f in (f for f in POOL_FORMATS if layout in layouts(f)):
             rec = done[layout, first[key[f]], budget]
             rows.append({"layout": layout, "format": f, **rec, "same_replay_as": first[key[f]]})
     hyb = {r["format"]: r["hit_rate"] for r in rows if r["layout"] == "hybrid"}
     return {"trace": CONVERSATION_TRACE.name, "requests": work.requests, "shape": SHAPE.name,
             "budget_share_of_bf16_full_footprint": HIT_BUDGET_SHARE, "budget_bytes": budget,
             "ideal_hit_rate": _r(work.ideal_hit_rate), "rows": rows,
-            "targets": {"kivi2 hit rate at 5% budget above fp8_e4m3's (hybrid)": bool(hyb["kivi2"] > hyb["fp8_e4m3"])}}  # fmt: skip
+            "targets": {f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)": bool(hyb[k] > hyb["fp8_e4m3"])
+                        for k in ("kivi2", "kivi2+fp8_e4m3")}}  # fmt: skip
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -448,10 +466,10 @@ def print_report(res: dict[str, Any]) -> None:
     print(
         "   reqs: pools planned without the prefix cache, (cache): with its SWA reserve (1/9 of full pages)"
     )
-    print(f"{'shape':<15}{'ctx':>7}{'layout':>8}{'format':>10}{'MB/req':>10}{'reqs':>7}{'(cache)':>8}{'ratio':>8}"
+    print(f"{'shape':<15}{'ctx':>7}{'layout':>8}{'format':>15}{'MB/req':>10}{'reqs':>7}{'(cache)':>8}{'ratio':>8}"
           f"{'theory':>8}{'/theory':>9}")  # fmt: skip
     for r in cap["rows"]:
-        print(f"{r['shape']:<15}{r['context_tokens']:>7}{r['layout']:>8}{r['format']:>10}"
+        print(f"{r['shape']:<15}{r['context_tokens']:>7}{r['layout']:>8}{r['format']:>15}"
               f"{r['bytes_per_request'] / 1e6:>10.1f}{r['requests_in_80GB']:>7}"
               f"{r['requests_in_80GB_cache_plan']:>8}{r['ratio_vs_bf16_full']:>8}"
               f"{r['theoretical_ratio']:>8}{r['achieved_vs_theory']:>9}")  # fmt: skip
@@ -484,9 +502,9 @@ def print_report(res: dict[str, Any]) -> None:
           f"footprint; ideal {h['ideal_hit_rate']}")  # fmt: skip
     for r in h["rows"]:
         if "status" in r:
-            print(f"{r['layout']:<8}{r['format']:>10}  {r['status']}")
+            print(f"{r['layout']:<8}{r['format']:>15}  {r['status']}")
         else:
-            print(f"{r['layout']:<8}{r['format']:>10}{r['hit_rate']:>8}  pages {r['full_pages']} full / "
+            print(f"{r['layout']:<8}{r['format']:>15}{r['hit_rate']:>8}  pages {r['full_pages']} full / "
                   f"{r['swa_pages']} swa")  # fmt: skip
 
 

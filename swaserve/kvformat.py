@@ -18,7 +18,8 @@ quantized per token as written, keys per channel when their group of G tokens co
 query at position q reads keys and values at positions <= q - R from the quantized pages and the
 most recent R (``residual``) in full precision. The full-precision copy is one more SWA layer
 per full layer in the SWA pool (``config.kv_config``): it lives W tokens like SWA KV, is cached,
-moved to the host tier and transferred with it, and the SWA pool stays in the model dtype. The
+moved to the host tier and transferred with it, and the SWA pool stays in the model dtype (or,
+named, a per-token format, which then holds the residual too: read at 8 bits). The
 rule depends only on q, so chunking and hits read what a one-shot prefill reads; G dividing the
 page size keeps every cached (whole) page's groups quantized.
 
@@ -215,8 +216,10 @@ def engine_formats(ecfg: EngineConfig, mcfg: ModelConfig) -> dict[str, KVFormat]
     """Each pool's checked page format for an engine (``EngineConfig.kv_formats``).
 
     KIVI on the full pool (``kivi_format``) keeps its residual in the SWA pool, which then stores
-    the model dtype; KIVI named for the SWA pool means the same (a SWA key never leaves a residual
-    of W tokens), and needs R = W.
+    the model dtype by default; KIVI named for the SWA pool means the same (a SWA key never leaves
+    a residual of W tokens), and needs R = W. A per-token SWA format (``--kv-cache-dtype-swa
+    fp8_e4m3``) stores the residual in that format too: the last R tokens are read at 8 bits, not
+    in full precision.
 
     Raises:
         FormatError: a format this model cannot be stored in (``KVFormat.check``, ``kivi_format``).
@@ -241,11 +244,6 @@ def engine_formats(ecfg: EngineConfig, mcfg: ModelConfig) -> dict[str, KVFormat]
                 f"not {residual}; or name another SWA format"
             )
         out[SWA] = KVFormat()
-    elif FULL in out and SWA not in out and names[SWA] != AUTO:
-        raise FormatError(
-            f"--kv-cache-dtype {names[FULL]} keeps its full-precision residual in the SWA pool: use "
-            f"--kv-cache-dtype-swa auto (or the same KIVI format), not {names[SWA]}"
-        )
     for kind, name in names.items():
         if kind in out:
             continue

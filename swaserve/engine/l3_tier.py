@@ -45,6 +45,7 @@ from swaserve.kvcache.hashing import block_hashes
 from swaserve.kvcache.prefix_cache import PrefixCache
 from swaserve.kvcache.radix import RadixNode
 from swaserve.kvcache.storage import PagedKV
+from swaserve.kvformat import format_label
 from swaserve.model.identity import config_digest, weights_digest
 
 log = logging.getLogger("swaserve.l3")
@@ -494,10 +495,11 @@ def build_l3(
     weights = config.weights_id or weights_digest(model_dir)
     pb = PageBytes(host)
     # the KV identity: the model dtype and each pool's page format (an FP8 page never serves bf16)
+    formats = host.formats
     kv_dtype = (
         config.dtype
-        if not any(f != "auto" for f in pb.formats.values())
-        else (f"{config.dtype};full={pb.formats[FULL]};swa={pb.formats[SWA]}")
+        if not any(f.quantized for f in formats.values())
+        else format_label(config.dtype, formats)
     )
     salt = Salt(config_digest(model_config), weights, kv_dtype, config.page_size, pb.describe())
     io = L3IO(config.l3_url)

@@ -112,7 +112,14 @@ class ModelRunner:
                 full_g = self.storage.locate(FULL, g, full).to(self.device)
                 items.append(KiviSpan(row, start, end, lo, full_g, located, mask, seq))
                 row += end - start
-            out.append(KindMeta(write_slots=torch.empty(0, dtype=torch.int64), fmt=fmt, kivi=items))
+            out.append(
+                KindMeta(
+                    write_slots=torch.empty(0, dtype=torch.int64),
+                    fmt=fmt,
+                    kivi=items,
+                    resid_fmt=self.storage.formats[SWA],
+                )
+            )
         return out
 
     def _kind_metas(

@@ -152,7 +152,8 @@ class KindMeta:
             key slots (padded), decode_mask [B, L] bool validity, decode_seqs [B] their spans.
         multi: groups of short multi-row queries batched together (``MultiAttn``).
         fmt: the pool's page format (``auto``: the model dtype, nothing packed).
-        kivi: a KIVI full pool: the sequences (``KiviSpan``), instead of the fields above.
+        kivi: a KIVI full pool: the sequences (``KiviSpan``), instead of the fields above;
+            resid_fmt: the SWA pool's format its residual is stored in.
     """
 
     write_slots: torch.Tensor
@@ -164,6 +165,7 @@ class KindMeta:
     decode_seqs: torch.Tensor | None = None
     fmt: KVFormat = field(default_factory=KVFormat)
     kivi: list[KiviSpan] | None = None
+    resid_fmt: KVFormat = field(default_factory=KVFormat)
 
 
 # Queries of at most this many rows (verify chunks, draft-layer rows) of several sequences are
@@ -353,7 +355,7 @@ def _kivi_attend(
     ``[start, end)`` are packed from the residual; a query at q reads positions <= q - R from the
     packed pages and ``(q - R, q]`` from the residual, one softmax over both; sink positions
     (``sink_kv``) read the sinks on either side."""
-    fmt, (rk, rv, rg) = meta.fmt, residual
+    fmt, rf, (rk, rv, rg) = meta.fmt, meta.resid_fmt, residual
     bits, g, r = fmt.bits, fmt.kivi_group, fmt.residual
     hkv, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
     gv = fmt.group or dv
@@ -362,18 +364,18 @@ def _kivi_attend(
     for s in meta.kivi:
         rows = slice(s.row, s.row + s.end - s.start)
         res = s.resid_slots[rg]
-        put(rk, res[s.start - s.lo :], _pad_heads(k[rows], rk.shape[2]))
-        put(rv, res[s.start - s.lo :], _pad_heads(v[rows], rv.shape[2]))
+        put(rk, res[s.start - s.lo :], rf.pack(_pad_heads(k[rows], rk.shape[2])))
+        put(rv, res[s.start - s.lo :], rf.pack(_pad_heads(v[rows], rv.shape[2])))
         put(v_cache, s.full_slots[s.start :], kivi.pack_values(v[rows], bits, gv))
         first, last = (s.start + g) // g - 1, s.end // g  # key groups completing in [start, end)
-        if last > first:
+        if last > first:  # packed from the residual as stored (an 8-bit SWA pool: its codes)
             a, b = first * g, last * g
-            whole = at(rk, res[a - s.lo : b - s.lo])[:, :hkv]
+            whole = rf.unpack(at(rk, res[a - s.lo : b - s.lo]), dk, q.dtype)[:, :hkv]
             put(k_cache, s.full_slots[a:b], kivi.pack_keys(whole, bits, g))
         c = max(0, s.end - r)  # positions the last query reads packed (whole groups, R >= G)
         kq = kivi.unpack_keys(at(k_cache, s.full_slots[: -(-c // g) * g]), dk, bits, g, q.dtype)[:c]
         vq = kivi.unpack_values(at(v_cache, s.full_slots[:c]), dv, bits, gv, q.dtype)
-        kr, vr = at(rk, res)[:, :hkv].to(q.dtype), at(rv, res)[:, :hkv].to(q.dtype)
+        kr, vr = rf.unpack(at(rk, res), dk, q.dtype)[:, :hkv], rf.unpack(at(rv, res), dv, q.dtype)[:, :hkv]
         if sink_kv is not None:
             seq = torch.tensor([s.seq])
             kq, vq = (x[0] for x in sink_kv.over(kq[None], vq[None], seq))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.kv_quant import FORMATS, QUICK, formats_of, pool_config
+from bench.kv_quant import FORMATS, KIVI_8BIT_SWA, QUICK, formats_of, is_kivi, pool_config
 from swaserve.cli import app
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.kvformat import KIVI_FORMATS, ROW_FORMATS, KVFormat
@@ -29,7 +29,8 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     shapes = {s.name: model_config(s) for s in SHAPES}
     rows = {(r["shape"], r["context_tokens"], r["layout"], r["format"]): r for r in cap["rows"]}
     # KIVI only in the hybrid layout (its residual would keep every token in the full one)
-    assert len(rows) == len(QUICK.shapes) * len(QUICK.contexts) * (2 * len(FORMATS) - len(KIVI_FORMATS))
+    per_ctx = 2 * len(FORMATS) - len(KIVI_FORMATS) + len(KIVI_8BIT_SWA)  # KIVI+FP8 SWA: hybrid too
+    assert len(rows) == len(QUICK.shapes) * len(QUICK.contexts) * per_ctx
     for (shape, ctx, layout, fmt), r in rows.items():
         cfg = shapes[shape]
         auto = rows[shape, ctx, layout, "auto"]
@@ -39,13 +40,16 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
         assert r["full_page_bytes"] == len(cfg.full_layers) * 16 * fmts[FULL].token_bytes(
             f.num_kv_heads, f.head_dim, f.v_head_dim, 2
         )
-        n_swa = len(cfg.swa_layers) + (len(cfg.full_layers) if fmt in KIVI_FORMATS else 0)
+        n_swa = len(cfg.swa_layers) + (len(cfg.full_layers) if is_kivi(fmt) else 0)
         assert len(pool_config(cfg, fmts).swa_layers) == n_swa
         assert r["swa_page_bytes"] == n_swa * 16 * fmts[SWA].token_bytes(
             s.num_kv_heads, s.head_dim, s.v_head_dim, 2
         )
-        if fmt in KIVI_FORMATS:  # 2/4-bit full pages: fewer bytes than any 1-byte format's
+        if is_kivi(fmt):  # 2/4-bit full pages: fewer bytes than any 1-byte format's
             assert r["bytes_per_request"] < rows[shape, ctx, layout, "int8"]["bytes_per_request"]
+        if fmt in KIVI_8BIT_SWA:  # an 8-bit SWA pool: fewer bytes than the same KIVI's bf16 one
+            assert fmts[SWA] == KVFormat("fp8_e4m3")
+            assert r["bytes_per_request"] < rows[shape, ctx, layout, fmt.split("+")[0]]["bytes_per_request"]
         if fmt in ROW_FORMATS:
             # head dims 192 / 128: a 1-byte row + one fp32 scale, (192 + 4 + 128 + 4) / (2 * 320)
             assert r["bytes_per_request"] * 640 == auto["bytes_per_request"] * 328
@@ -103,7 +107,7 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     hits = {(r["layout"], r["format"]): r for r in h["rows"]}
     assert set(hits) == {(lay, f) for lay in ("hybrid", "full") for f in FORMATS} - {
         ("full", k) for k in KIVI_FORMATS
-    }
+    } | {("hybrid", k) for k in KIVI_8BIT_SWA}
     for layout in ("hybrid", "full"):
         auto = hits[layout, "auto"]
         for f in ROW_FORMATS:  # same page bytes -> one replay; smaller pages -> more of them
@@ -118,4 +122,8 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
         > hits["hybrid", "kivi4"]["full_pages"]
         > hits["hybrid", "int8"]["full_pages"]
     )
-    assert list(h["targets"]) == ["kivi2 hit rate at 5% budget above fp8_e4m3's (hybrid)"]
+    assert list(h["targets"]) == [
+        f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)" for k in ("kivi2", "kivi2+fp8_e4m3")
+    ]
+    # an 8-bit SWA pool: more SWA pages than the bf16 one in the same bytes
+    assert hits["hybrid", "kivi2+fp8_e4m3"]["swa_pages"] > hits["hybrid", "kivi2"]["swa_pages"]

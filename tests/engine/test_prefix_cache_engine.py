@@ -158,8 +158,9 @@ def test_cuda_arena_and_host_arena_equal_cache_off(tiny_dir: Path) -> None:
         ("kivi2", "auto", 0, 150_000, 0),
         ("int8", "int8", 0, 90_000, 3),
         ("kivi2", "auto", 0, 150_000, 2),
+        ("kivi2", "fp8_e4m3", 0, 90_000, 0),  # SWA layers and residuals at 8 bits
     ],
-    ids=["int8-fp8e4m3", "fp8e5m2-int8-g8", "kivi4-g8", "kivi2", "int8-sink3", "kivi2-sink2"],
+    ids=["int8-fp8e4m3", "fp8e5m2-int8-g8", "kivi4-g8", "kivi2", "int8-sink3", "kivi2-sink2", "kivi2-fp8"],
 )
 def test_quantized_pages_from_device_and_host_equal_cache_off(
     tiny_dir: Path, formats: tuple[str, str | None, int, int, int]

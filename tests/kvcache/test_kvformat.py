@@ -126,7 +126,6 @@ def test_refusals() -> None:
             "applies to a quantized --kv-cache-dtype(-swa) only",
         ),
         ({"kv_kivi_residual": 9}, "4 <= 9 <= 8"),
-        ({"kv_cache_dtype_swa": "int8"}, "keeps its full-precision residual in the SWA pool"),
         ({"kv_quant_group": 5}, "KV quantization group 5 does not divide head dim 32"),
     ],
 )
@@ -144,6 +143,11 @@ def test_kivi_engine_formats(tiny_dir) -> None:  # type: ignore[no-untyped-def]
         f = engine_formats(EngineConfig(page_size=4, kv_cache_dtype="kivi4", kv_cache_dtype_swa=swa), mcfg)
         assert f[FULL] == KVFormat("kivi4", 0, 4, 8) and f[SWA] == KVFormat()
     assert residual_layers(f, mcfg) == len(mcfg.full_layers)
+    # a per-token SWA format: the SWA layers and the residuals in it
+    f8 = engine_formats(
+        EngineConfig(page_size=4, kv_cache_dtype="kivi2", kv_cache_dtype_swa="fp8_e4m3"), mcfg
+    )
+    assert f8[FULL].kivi and f8[SWA] == KVFormat("fp8_e4m3")
     # page 16 > R = 8: the key group defaults to the page's largest divisor within R
     f16 = engine_formats(EngineConfig(page_size=16, kv_cache_dtype="kivi2"), mcfg)
     assert (f16[FULL].kivi_group, f16[FULL].residual) == (8, 8)

@@ -13,7 +13,7 @@ out as the engine reads them, so prefill and chunked prefill match to the bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ from transformers import DynamicCache, MiMoV2FlashForCausalLM
 from swaserve.config import FULL, SWA
 from swaserve.kvformat import KVFormat
 from tests.helpers.engine import Harness, feed_chunks
-from tests.model.test_kv_quant_exact import TOL_FLIP, TOL_PREFILL
+from tests.model.test_kv_quant_exact import TOL_FLIP, TOL_PREFILL, FakeQuantCache, fake_quant
 
 W = 8  # the tiny checkpoint's window
 
@@ -48,16 +48,21 @@ def kivi_attention(
     r: int,
     scaling: float,
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    resid: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, Lq, D] at the last Lq of positions [0, L); k, v [B, Hkv, L, D] full precision.
     Keys are laid out as the engine reads them (the quantized positions <= L - 1 - R, then the
     full-precision ones from L - Lq - W), so the sums run in the same order. ``sink``: (k, v)
-    [B, Hkv, S, D] read at positions < S on both sides (sink tokens). Returns [B, Lq, Hq, Dv]."""
+    [B, Hkv, S, D] read at positions < S on both sides (sink tokens); ``resid``: how the
+    residual stores K/V (an 8-bit SWA pool: its fake quantization; keys are grouped from it, values
+    quantized from the fresh ones). Returns [B, Lq, Hq, Dv]."""
     b, hkv, n, d = k.shape
     dv, lq = v.shape[-1], q.shape[2]
     whole = n // g * g  # complete key groups
-    kq = asym(k[:, :, :whole].reshape(b, hkv, -1, g, d), bits, dim=3).reshape(b, hkv, whole, d)
     vq = asym(v.reshape(b, hkv, n, dv // gv, gv), bits, dim=4).reshape(b, hkv, n, dv)
+    if resid is not None:
+        k, v = resid(k), resid(v)
+    kq = asym(k[:, :, :whole].reshape(b, hkv, -1, g, d), bits, dim=3).reshape(b, hkv, whole, d)
     if sink is not None:
         m = sink[0].shape[2]
         kq, vq, k, v = kq.clone(), vq.clone(), k.clone(), v.clone()
@@ -85,19 +90,36 @@ def hf_eager(tiny_dir):  # type: ignore[no-untyped-def]
 
 
 def reference(
-    hf, monkeypatch: pytest.MonkeyPatch, tokens: Sequence[int], chunks: Sequence[int], fmt: KVFormat
+    hf,
+    monkeypatch: pytest.MonkeyPatch,
+    tokens: Sequence[int],
+    chunks: Sequence[int],
+    fmt: KVFormat,
+    swa: KVFormat | None = None,
 ) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``swa``: a per-token SWA pool format: SWA layers fake-quantized (``FakeQuantCache``), the
+    full layers' residual stored in it."""
     eager = hf_mimo.eager_attention_forward
+    q8 = swa is not None and swa.quantized
+    resid = (lambda x: fake_quant(x, swa.name, swa.group)) if q8 and swa is not None else None
 
     def attend(module: Any, query, key, value, attention_mask, scaling, dropout=0.0, **kw):  # type: ignore[no-untyped-def]
         if module.layer_type != FULL:
             return eager(module, query, key, value, attention_mask, scaling, dropout, **kw)
         gv = fmt.group or value.shape[-1]
-        return kivi_attention(query, key, value, fmt.bits, fmt.kivi_group, gv, fmt.residual, scaling), None
+        out = kivi_attention(
+            query, key, value, fmt.bits, fmt.kivi_group, gv, fmt.residual, scaling, resid=resid
+        )
+        return out, None
 
     monkeypatch.setattr(hf_mimo, "eager_attention_forward", attend)
+    cache = (
+        FakeQuantCache(hf.config, {FULL: "auto", SWA: swa.name}, swa.group)
+        if q8 and swa is not None
+        else DynamicCache(config=hf.config)
+    )
     try:
-        return feed_chunks(hf, DynamicCache(config=hf.config), tokens, chunks)
+        return feed_chunks(hf, cache, tokens, chunks)
     finally:
         monkeypatch.undo()
 
@@ -107,10 +129,11 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 500, (n,), generator=g).tolist()
 
 
-CASES = [  # (name, value channel group, key group G, residual R); tiny: head dims 32 / 16, W = 8
-    ("kivi4", 8, 4, 8),
-    ("kivi2", 0, 4, 4),
-    ("kivi2", 4, 2, 6),
+CASES = [  # (name, value channel group, key group G, residual R, SWA pool); tiny: head dims 32 / 16, W = 8
+    ("kivi4", 8, 4, 8, "auto"),
+    ("kivi2", 0, 4, 4, "auto"),
+    ("kivi2", 4, 2, 6, "auto"),
+    ("kivi2", 0, 4, 8, "fp8_e4m3"),  # the SWA layers and the residual at 8 bits
 ]
 CHUNKS = {
     "one-shot": ([45], TOL_PREFILL),
@@ -121,22 +144,24 @@ CHUNKS = {
 }
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{n}-g{g}-kg{kg}-r{r}" for n, g, kg, r in CASES])
-def case(request, tiny_dir) -> Iterator[tuple[Harness, KVFormat]]:  # type: ignore[no-untyped-def]
-    name, group, kg, r = request.param
-    fmt = KVFormat(name, group, kg, r)
-    yield Harness(tiny_dir, page_size=4, shared=True, formats={FULL: fmt, SWA: KVFormat()}), fmt
+@pytest.fixture(
+    scope="module", params=CASES, ids=[f"{n}-g{g}-kg{kg}-r{r}-swa-{s}" for n, g, kg, r, s in CASES]
+)
+def case(request, tiny_dir) -> Iterator[tuple[Harness, KVFormat, KVFormat]]:  # type: ignore[no-untyped-def]
+    name, group, kg, r, swa = request.param
+    fmt, swa_fmt = KVFormat(name, group, kg, r), KVFormat(swa)
+    yield Harness(tiny_dir, page_size=4, shared=True, formats={FULL: fmt, SWA: swa_fmt}), fmt, swa_fmt
 
 
 @pytest.mark.parametrize("schedule", list(CHUNKS))
 def test_engine_equals_a_dense_kivi_reference(
     case, hf_eager, schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
-    harness, fmt = case
+    harness, fmt, swa = case
     chunks, tol = CHUNKS[schedule]
     toks = _tokens(45, 0)
     ours = harness.run_alone(schedule, toks, chunks)
-    ref = reference(hf_eager, monkeypatch, toks, chunks, fmt)
+    ref = reference(hf_eager, monkeypatch, toks, chunks, fmt, swa)
     assert (ours - ref).abs().max().item() <= tol
     # the quantized part is really read: an unquantized model gives other logits
     with torch.no_grad():

@@ -103,11 +103,12 @@ def run_pd(
 
 QUANT = {"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3", "kv_quant_group": 8}
 KIVI = {"kv_cache_dtype": "kivi2", "kv_quant_group": 8}
-SINKS = {"kv_cache_dtype": "kivi2", "kv_sink_tokens": 3}  # the decode side computes them itself
+# the decode side computes the sinks itself; the residuals travel as 8-bit SWA layers
+SINKS = {"kv_cache_dtype": "kivi2", "kv_cache_dtype_swa": "fp8_e4m3", "kv_sink_tokens": 3}
 
 
 @pytest.mark.parametrize("layout, quant", [("hybrid", None), ("full", None), ("hybrid", QUANT), ("hybrid", KIVI), ("hybrid", SINKS)],
-                         ids=["hybrid", "full", "hybrid-int8-fp8", "hybrid-kivi2", "hybrid-kivi2-sink3"])  # fmt: skip
+                         ids=["hybrid", "full", "hybrid-int8-fp8", "hybrid-kivi2", "hybrid-kivi2-fp8-sink3"])  # fmt: skip
 def test_pd_equals_single_engine(tiny_dir: Path, layout: str, quant: dict | None) -> None:  # type: ignore[type-arg]
     """``quant``: quantized pages travel as packed bytes (per-token formats: codes plus fp32
     scales; KIVI: 2-bit codes with fp16 scales and zeros, and the full layers' full-precision
