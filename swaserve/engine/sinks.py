@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from swaserve.config import FULL, SWA, AttnShape, ModelConfig
+from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import ScheduledChunk
+from swaserve.kvcache.storage import PagedKV
 from swaserve.kvformat import AUTO_FORMAT, KVFormat
 from swaserve.model.attention import KindMeta, SinkTokens, kind_meta
 from swaserve.model.mimo_v2 import ForwardBatch, MiMoV2ForCausalLM
@@ -80,45 +81,36 @@ class SinkTable:
 
     @torch.inference_mode()
     def compute(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full layers' K/V of a forward over ``tokens`` alone, on one-page caches of their own
-        (full layers: the model dtype; SWA layers: the SWA pool's format)."""
+        """The full layers' K/V of a forward over ``tokens`` alone, on one page per kind of a
+        ``PagedKV`` of its own (full layers: the model dtype; SWA layers: the SWA pool's format)."""
         cfg, n, dev = self.cfg, len(tokens), self.device
         self.computed += 1
-        caches: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        metas: dict[str, list[KindMeta]] = {}
-        kinds: list[tuple[str, AttnShape, KVFormat, int | None]] = [(FULL, cfg.full, AUTO_FORMAT, None)]
-        if cfg.swa_layers:
-            kinds.append((SWA, cfg.swa, self.swa_format, cfg.window))
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        for kind, shape, fmt, window in kinds:
-            layers = len(cfg.full_layers) if kind == FULL else len(cfg.swa_layers)
-            dt = fmt.storage_dtype(self.dtype)
-            kw = fmt.row_bytes(shape.head_dim, elem, key=True) if fmt.quantized else shape.head_dim
-            vw = fmt.row_bytes(shape.v_head_dim, elem) if fmt.quantized else shape.v_head_dim
-            h = shape.num_kv_heads
-            caches[kind] = (
-                [torch.zeros(1, n, h, kw, dtype=dt, device=dev) for _ in range(layers)],
-                [torch.zeros(1, n, h, vw, dtype=dt, device=dev) for _ in range(layers)],
-            )
-            metas[kind] = [
+        formats = {FULL: AUTO_FORMAT, SWA: self.swa_format}
+        store = PagedKV(cfg, n, self.dtype, dev, pages={FULL: 1, SWA: 1}, formats=formats)
+        windows = {FULL: None, SWA: cfg.window}
+        metas: dict[str, list[KindMeta]] = {
+            kind: [
                 kind_meta(
                     [("sinks", 0, n)],
                     lambda _rid, lo, end: torch.arange(lo, end, dtype=torch.int64),
-                    window,
+                    windows[kind],
                     lambda slots: slots,
                     dev,
-                    fmt,
+                    formats[kind],
                 )
             ]
+            for kind in store.kv
+            if store.kv[kind][0]
+        }
         batch = ForwardBatch(
             input_ids=torch.tensor(list(tokens), dtype=torch.int64, device=dev),
             positions=torch.arange(n, dtype=torch.int64, device=dev),
             meta=metas,
-            kv=caches,
-            groups={kind: [0] * len(caches[kind][0]) for kind in caches},
+            kv={kind: store.kv[kind] for kind in metas},
+            groups={kind: store.groups[kind] for kind in metas},
         )
         self.model.forward_hidden(batch)
-        ks, vs = caches[FULL]
+        ks, vs = store.kv[FULL]
         return torch.stack([k[0] for k in ks]), torch.stack([v[0] for v in vs])
 
     def step(self, chunks: Sequence[ScheduledChunk]) -> SinkTokens | None:

@@ -161,14 +161,23 @@ def test_a_short_prompt_and_a_media_placeholder_bound_the_sinks(tiny_dir) -> Non
         return Request("x", tokens, SamplingParams(max_tokens=1), 0.0, len(tokens) + 1)
 
     assert table.count(req([5, 6])) == 2
-    assert table.count(req([5, 2**30 + 7, 9, 9])) == 1
-    assert table.count(req([2**30 + 7, 9, 9])) == 0
+    assert table.count(req([5, vocab + 7, 9, 9])) == 1
+    assert table.count(req([vocab + 7, 9, 9])) == 0
     assert table.count(req(list(range(10)))) == S
     toks = _tokens(20, 3)
+    other = toks[:S] + _tokens(20 - S, 4)
     a = harness.run_alone("a", toks, [20])
-    b = harness.run_alone("b", toks[:S] + _tokens(17, 4), [20])
-    assert table.computed == 1 and a.shape == b.shape
-    assert vocab > 500
+    b = harness.run_alone("b", other, [20])
+    assert table.computed == 1  # b's first S tokens hit a's entry
+    torch.testing.assert_close(a[:S], b[:S], rtol=0, atol=1e-5)  # the same sinks, the same prefix
+    assert (a[S:] - b[S:]).abs().max().item() > 1e-2
+    k, v = table.entry(toks[:S])
+    assert table.computed == 1
+    k2, v2 = table.compute(toks[:S])  # an evicted entry is computed again to the same bits
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    f = harness.cfg.full
+    assert k.shape == (len(harness.cfg.full_layers), S, f.num_kv_heads, f.head_dim)
+    assert not torch.equal(k, table.compute(other[1 : S + 1])[0])
 
 
 def test_sink_tokens_are_refused_where_they_mean_nothing(tiny_dir) -> None:  # type: ignore[no-untyped-def]
