@@ -125,5 +125,7 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     assert list(h["targets"]) == [
         f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)" for k in ("kivi2", "kivi2+fp8_e4m3")
     ]
+    # every part's targets, together at the top
+    assert data["targets"] == {**cap["targets"], **m["targets"], **h["targets"]}
     # an 8-bit SWA pool: more SWA pages than the bf16 one in the same bytes
     assert hits["hybrid", "kivi2+fp8_e4m3"]["swa_pages"] > hits["hybrid", "kivi2"]["swa_pages"]
