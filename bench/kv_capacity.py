@@ -22,8 +22,11 @@ CHUNK = 8192
 DTYPE_BYTES = 2
 
 
-def _fill(cfg: ModelConfig, layout: str, context: int, max_num_seqs: int) -> tuple[int, int]:
-    """Admit+prefill requests of ``context`` tokens until one does not fit.
+def _fill(
+    cfg: ModelConfig, layout: str, context: int, max_num_seqs: int, cache: bool = False
+) -> tuple[int, int]:
+    """Admit+prefill requests of ``context`` tokens until one does not fit (``cache``: pools planned
+    with the prefix cache's SWA reserve).
 
     Returns (requests that fit, bytes the first one holds after its first decode step).
     """
@@ -33,6 +36,7 @@ def _fill(cfg: ModelConfig, layout: str, context: int, max_num_seqs: int) -> tup
         kv_layout=layout,  # type: ignore[arg-type]
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=CHUNK,
+        enable_prefix_caching=cache,
     )
     kv = KVCacheManager(
         plan_pools(cfg, ecfg, DTYPE_BYTES),
@@ -60,15 +64,15 @@ def _fill(cfg: ModelConfig, layout: str, context: int, max_num_seqs: int) -> tup
     return n, per_req
 
 
-def capacity(cfg: ModelConfig, layout: str, context: int) -> tuple[int, int]:
+def capacity(cfg: ModelConfig, layout: str, context: int, cache: bool = False) -> tuple[int, int]:
     """Most requests that fit (searching the expected-concurrency knob) and bytes per request."""
     lo, hi = 1, 1
-    while _fill(cfg, layout, context, hi)[0] >= hi:
+    while _fill(cfg, layout, context, hi, cache)[0] >= hi:
         lo, hi = hi, hi * 2
-    best = _fill(cfg, layout, context, lo)
+    best = _fill(cfg, layout, context, lo, cache)
     while lo < hi:  # largest m such that m requests fit when the pools are planned for m
         mid = (lo + hi + 1) // 2
-        got = _fill(cfg, layout, context, mid)
+        got = _fill(cfg, layout, context, mid, cache)
         if got[0] >= mid:
             lo, best = mid, got
         else:
@@ -85,6 +89,7 @@ def rows() -> list[dict[str, object]]:
         for ctx in CONTEXTS:
             n_h, b_h = capacity(cfg, "hybrid", ctx)
             n_f, b_f = capacity(cfg, "full", ctx)
+            n_c = capacity(cfg, "hybrid", ctx, cache=True)[0]
             theory = (
                 (full_tok + swa_tok)
                 * (ctx + 1)
@@ -98,6 +103,7 @@ def rows() -> list[dict[str, object]]:
                     "hybrid_bytes_per_request": b_h,
                     "full_bytes_per_request": b_f,
                     "hybrid_requests_in_80GB": n_h,
+                    "hybrid_requests_in_80GB_cache_plan": n_c,
                     "full_requests_in_80GB": n_f,
                     "ratio": round(ratio, 4),
                     "theoretical_ratio": round(theory, 4),
@@ -110,15 +116,17 @@ def rows() -> list[dict[str, object]]:
 def main(json_path: str | None = None) -> list[dict[str, object]]:
     table = rows()
     hdr = (
-        f"{'shape':<15}{'context':>9}{'hybrid MB/req':>15}{'full MB/req':>13}{'hyb reqs':>10}{'full reqs':>10}"
+        f"{'shape':<15}{'context':>9}{'hybrid MB/req':>15}{'full MB/req':>13}{'hyb reqs':>10}{'(cache)':>8}{'full reqs':>10}"
         f"{'ratio':>8}{'theory':>8}{'r/theory':>10}"
     )
-    print("KV capacity in 80 GB (bf16 KV, page 16; real allocator)")
+    print("KV capacity in 80 GB (bf16 KV, page 16; real allocator); reqs: pools planned without the prefix")
+    print("cache, (cache): with its SWA reserve (1/9 of the full pages; the engine's default)")
     print(hdr)
     for r in table:
         print(
             f"{r['shape']:<15}{r['context_tokens']:>9}{r['hybrid_bytes_per_request'] / 1e6:>15.1f}"  # type: ignore[operator]
             f"{r['full_bytes_per_request'] / 1e6:>13.1f}{r['hybrid_requests_in_80GB']:>10}"  # type: ignore[operator]
+            f"{r['hybrid_requests_in_80GB_cache_plan']:>8}"
             f"{r['full_requests_in_80GB']:>10}{r['ratio']:>8}{r['theoretical_ratio']:>8}{r['ratio_vs_theoretical']:>10}"
         )
     at32 = [r for r in table if r["context_tokens"] == 32768]
