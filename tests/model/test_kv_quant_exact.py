@@ -11,7 +11,9 @@ The reference is fed the same chunks as the engine: quantization turns float noi
 different reduction order in an earlier layer) into a whole code step when a value sits on a
 rounding boundary, so a one-shot reference against a chunked engine would compare two different
 (both correct) quantizations. Prefill and chunked prefill match to the bit here; token-by-token
-decode attends through a different kernel than transformers' and is held to the auto tests' 1e-4.
+decode attends through a different kernel than transformers' (float noise ~1e-6), so a value on a
+rounding boundary can land one code away: decode is held to ``TOL_FLIP`` and equal greedy tokens
+(seen: 1e-5 on one machine, 2.7e-3 for int8 g8 on CI's).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from swaserve.kvformat import KVFormat
 from tests.helpers.engine import Harness, feed_chunks
 
 TOL_PREFILL = 1e-5
-TOL_DECODE = 1e-4
 # batched rows differ from lone ones by float noise (~1e-6); once in a while a K/V value on a
 # rounding boundary then lands one code away (within the format's bound: an int8 step is 1/127 of
 # the row's absmax, an fp8_e4m3 step 1/8 of the value), which shows in logits and logprobs at
@@ -90,7 +91,7 @@ CASES = [  # (full pool, SWA pool, group)
 CHUNKS = {
     "one-shot": ([45], TOL_PREFILL),
     "chunked": ([5, 11, 13, 16], TOL_PREFILL),
-    "decode": ([6] + [1] * 39, TOL_DECODE),  # W = 8: crosses the window and pages many times
+    "decode": ([6] + [1] * 39, TOL_FLIP),  # W = 8: crosses the window and pages many times
 }
 
 
@@ -110,9 +111,10 @@ def test_engine_equals_a_fake_quantized_transformers_cache(case, hf_tiny, schedu
     ours = harness.run_alone(schedule, toks, chunks)
     ref = reference(hf_tiny, toks, chunks, names, group)
     assert (ours - ref).abs().max().item() <= tol
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     # quantization really happened: an unquantized cache gives logits the test can tell apart
     plain = reference(hf_tiny, toks, chunks, {"full_attention": "auto", "sliding_attention": "auto"}, 0)
-    assert (plain - ref).abs().max().item() > 10 * tol
+    assert (plain - ref).abs().max().item() > 5 * tol
 
 
 def test_pages_hold_packed_rows(case) -> None:  # type: ignore[no-untyped-def]

@@ -23,7 +23,7 @@ from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
 from swaserve.kvformat import FormatError, KVFormat, engine_formats
 from tests.helpers.engine import Harness, feed_chunks
 from tests.model.test_kivi_exact import kivi_attention
-from tests.model.test_kv_quant_exact import TOL_DECODE, TOL_FLIP, TOL_PREFILL, FakeQuantCache
+from tests.model.test_kv_quant_exact import TOL_FLIP, TOL_PREFILL, FakeQuantCache
 
 S = 3
 
@@ -76,7 +76,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 CHUNKS = {
     "one-shot": ([45], TOL_PREFILL),
     "chunked": ([2, 11, 13, 19], TOL_PREFILL),  # the first chunk ends inside the sinks
-    "decode": ([6] + [1] * 39, TOL_DECODE),
+    "decode": ([6] + [1] * 39, TOL_FLIP),  # a code flip from decode's kernel noise: test_kv_quant_exact
 }
 
 
@@ -94,9 +94,10 @@ def test_sink_tokens_equal_a_fake_quantized_reference(tiny_dir, hf_tiny, fmts, s
     names = {FULL: full, SWA: swa}
     ref = reference(hf_tiny, toks, chunks, names, group, sink_kv(hf_tiny, toks, swa, group))
     assert (ours - ref).abs().max().item() <= tol
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     # the sinks are really read: the same format without them gives logits the test can tell apart
     plain = reference(hf_tiny, toks, chunks, names, group, None)
-    assert (plain - ref).abs().max().item() > 10 * tol
+    assert (plain - ref).abs().max().item() > 5 * tol
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,6 @@ def test_kivi_sink_tokens_equal_a_dense_reference(tiny_dir, hf_eager, schedule, 
     fmt = KVFormat("kivi2", 0, 4, 4, sinks=S)
     harness = Harness(tiny_dir, page_size=4, shared=True, formats={FULL: fmt, SWA: KVFormat()})
     chunks, tol = CHUNKS[schedule]
-    tol = max(tol, TOL_FLIP) if schedule == "decode" else tol  # as test_kivi_exact's decode
     toks = _tokens(45, 1)
     ours = harness.run_alone(schedule, toks, chunks)
     sinks = sink_kv(hf_eager, toks, "auto", 0)
