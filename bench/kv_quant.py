@@ -73,11 +73,15 @@ class Settings:
     rounds: int = 3
     trace_limit: int | None = None
     seed: int = 1234
+    ablations: tuple[str, ...] | None = None  # labels of ABLATIONS to run (None: all)
 
 
 QUICK = Settings(
-    contexts=(32768,), prompts=2, windows=3, new_tokens=8, batches=(1, 2), rounds=1, trace_limit=200
-)
+    contexts=(32768,), prompts=2, windows=3, new_tokens=8, batches=(1, 2), rounds=1, trace_limit=200,
+    # one ablation of each kind (group, one pool only, sink tokens, KIVI over an 8-bit SWA pool)
+    ablations=("int8 group 16", "fp8_e4m3 full pool only", "int8 swa pool only", "kivi2 sink 4",
+               "kivi2+fp8_e4m3"),
+)  # fmt: skip
 
 
 def split(name: str) -> tuple[str, str | None]:
@@ -145,18 +149,30 @@ def admitted(
 def most_requests(
     cfg: ModelConfig, layout: str, context: int, fmt: str, cache: bool = False
 ) -> tuple[int, int, PoolPlan]:
-    """The largest m such that m requests fit when the pools are planned for m (doubling, then
-    bisection), with its bytes per request and plan."""
+    """The largest m such that m requests fit when the pools are planned for m, with its bytes per
+    request and plan: from 80 GB over one request's bytes, galloping, then bisection (a few
+    simulations of about m requests each, not the ~12 of doubling from 1); ``admitted`` is
+    monotone in m, so the answer is the one doubling would find."""
     fits = {}
 
     def ok(m: int) -> bool:
         fits[m] = admitted(cfg, layout, context, m, fmt, cache)
         return fits[m][0] >= m
 
-    hi = 1
-    while ok(hi):
-        hi *= 2
-    lo = hi // 2 if hi > 1 else 1
+    if not ok(1):
+        return fits[1]
+    # candidates: 80 GB over one request's bytes, then how many fit where m did not
+    lo, m = 1, max(2, GB80 // max(1, fits[1][1]))
+    hi: int | None = None
+    while lo < m and (hi is None or m < hi):
+        if ok(m):  # gallop up from m
+            lo, step = m, 1
+            while (hi is None or lo + step < hi) and ok(lo + step):
+                lo, step = lo + step, step * 2
+            hi = lo + step if hi is None else min(hi, lo + step)
+            break
+        hi, m = m, fits[m][0]
+    assert hi is not None
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
@@ -380,6 +396,8 @@ def model_part(model_dir: Path, s: Settings) -> dict[str, Any]:
     quality = [judge(eng, f) for f, eng in engines.items()]
     ablations = []
     for label, full, swa, g, sinks in ABLATIONS:
+        if s.ablations is not None and label not in s.ablations:
+            continue
         row = judge(engine(model_dir, full, 1, g, swa, sinks), label)
         ablations.append({**row, "full_pool": full, "swa_pool": swa, "group": g, "sink_tokens": sinks})
     del ref_eng

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.kv_quant import FORMATS, KIVI_8BIT_SWA, QUICK, formats_of, is_kivi, pool_config
+from bench.kv_quant import ABLATIONS, FORMATS, KIVI_8BIT_SWA, QUICK, formats_of, is_kivi, pool_config
 from swaserve.cli import app
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.kvformat import KIVI_FORMATS, ROW_FORMATS, KVFormat
@@ -89,6 +89,11 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
         assert q[f]["page_bytes"][0] == len(tiny.full_layers) * 16 * fmt.token_bytes(
             tiny.full.num_kv_heads, tiny.full.head_dim, tiny.full.v_head_dim, 4
         )
+    assert QUICK.ablations is not None  # quick runs one ablation of each kind, each by its label
+    assert [a["format"] for a in m["ablations"]] == [
+        label for label, *_ in ABLATIONS if label in QUICK.ablations
+    ]
+    assert len(m["ablations"]) == len(QUICK.ablations)
     for a in m["ablations"]:  # sink tokens: another KV identity, and other logits than without
         if a["sink_tokens"]:
             assert a["formats"]["full"].endswith(f"/sink{a['sink_tokens']}")
