@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?=
+# make test: pytest-xdist workers (0: one process), each test file on one worker (its fixtures once)
+TEST_WORKERS ?= 2
 # make image: docker/Dockerfile, VARIANT=cpu or cuda (torch's wheel index), tagged IMAGE:VERSION-VARIANT
 IMAGE ?= swaserve
 VARIANT ?= cpu
@@ -26,7 +28,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	scripts/system_deps.sh
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # the core without child processes (no workers, routers, Redis or engine-core process): < 2 min
 test-core: $(STAMP)

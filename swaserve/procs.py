@@ -37,20 +37,39 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+PORT_RANGE_ENV = "SWASERVE_PORT_RANGE"  # "LOW-HIGH": where free_port draws (HIGH excluded)
+
+
+def port_range() -> tuple[int, int]:
+    """[low, high) where ``free_port`` draws: ``SWASERVE_PORT_RANGE`` ("LOW-HIGH", e.g. one slice
+    per test worker so parallel runs never draw the same port), else 10000 up to the kernel's
+    ephemeral range. Raises ValueError for a malformed or empty range."""
+    spec = os.environ.get(PORT_RANGE_ENV)
+    if not spec:
+        return _LOW_PORT, _ephemeral_low()
+    try:
+        low, high = (int(x) for x in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected LOW-HIGH, e.g. 10000-20000") from None
+    if not 0 < low < high <= 65536:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected 0 < LOW < HIGH <= 65536")
+    return low, high
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, for a child to bind later.
 
-    Taken at random below the kernel's ephemeral range (``ip_local_port_range``) and never twice
-    by this process: a port the kernel hands out (``bind(0)``) is also where outgoing connections
-    get theirs, so one made between this call and the child's bind could take it (a CI run lost
-    a worker to ``Address already in use`` that way). Falls back to ``bind(0)`` when the range
-    below is too small or full.
+    Taken at random from ``port_range()`` (below the kernel's ephemeral range unless
+    ``SWASERVE_PORT_RANGE`` says otherwise) and never twice by this process: a port the kernel
+    hands out (``bind(0)``) is also where outgoing connections get theirs, so one made between
+    this call and the child's bind could take it (a CI run lost a worker to ``Address already in
+    use`` that way). Falls back to ``bind(0)`` when the range is smaller than 1000 ports or full.
     """
-    high = _ephemeral_low()
-    if high - _LOW_PORT >= 1000:
+    low, high = port_range()
+    if high - low >= 1000:
         rng = random.SystemRandom()
         for _ in range(200):
-            port = rng.randrange(_LOW_PORT, high)
+            port = rng.randrange(low, high)
             if port in _HANDED_OUT:
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

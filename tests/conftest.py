@@ -112,6 +112,22 @@ _real_stderr: int | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _real_stderr
     _real_stderr = os.dup(2)  # output capture is suspended here: fd 2 is the terminal or CI's log
+    _own_port_slice(config)
+
+
+def _own_port_slice(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n``), give each worker its own slice of
+    ``free_port``'s range, inherited by the children it starts: two workers never hand out the
+    same port between its check and a child's bind."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    from swaserve.procs import PORT_RANGE_ENV, port_range
+
+    low, high = port_range()
+    index, count = int(worker["workerid"].removeprefix("gw")), int(worker["workercount"])
+    width = (high - low) // count
+    os.environ[PORT_RANGE_ENV] = f"{low + index * width}-{low + (index + 1) * width}"
 
 
 @pytest.hookimpl(wrapper=True)
