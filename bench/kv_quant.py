@@ -11,7 +11,9 @@ rate of each page format in one run (``swaserve bench kv-quant``).
    KL(auto || format) of the next-token distribution over every prompt position (every row's
    logits from the engine's own runner and pools), the share of it at rows where some MoE layer
    routed to other experts than auto, and the greedy agreement length (leading equal tokens of N
-   greedy tokens vs auto); ablations: group 16, one pool quantized, 4 sink tokens in full precision.
+   greedy tokens vs auto); ablations: group 16, one pool quantized, 4 sink tokens in full precision;
+   reference rows (an fp32 model only): auto pages rounded through bf16 / fp16, the KL that a
+   16-bit KV cache of the same model costs.
 3. Decode tokens/s at batch 1 and 8 per format, rounds interleaved over the formats, ratio vs auto.
 4. Prefix-cache hit rate on the conversation trace at 5% of its bf16 full-layout footprint per
    format (``bench.prefix_cache.replay``): smaller pages, more of them in the same bytes.
@@ -275,6 +277,28 @@ ABLATIONS = tuple(
 ABLATIONS += tuple((f"{f}+fp8_e4m3", f, "fp8_e4m3", 0, 0) for f in ("kivi4", "kivi2"))
 
 
+# reference rows: auto pages rounded through a 16-bit dtype (what a bf16 / fp16 KV cache of this
+# fp32 model would store): how much KL a perturbation far below 8 bits already costs this model
+ROUNDINGS = ("bfloat16", "float16")
+
+
+@contextmanager
+def kv_rounded_through(dtype: torch.dtype) -> Iterator[None]:
+    """For the duration, unquantized (``auto``) K/V rows are written rounded through ``dtype``
+    (``KVFormat.pack`` wrapped; quantized formats unchanged). Attention reads the stored rows, its
+    own chunk's too, so every read sees the rounded values."""
+    pack = KVFormat.pack
+
+    def rounded(self: KVFormat, x: torch.Tensor) -> torch.Tensor:
+        return pack(self, x) if self.quantized else x.to(dtype).to(x.dtype)
+
+    KVFormat.pack = rounded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KVFormat.pack = pack  # type: ignore[method-assign]
+
+
 def corpus(eng: LLMEngine, n: int, length: int, seed: int) -> list[list[int]]:
     """``n`` token windows of ``length`` cut from the bundled corpus (as the checkpoint's training)."""
     from swaserve.model.checkpoint import CORPUS_PATH
@@ -400,6 +424,13 @@ def model_part(model_dir: Path, s: Settings) -> dict[str, Any]:
             continue
         row = judge(engine(model_dir, full, 1, g, swa, sinks), label)
         ablations.append({**row, "full_pool": full, "swa_pool": swa, "group": g, "sink_tokens": sinks})
+    reference = []  # only where the model's KV is wider than the 16-bit dtype
+    for name in ROUNDINGS:
+        dtype = getattr(torch, name)
+        if dtype.itemsize < engines[AUTO].storage.model_dtype.itemsize:
+            with kv_rounded_through(dtype):
+                row = judge(engines[AUTO], f"auto rounded via {name}")
+            reference.append({**row, "rounded_through": name})
     del ref_eng
     tok_s: dict[int, dict[str, list[float]]] = {b: {f: [] for f in FORMATS} for b in s.batches}
     same = True  # every timed run's outputs equal its format's greedy outputs above
@@ -420,7 +451,7 @@ def model_part(model_dir: Path, s: Settings) -> dict[str, Any]:
                           "median_tok_s": round(med, 1), "vs_auto": _r(med / auto)})  # fmt: skip
     return {"model_dir": str(model_dir), "kv_dtype": engines[AUTO].config.dtype, "window": cfg.window,
             "prompts": len(prompts), "prompt_tokens": length, "new_tokens": s.new_tokens, "rounds": s.rounds,
-            "quality": quality, "ablations": ablations, "decode": speed, "timed_outputs_equal_greedy": same}  # fmt: skip
+            "quality": quality, "ablations": ablations, "reference": reference, "decode": speed, "timed_outputs_equal_greedy": same}  # fmt: skip
 
 
 # -- 4. prefix-cache hit rate at a fixed byte budget ------------------------------------------------
@@ -502,9 +533,13 @@ def print_report(res: dict[str, Any]) -> None:
         print(
             "   flip rows: some MoE layer chose other experts than auto's; KL there: its share of the KL sum"
         )
+        print(
+            "   'auto rounded via' rows (reference): auto pages rounded through a 16-bit dtype, what a bf16 /"
+        )
+        print("   fp16 KV cache of this model would store; KL vs auto of a perturbation far below 8 bits")
         print(f"{'format':<24}{'mean KL':>10}{'median':>10}{'max':>9}{'flip rows':>10}{'KL there':>9}"
               f"{'KL other':>10}{'agree':>7}  agreement per prompt")  # fmt: skip
-        for q in m["quality"] + m["ablations"]:
+        for q in m["quality"] + m["ablations"] + m["reference"]:
             print(f"{q['format']:<24}{q['mean_kl']:>10.2e}{q['median_kl']:>10.2e}{q['max_kl']:>9.3f}"
                   f"{q['rows_with_expert_flip']:>10.3f}{q['kl_share_at_expert_flips']:>9.2f}"
                   f"{q['mean_kl_without_flips']:>10.2e}{q['mean_agreement']:>7.1f}  {q['agreement']}")  # fmt: skip

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.kv_quant import ABLATIONS, FORMATS, KIVI_8BIT_SWA, QUICK, formats_of, is_kivi, pool_config
+from bench.kv_quant import (
+    ABLATIONS,
+    FORMATS,
+    KIVI_8BIT_SWA,
+    QUICK,
+    ROUNDINGS,
+    formats_of,
+    is_kivi,
+    pool_config,
+)
 from swaserve.cli import app
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.kvformat import KIVI_FORMATS, ROW_FORMATS, KVFormat
@@ -71,7 +80,15 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     assert set(q) == set(FORMATS)
     assert q["auto"]["mean_kl"] == 0.0 and q["auto"]["max_kl"] == 0.0
     assert q["auto"]["rows_with_expert_flip"] == 0.0  # same KV, same routing
-    for r in m["quality"] + m["ablations"]:
+    # reference rows: auto pages rounded through bf16 / fp16 (the tiny model's KV is fp32) move
+    # the logits, where auto vs auto does not; the wrapped pack is put back afterwards
+    ref = {r["rounded_through"]: r for r in m["reference"]}
+    assert list(ref) == list(ROUNDINGS)
+    for name, r in ref.items():
+        assert r["format"] == f"auto rounded via {name}" and r["formats"] == {"full": "auto", "swa": "auto"}
+        assert 0 < r["mean_kl"] <= r["max_kl"]
+    assert KVFormat.pack.__name__ == "pack"
+    for r in m["quality"] + m["ablations"] + m["reference"]:
         assert 0 <= r["rows_with_expert_flip"] <= 1 and 0 <= r["kl_share_at_expert_flips"] <= 1
         assert r["median_kl"] <= r["max_kl"]
         if r["rows_with_expert_flip"] == 0:  # no flip: every row counts in the "without" mean
