@@ -55,7 +55,6 @@ import asyncio
 import contextlib
 import hashlib
 import io
-import math
 import os
 import sys
 import time
@@ -67,6 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.targets import target
 from swaserve.encoder.runner import EncodeItem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -643,14 +643,6 @@ def run_video_part(s: Settings) -> dict[str, Any]:
 
 
 # -- report --------------------------------------------------------------------------------------
-def _target(name: str, value: float | None, op: str, threshold: float, note: str = "") -> dict[str, Any]:
-    if value is None or not math.isfinite(value):
-        status = "N/A"
-    else:
-        status = "PASS" if (value >= threshold if op == ">=" else value <= threshold) else "MISS"
-    return {"name": name, "value": value, "op": op, "threshold": threshold, "status": status, "note": note}
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
@@ -669,14 +661,14 @@ def ratios(svc: dict[str, Any]) -> dict[str, float | None]:
 def targets(svc: dict[str, Any], video: dict[str, Any]) -> list[dict[str, Any]]:
     r = ratios(svc)
     out = [
-        _target("throughput_optimized_over_baseline", r["closed_items_per_s"], ">=", 2.0,
+        target("throughput_optimized_over_baseline", r["closed_items_per_s"], ">=", 2.0,
                 "closed loop, items/s"),
-        _target("p50_optimized_over_baseline", r["open_p50"], "<=", 1.0,
+        target("p50_optimized_over_baseline", r["open_p50"], "<=", 1.0,
                 "open loop at equal offered load"),
     ]  # fmt: skip
     for row in video["rows"][1:]:
         k = row["cores_usable"]
-        out.append(_target(f"video_decode_speedup_{row['threads']}_threads", row["speedup"], ">=",
+        out.append(target(f"video_decode_speedup_{row['threads']}_threads", row["speedup"], ">=",
                            round(VIDEO_EFFICIENCY * k, 3), f"{k} of {video['cpus']} CPUs usable"))  # fmt: skip
     return out
 

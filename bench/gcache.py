@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import math
 import os
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from bench import gcache_sessions as sessions
+from bench.targets import target
 from swaserve.gcache import codec
 from swaserve.gcache.keys import Salt, page_keys
 from swaserve.gcache.l3 import Found, PutPage
@@ -305,18 +305,6 @@ def _row(rows: list[dict[str, Any]], tier: str, transport: str, size: int) -> di
     )
 
 
-def _target(name: str, value: float | None, op: str, threshold: float, note: str = "") -> dict[str, Any]:
-    if value is None or not math.isfinite(value):
-        status = "N/A"
-    else:
-        status = (
-            "PASS"
-            if (value >= threshold if op == ">=" else value <= threshold if op == "<=" else value < threshold)
-            else "MISS"
-        )
-    return {"name": name, "value": value, "op": op, "threshold": threshold, "status": status, "note": note}
-
-
 def vs_perftest(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per size: DRAM UCX get MiB/s over ucx_perftest's, one object per get and batched."""
     out = {}
@@ -338,14 +326,14 @@ def targets(
     ratio = vs_perftest(rows, baseline).get(_size(4 << 20), {}).get("get")
     missing = baseline.get("missing") or baseline.get("error")
     why = f"no baseline: {missing}" if missing else "no 4 MiB UCX cell or baseline" if ratio is None else ""
-    out.append(_target("ucx_get_vs_perftest_4MiB", ratio, ">=", 0.7, why or "DRAM, one object per get"))
+    out.append(target("ucx_get_vs_perftest_4MiB", ratio, ">=", 0.7, why or "DRAM, one object per get"))
     small = _row(rows, "dram", "ucx", 64 << 10)
-    out.append(_target("ucx_get_p50_ms_64KiB", small["get_p50_ms"] if small else None, "<", 1.0, "DRAM"))
+    out.append(target("ucx_get_p50_ms_64KiB", small["get_p50_ms"] if small else None, "<", 1.0, "DRAM"))
     for s in sims:
         w = s["workload"]
-        out.append(_target(f"{w}_hit_with_l3_over_ideal", s["hit_with_l3_over_ideal"], ">=", 0.97))
+        out.append(target(f"{w}_hit_with_l3_over_ideal", s["hit_with_l3_over_ideal"], ">=", 0.97))
         out.append(
-            _target(f"{w}_ttft_p50_with_l3_over_without", s["ttft_p50_with_l3_over_without"], "<=", 0.5)
+            target(f"{w}_ttft_p50_with_l3_over_without", s["ttft_p50_with_l3_over_without"], "<=", 0.5)
         )
     return out
 

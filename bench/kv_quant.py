@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from bench.prefix_cache import CHUNK, CONVERSATION_TRACE, PAGE, SHAPE, footprint_bytes, load_workload, replay
+from bench.targets import target
 from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.request import Request
@@ -234,15 +235,12 @@ def capacity(settings: Settings) -> dict[str, Any]:
                     })  # fmt: skip
     pro32 = [r for r in rows if r["shape"] == "MiMo-V2.5-Pro" and r["context_tokens"] == 32768
              and r["layout"] == "hybrid" and r["format"].startswith(("fp8", "kivi"))]  # fmt: skip
-    targets = {
-        f"{r['format']}: hybrid >= {TARGET_RATIO_32K}x less KV than bf16 full (V2.5-Pro, 32K)": bool(
-            r["ratio_vs_bf16_full"] >= TARGET_RATIO_32K
-        )
-        for r in pro32
-    } | {
-        f"{r['format']}: achieved >= 0.95x theory (V2.5-Pro, 32K)": bool(r["achieved_vs_theory"] >= 0.95)
-        for r in pro32
-    }
+    targets = _by_name(
+        [target(f"{r['format']}: hybrid >= {TARGET_RATIO_32K}x less KV than bf16 full (V2.5-Pro, 32K)",
+                r["ratio_vs_bf16_full"], ">=", TARGET_RATIO_32K) for r in pro32]
+        + [target(f"{r['format']}: achieved >= 0.95x theory (V2.5-Pro, 32K)", r["achieved_vs_theory"], ">=", 0.95)
+           for r in pro32]
+    )  # fmt: skip
     overhead = {name: scale_overhead(model_config(shapes[name])) for name in settings.shapes}
     return {"budget_bytes": GB80, "page_size": PAGE, "kv_dtype_bytes": BF16, "rows": rows,
             "scale_overhead": overhead, "targets": targets}  # fmt: skip
@@ -500,13 +498,18 @@ def hit_rates(s: Settings, jobs: int) -> dict[str, Any]:
     return {"trace": CONVERSATION_TRACE.name, "requests": work.requests, "shape": SHAPE.name,
             "budget_share_of_bf16_full_footprint": HIT_BUDGET_SHARE, "budget_bytes": budget,
             "ideal_hit_rate": _r(work.ideal_hit_rate), "rows": rows,
-            "targets": {f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)": bool(hyb[k] > hyb["fp8_e4m3"])
-                        for k in ("kivi2", "kivi2+fp8_e4m3")}}  # fmt: skip
+            "targets": _by_name([target(f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)", hyb[k], ">",
+                                        hyb["fp8_e4m3"]) for k in ("kivi2", "kivi2+fp8_e4m3")])}  # fmt: skip
 
 
 # -- output ---------------------------------------------------------------------------------------
 def _r(x: float) -> float:
     return round(x, 4)
+
+
+def _by_name(targets: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``bench.targets.target`` records keyed by their names (the JSON's ``targets`` maps)."""
+    return {t["name"]: t for t in targets}
 
 
 def print_report(res: dict[str, Any]) -> None:
@@ -564,8 +567,9 @@ def print_report(res: dict[str, Any]) -> None:
 
 
 def _targets(t: dict[str, Any]) -> None:
-    for k, ok in t.items():
-        print(f"target {k}: {ok if isinstance(ok, str) else 'met' if ok else 'NOT met'}")
+    for k, g in t.items():
+        note = f" ({g['note']})" if g["note"] else ""
+        print(f"target {k}: {g['value']:.4g} {g['op']} {g['threshold']:.4g}, {g['status']}{note}")
 
 
 def main(json_path: str | None = None, quick: bool = False, model_dir: str | None = None,
@@ -583,8 +587,9 @@ def main(json_path: str | None = None, quick: bool = False, model_dir: str | Non
         res[part] = run()
         res["part_wall_s"][part] = round(time.perf_counter() - t, 1)
     if res["model"] is not None:
-        res["model"]["targets"] = {f"{q['format']}: mean KL < {TARGET_KL}": q["kl_target_met"]
-                                   for q in res["model"]["quality"] if q["format"] in ROW_FORMATS}  # fmt: skip
+        ref = ", ".join(f"{r['format']}: {r['mean_kl']:.3g}" for r in res["model"]["reference"])
+        res["model"]["targets"] = _by_name([target(f"{q['format']}: mean KL < {TARGET_KL}", q["mean_kl"], "<", TARGET_KL, ref)
+                                            for q in res["model"]["quality"] if q["format"] in ROW_FORMATS])  # fmt: skip
     # every part's targets, also in one place
     res["targets"] = {
         k: v

@@ -69,7 +69,14 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     pro = rows["MiMo-V2.5-Pro", 32768, "hybrid", "fp8_e4m3"]
     hyb_auto = rows["MiMo-V2.5-Pro", 32768, "hybrid", "auto"]
     assert pro["ratio_vs_bf16_full"] >= 13.0 and pro["requests_in_80GB"] >= 2 * hyb_auto["requests_in_80GB"]
-    assert cap["targets"] and all(cap["targets"].values())
+    assert cap["targets"] and all(t["status"] == "PASS" for t in cap["targets"].values())
+    # a target carries the figure it judges, measured in this run
+    for t in cap["targets"].values():
+        assert t["op"] == ">=" and t["value"] >= t["threshold"]
+    assert (
+        cap["targets"]["fp8_e4m3: hybrid >= 13.0x less KV than bf16 full (V2.5-Pro, 32K)"]["value"]
+        == (pro["ratio_vs_bf16_full"])
+    )
     for r in rows.values():  # the prefix cache's SWA reserve only costs the hybrid layout requests
         assert r["requests_in_80GB_cache_plan"] <= r["requests_in_80GB"]
     for over in cap["scale_overhead"].values():
@@ -147,6 +154,14 @@ def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     assert list(h["targets"]) == [
         f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)" for k in ("kivi2", "kivi2+fp8_e4m3")
     ]
+    hyb = {r["format"]: r["hit_rate"] for r in h["rows"] if r["layout"] == "hybrid"}
+    for k, t in h["targets"].items():
+        assert (t["value"], t["op"], t["threshold"]) == (hyb[k.split()[0]], ">", hyb["fp8_e4m3"])
+        assert t["status"] == ("PASS" if t["value"] > t["threshold"] else "MISS")
+    for f in ROW_FORMATS:  # the KL target: the format's mean KL, the bf16 / fp16 references named
+        t = m["targets"][f"{f}: mean KL < 0.001"]
+        assert t["value"] == q[f]["mean_kl"] and (t["status"] == "PASS") == q[f]["kl_target_met"]
+        assert all(f"auto rounded via {name}" in t["note"] for name in ROUNDINGS)
     # every part's targets, together at the top
     assert data["targets"] == {**cap["targets"], **m["targets"], **h["targets"]}
     # an 8-bit SWA pool: more SWA pages than the bf16 one in the same bytes
