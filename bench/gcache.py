@@ -10,20 +10,23 @@ Info after the puts and after the gets says which tier held the pages). A client
 many bytes): puts N objects of one chain one per call, gets them back one per call, then in
 batches of B per call, then N lookups of one page. Calls go back to back, one in flight. Every
 object read back is compared with the one written (``mismatches``, and digests of all the bytes
-put and all the bytes got). N per size: ``--iters`` at most, ``--cell-bytes`` of objects at most,
-at least 4. Baseline: ``ucx_perftest`` (the libucx wheel's, ``tag_bw`` over ``tcp,self``,
-bench/ucx_perftest.py) between two processes on the same machine, same sizes, run before and
-after the cells (it busy-polls both sides: on a shared 2-core machine it varies), the better one
-per size kept. Server and client run on two different CPUs (``taskset``; the node and the
-perftest server on one, this process and the perftest client on the other), as on two machines:
-sharing a core, a 4 MiB UCX get on this VM took 9 ms in most runs instead of 3.
+put and all the bytes got), outside the timed call, then dropped, as the engine drops a page
+object once verified and copied into host pages (its receive buffer goes back to the client's
+pool, services/gcache/recv_pool.py). N per size: ``--iters`` at most, ``--cell-bytes`` of
+objects at most, at least 4. Baseline: ``ucx_perftest`` (the libucx wheel's, ``tag_bw`` over
+``tcp,self``, bench/ucx_perftest.py) between two processes on the same machine, same sizes, with
+UCX's own defaults and with the node's UCX settings (``ENV_DEFAULTS``), each before and after the
+cells (it busy-polls both sides: on a shared 2-core machine it varies), the best run per size
+kept. Server and client run on two different CPUs (``taskset``; the node and the perftest server
+on one, this process and the perftest client on the other), as on two machines.
 
 Part 2, returning sessions: bench/gcache_sessions.py (the simulator, without L3, with L3, ideal).
 
-Units: MiB/s = 2^20 bytes per second of the loop's wall time (ucx_perftest's MB/s are the same
-unit); latencies in milliseconds per call (``time.perf_counter``), p50 / p99 over the calls; hit
-rates are cached / prompt tokens; TTFT in simulated seconds. The bench reports the issue's targets
-(PASS / MISS); it does not fail on a miss.
+Units: MiB/s = 2^20 bytes per second (ucx_perftest's MB/s are the same unit): puts over the
+loop's wall time, gets over the calls' summed time; latencies in milliseconds per call
+(``time.perf_counter``), p50 / p99 over the calls; hit rates are cached / prompt tokens; TTFT in
+simulated seconds. The bench reports the issue's targets (PASS / MISS); it does not fail on a
+miss.
 
     swaserve bench gcache [--json PATH] [--sizes 64KiB,1MiB,4MiB] [--iters 200] [--limit N]"""
 
@@ -142,26 +145,30 @@ async def run_cell(
     put_wall = time.perf_counter() - t0
     held, direct = await _held(client)
 
-    got: list[bytes | None] = []
+    # each object is compared and dropped as it arrives, as the engine verifies a page object,
+    # copies it into host pages and drops it: its receive buffer goes back to the client's pool
+    # (services/gcache/recv_pool.py) for the next get; the comparison is outside the timed call
+    mismatches, got_bytes, bget_bytes = 0, 0, 0
+    h_got = hashlib.blake2b(digest_size=16)
     get_lat: list[float] = []
-    t0 = time.perf_counter()
-    for pid in pids:  # no lookup first (lease 0): the data call alone
+    for p, pid in zip(pages, pids, strict=True):  # no lookup first (lease 0): the data call alone
         t = time.perf_counter()
         objs = await client.get(Found([True], None), [pid])
         get_lat.append(time.perf_counter() - t)
-        got.extend(objs)
-    get_wall = time.perf_counter() - t0
+        got_bytes += len(objs[0] or b"")
+        h_got.update(objs[0] or b"")
+        mismatches += objs[0] != p.obj
+        del objs
 
     b = max(1, min(batch, n // BATCH_CALLS))
-    bgot: list[bytes | None] = []
     bget_lat: list[float] = []
-    t0 = time.perf_counter()
     for j in range(0, n - n % b, b):
         t = time.perf_counter()
         objs = await client.get(Found([True] * b, None), pids[j : j + b])
         bget_lat.append(time.perf_counter() - t)
-        bgot.extend(objs)
-    bget_wall = time.perf_counter() - t0
+        bget_bytes += sum(len(g or b"") for g in objs)
+        mismatches += sum(g != p.obj for g, p in zip(objs, pages[j : j + b], strict=True))
+        del objs
 
     look_lat: list[float] = []
     for pid in pids:
@@ -173,22 +180,18 @@ async def run_cell(
     held_after, _ = await _held(client)
     await client.remove(pids[:1])  # the chain's first page: with all its descendants
 
-    mismatches = sum(g != p.obj for g, p in zip(got, pages, strict=True))
-    mismatches += sum(g != p.obj for g, p in zip(bgot, pages, strict=False))
     put_bytes = sum(len(p.obj) for p in pages)
-    got_bytes = sum(len(g) for g in got if g is not None)
-    bget_bytes = sum(len(g) for g in bgot if g is not None)
     (put50, put99), (get50, get99), (b50, b99), (l50, l99) = map(_ms, (put_lat, get_lat, bget_lat, look_lat))
     return {
         "tier": tier, "transport": transport, "size_bytes": size, "objects": n, "stored": stored,
         "held_after_put": held, "held_after_get": held_after, "pages_in_tier": held.get(tier, 0),
         "direct_io": direct if tier == "nvme" else None,
         "put_mib_s": _mib_s(put_bytes, put_wall), "put_p50_ms": put50, "put_p99_ms": put99,
-        "get_mib_s": _mib_s(got_bytes, get_wall), "get_p50_ms": get50, "get_p99_ms": get99,
-        "batch": b, "batch_calls": len(bget_lat), "batch_get_mib_s": _mib_s(bget_bytes, bget_wall),
+        "get_mib_s": _mib_s(got_bytes, sum(get_lat)), "get_p50_ms": get50, "get_p99_ms": get99,
+        "batch": b, "batch_calls": len(bget_lat), "batch_get_mib_s": _mib_s(bget_bytes, sum(bget_lat)),
         "batch_get_p50_ms": b50, "batch_get_p99_ms": b99, "lookup_p50_ms": l50, "lookup_p99_ms": l99,
         "bytes_put": put_bytes, "bytes_got": got_bytes, "bytes_batch_got": bget_bytes,
-        "digest_put": _digest(p.obj for p in pages), "digest_got": _digest(g or b"" for g in got),
+        "digest_put": _digest(p.obj for p in pages), "digest_got": h_got.hexdigest(),
         "mismatches": mismatches,
     }  # fmt: skip
 
@@ -264,25 +267,39 @@ async def _tier_cells(
                 await client.close()
 
 
+def baseline_settings() -> dict[str, dict[str, str]]:
+    """The UCX settings ucx_perftest runs with, by label: UCX's own defaults, and the node's
+    (``services.gcache.ucx.ENV_DEFAULTS`` but ``UCX_TLS``, which the baseline sets itself)."""
+    from services.gcache.ucx import ENV_DEFAULTS
+
+    return {"ucx defaults": {}, "node settings": {k: v for k, v in ENV_DEFAULTS.items() if k != "UCX_TLS"}}
+
+
 def run_baseline(
-    sizes: Sequence[int], budget_bytes: int, cpus: tuple[int, int] | None = None
+    sizes: Sequence[int],
+    budget_bytes: int,
+    cpus: tuple[int, int] | None = None,
+    label: str = "ucx defaults",
+    ucx_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """ucx_perftest at ``sizes`` (server and client on ``cpus`` as the node and the client):
-    ``{"rows": [...]}``, or ``{"missing": why}`` / ``{"error": why}``."""
+    """ucx_perftest at ``sizes`` with ``ucx_env`` (server and client on ``cpus`` as the node and
+    the client): ``{"label", "rows": [...]}``, or with ``missing`` / ``error`` (why) and no rows."""
     from bench.ucx_perftest import PerftestMissing, run_perftest
 
     try:
-        return {"rows": run_perftest(tuple(sizes), budget_bytes=budget_bytes, cpus=cpus)}
+        rows = run_perftest(tuple(sizes), budget_bytes=budget_bytes, cpus=cpus, ucx_env=ucx_env)
+        return {"label": label, "rows": rows}
     except PerftestMissing as e:
-        return {"missing": str(e), "rows": []}
+        return {"label": label, "missing": str(e), "rows": []}
     except RuntimeError as e:
-        return {"error": str(e), "rows": []}
+        return {"label": label, "error": str(e), "rows": []}
 
 
 def merge_baselines(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One baseline from several runs (before and after the cells: ucx_perftest busy-polls both
-    sides, so on a shared 2-core machine it varies a lot): per size the run with the most MB/s;
-    ``runs_mb_per_s``: every run's MB/s per size."""
+    """One baseline from several runs (UCX's defaults and the node's settings, before and after
+    the cells: ucx_perftest busy-polls both sides, so on a shared 2-core machine it varies a
+    lot): per size the run with the most MB/s; ``runs_mb_per_s``: every run's MB/s per size, in
+    run order; ``runs``: each run's label and MB/s per size."""
     ok = [r for r in runs if r["rows"]]
     if not ok:
         return runs[0] if runs else {"error": "not run", "rows": []}
@@ -294,7 +311,11 @@ def merge_baselines(runs: list[dict[str, Any]]) -> dict[str, Any]:
             spread.setdefault(_size(size), []).append(row["mb_per_s"])
             if size not in best or row["mb_per_s"] > best[size]["mb_per_s"]:
                 best[size] = row
-    out: dict[str, Any] = {"rows": list(best.values()), "runs_mb_per_s": spread}
+    labelled = [
+        {"label": r.get("label"), "mb_per_s": {_size(x["size_bytes"]): x["mb_per_s"] for x in r["rows"]}}
+        for r in ok
+    ]
+    out: dict[str, Any] = {"rows": list(best.values()), "runs_mb_per_s": spread, "runs": labelled}
     out.update({k: r[k] for r in runs for k in ("missing", "error") if k in r})
     return out
 
@@ -363,12 +384,10 @@ def print_transports(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> No
         from bench.ucx_perftest import print_table
 
         print_table(baseline["rows"])
-        runs = "; ".join(
-            f"{k} " + ", ".join(f"{v:.0f}" for v in vs) for k, vs in baseline["runs_mb_per_s"].items()
-        )
-        print(
-            f"(best of {len(next(iter(baseline['runs_mb_per_s'].values())))} runs, before and after the cells; MB/s: {runs})"
-        )
+        print(f"(best of {len(baseline['runs'])} runs per size, before and after the cells; MB/s:")
+        for run in baseline["runs"]:
+            print(f"  {run['label']:<14} " + ", ".join(f"{k} {v:.0f}" for k, v in run["mb_per_s"].items()))
+        print(")")
         ratios = vs_perftest(rows, baseline)
         if ratios:
             each = ", ".join(f"{k} {v['get']:.3f} (batched {v['batch_get']:.3f})" for k, v in ratios.items())
@@ -402,10 +421,12 @@ def main(
 
     t0 = time.perf_counter()
     cpus = pin_cpus()
-    before = run_baseline(sizes, perftest_bytes, cpus)
+    settings = baseline_settings()
+    before = [run_baseline(sizes, perftest_bytes, cpus, k, v) for k, v in settings.items()]
     rows, notes = asyncio.run(run_transports(sizes, iters, cell_bytes, batch, tiers, cpus))
-    after = [run_baseline(sizes, perftest_bytes, cpus)] if before["rows"] else []
-    baseline = merge_baselines([before, *after])
+    ok = any(r["rows"] for r in before)
+    after = [run_baseline(sizes, perftest_bytes, cpus, k, v) for k, v in settings.items()] if ok else []
+    baseline = merge_baselines([*before, *after])
     part1_s = time.perf_counter() - t0
     print_transports(rows, baseline)
     chosen = sessions.setups(limit, copies)

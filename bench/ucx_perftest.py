@@ -49,8 +49,11 @@ def find_perftest() -> tuple[Path, Path]:
     return binary, root / "lib"
 
 
-def _env(libdir: Path, tls: str) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(libdir: Path, tls: str, ucx_env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without its ``UCX_*`` settings (UCX's defaults), then
+    ``ucx_env``, the library path and ``UCX_TLS``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env.update(ucx_env or {})
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libdir), env.get("LD_LIBRARY_PATH", "")) if p)
     env["UCX_TLS"] = tls
     env["UCX_WARN_UNUSED_ENV_VARS"] = "n"
@@ -138,15 +141,17 @@ def run_perftest(
     max_iters: int = 2000,
     timeout_s: float = 30.0,
     cpus: tuple[int, int] | None = None,
+    ucx_env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """ucx_perftest ``test`` on 127.0.0.1 for each message size (bytes): per size a dict with
     size_bytes, iterations, mb_per_s (2^20 B/s, overall), bytes_per_s, lat_typical_us (the
     median), lat_avg_us, msg_per_s, plus test, tls, error_handling. Iterations per size:
     ``budget_bytes / size`` within [20, max_iters]. ``cpus``: (server CPU, client CPU), else
-    unpinned. Raises ``PerftestMissing`` (no binary) or
+    unpinned. ``ucx_env``: UCX settings for both sides (else UCX's defaults: inherited ``UCX_*``
+    variables are dropped), recorded in each row. Raises ``PerftestMissing`` (no binary) or
     RuntimeError (a run failed or took over ``timeout_s`` seconds)."""
     binary, libdir = find_perftest()
-    env = _env(libdir, tls)
+    env = _env(libdir, tls, ucx_env)
     rows = []
     for size in sizes:
         iters = max(20, min(max_iters, budget_bytes // max(1, size)))
@@ -156,7 +161,7 @@ def run_perftest(
                 "test": test, "tls": tls, "error_handling": error_handling, "size_bytes": int(size),
                 "iterations": int(r["iterations"]), "mb_per_s": r["overall_bw"],
                 "bytes_per_s": r["overall_bw"] * (1 << 20), "lat_typical_us": r.get("50.0_percentile_lat", 0.0),
-                "lat_avg_us": r["avg_lat"], "msg_per_s": r["overall_mr"],
+                "lat_avg_us": r["avg_lat"], "msg_per_s": r["overall_mr"], "ucx_env": dict(ucx_env or {}),
             }
         )  # fmt: skip
     return rows

@@ -1,7 +1,8 @@
 """GCache's UCX data plane: ``UcxServer`` (in the node's event loop, calling ``GCacheNode.handle_ucx``)
 and ``UcxClient``, over ucxx's async tag API with host buffers. Importing this module never imports
 ucxx; the first server or client does, after setting ``ENV_DEFAULTS`` (``UCX_TLS=tcp,self``,
-``UCX_RNDV_FRAG_MEM_TYPE=host``, ...) where they are not set already.
+``UCX_RNDV_FRAG_MEM_TYPE=host``,
+``UCX_RNDV_SCHEME=put_zcopy``, ...) where they are not set already.
 
 Wire format: ``services.gcache.ucx_wire``.
 
@@ -56,6 +57,9 @@ ABORT_PERIOD_NS = 100_000_000  # how long closing an endpoint may wait on UCX (t
 ENV_DEFAULTS = {  # set where not set, before ucxx is imported
     "UCX_TLS": "tcp,self",
     "UCX_RNDV_FRAG_MEM_TYPE": "host",  # ucxx's default, cuda, fails without a GPU
+    # rendezvous by zero-copy put: a single 4 MiB reply over tcp took 1.4-2.0 ms here, against
+    # 3.8-7.5 ms with UCX's own choice (bench gcache; docs/BENCHMARKS.md)
+    "UCX_RNDV_SCHEME": "put_zcopy",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_TCP_CM_REUSEADDR": "y",  # a node restarted on its port while old connections linger
 }

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from services.gcache.recv_pool import POOL
 
 MAGIC = b"SWGU"
 VERSION = 2
@@ -143,8 +143,8 @@ async def _recv_rest(
     ep: Any, f: Frame, head: Buffer, max_buffer: int, max_total: int, into: Sequence[memoryview] = ()
 ) -> tuple[bytes, list[memoryview]]:
     """The meta and buffers of the message whose head (``f``, parsed from ``head``) arrived.
-    Buffer ``i`` lands in ``into[i]`` when that holds it, else in a new array (a packed reply's:
-    a view of ``head``). Raises ``FrameError`` for a buffer over ``max_buffer``, all over
+    Buffer ``i`` lands in ``into[i]`` when that holds it, else in a buffer of ``POOL``
+    (``recv_pool``; a packed reply's: a view of ``head``). Raises ``FrameError`` for a buffer over ``max_buffer``, all over
     ``max_total`` bytes, or a packed reply longer than ``head``."""
     if f.inline:
         tail: Buffer = memoryview(head)[HEADER.size : HEADER.size + f.meta_len + 8 * f.nbuf]
@@ -172,7 +172,7 @@ async def _recv_rest(
         return bytes(tail[: f.meta_len]), bufs
     recvs = []
     for i, n in enumerate(lengths):
-        dst = into[i][:n] if i < len(into) and into[i].nbytes >= n else np.empty(n, np.uint8).data
+        dst = into[i][:n] if i < len(into) and into[i].nbytes >= n else POOL.take(n)
         bufs.append(dst)
         if n:
             recvs.append(ep.recv(dst, tag=message_tag(f.rid, 2 + i)))

@@ -47,6 +47,7 @@ class Block:
 
 
 EXISTS, BUSY, FULL, NO_PARENT = "exists", "busy", "full", "no_parent"
+HEAP_SLACK = 1024  # a class's eviction heap is compacted (stale items out) past 2x live + this
 
 
 @dataclass(eq=False, slots=True)
@@ -115,6 +116,7 @@ class PageStore:
         self.leases: dict[int, _Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._heaps: dict[tuple[str, int], list[tuple[float, int, int, Entry]]] = {}
+        self._heap_cap: dict[tuple[str, int], int] = {}  # a heap's length that triggers compaction
         self._ids = itertools.count(1)
         self.stats: Counter[tuple[str, str, str]] = Counter()  # (what, tier, kind) -> count
         self.recovered = {"pages": 0, "dropped": 0}
@@ -139,7 +141,17 @@ class PageStore:
 
     def _set_score(self, e: Entry, score: float) -> None:
         e.score, e.token = score, next(self._ids)
-        heapq.heappush(self._heap(e.tier, e.slot[0]), (score, -e.index, e.token, e))
+        heap = self._heap(e.tier, e.slot[0])
+        heapq.heappush(heap, (score, -e.index, e.token, e))
+        key = (e.tier.name, e.slot[0])
+        if len(heap) > self._heap_cap.get(key, HEAP_SLACK):  # stale items pile up without evictions
+            heap[:] = [item for item in heap if self._current(item, e.tier)]
+            heapq.heapify(heap)
+            self._heap_cap[key] = 2 * len(heap) + HEAP_SLACK
+
+    def _current(self, item: tuple[float, int, int, Entry], tier: Tier) -> bool:
+        e = item[3]
+        return e.token == item[2] and e.tier is tier and self.index.get(e.pid) is e
 
     def _heap(self, tier: Tier, size: int) -> list[tuple[float, int, int, Entry]]:
         return self._heaps.setdefault((tier.name, size), [])
@@ -152,7 +164,7 @@ class PageStore:
         while heap:
             item = heapq.heappop(heap)
             e = item[3]
-            if e.token != item[2] or e.tier is not tier or self.index.get(e.pid) is not e:
+            if not self._current(item, tier):
                 continue  # stale
             keep.append(item)
             if ok(e):

@@ -51,6 +51,9 @@ def test_bench_gcache_tiny(tmp_path: Path) -> None:
     if base["rows"]:
         assert [b["size_bytes"] for b in base["rows"]] == list(SIZES)
         assert all(b["mb_per_s"] > 0 for b in base["rows"])
+        # UCX's defaults and the node's settings, before and after the cells
+        assert [r["label"] for r in base["runs"]] == ["ucx defaults", "node settings"] * 2
+        assert {b["ucx_env"].get("UCX_RNDV_SCHEME") for b in base["rows"]} <= {None, "put_zcopy"}
     else:
         assert base.get("missing") or base.get("error")
 

@@ -368,3 +368,28 @@ def test_dram_room_for_another_class_demotes_rather_than_evicts(tmp_path: Path) 
     assert store.stats[("evictions", "dram", "full")] == 0
     assert store.stats[("demotions", "dram", "full")] > 0
     assert all(store.read(p["pid"]) == p["obj"] for p in full + swa[-3:])
+
+
+def test_eviction_heaps_stay_bounded_without_evictions() -> None:
+    """Every touch pushes a heap item per page it heats (ancestors too); with room to spare no
+    eviction pops the stale ones, so the store compacts a heap past 2x its live pages + slack
+    (a long-running node once grew to 10^5 stale tuples and 40 ms GC pauses)."""
+    from swaserve.gcache.store import HEAP_SLACK
+
+    pages = chain(list(range(400)))  # 100 pages of one chain
+    clock = Clock()
+    size = DramTier(0).slot_size(len(pages[0]["obj"]))
+    store = PageStore(DramTier(size * 200), clock=clock)
+    for p in pages:
+        put(store, p)
+    rng = random.Random(1)
+    for _ in range(3000):
+        clock.t += 0.01
+        store.touch([pages[rng.randrange(len(pages))]["pid"]])
+        (heap,) = store._heaps.values()
+        assert len(heap) <= 2 * len(pages) + HEAP_SLACK + 1
+    check(store)
+    # the heap still yields the coldest current page: the same as a scan of the index
+    (heap,) = store._heaps.values()
+    want = min((e for e in store.index.values() if store._evictable(e)), key=lambda e: (e.score, -e.index))
+    assert store._coldest(store.dram, size, store._evictable) is want

@@ -7,6 +7,7 @@ when the node comes back without UCX), and a process that leaves a client open s
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -294,6 +295,17 @@ def test_ucx_perftest_baseline_runs_and_a_missing_binary_is_a_clear_error(
     monkeypatch.setitem(sys.modules, "libucx", fake)
     with pytest.raises(PerftestMissing, match="no executable ucx_perftest"):
         run_perftest([1 << 20])
+
+
+def test_ucx_perftest_env_is_ucx_defaults_plus_what_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.ucx_perftest import _env
+
+    monkeypatch.setenv("UCX_RNDV_SCHEME", "get_zcopy")  # set by this process's own ucxx, say
+    env = _env(Path("/lib/ucx"), "tcp,self")
+    assert "UCX_RNDV_SCHEME" not in env and env["UCX_TLS"] == "tcp,self"
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == "/lib/ucx"
+    env = _env(Path("/lib/ucx"), "tcp", {"UCX_RNDV_SCHEME": "put_zcopy", "UCX_TLS": "shm"})
+    assert env["UCX_RNDV_SCHEME"] == "put_zcopy" and env["UCX_TLS"] == "tcp"
 
 
 class _Wire:
