@@ -148,7 +148,7 @@ def test_put_of_a_present_key_only_touches(make) -> None:
     assert key(1) not in c and key(0) in c
 
 
-def _child(name: str, lock_dir: str, seconds: float, ready: Any) -> None:
+def _child(name: str, lock_dir: str, seconds: float, ready: Any, go: Any) -> None:
     with ShmEmbeddingCache.attach(name, lock_dir) as c:
         got = c.get(key(0))
         if got is None or not same(got, content(0, torch.bfloat16)):
@@ -156,6 +156,8 @@ def _child(name: str, lock_dir: str, seconds: float, ready: Any) -> None:
         c.put(key(1), got)  # the parent checks what this process read
         c.put(key(2), content(2))
         ready.set()
+        if not go.wait(60):  # the parent has read key 1: the stress may evict it from now on
+            raise SystemExit(5)
         raise SystemExit(_stress(c, seconds, seed=1))
 
 
@@ -182,16 +184,18 @@ def test_two_processes_share_entries_and_never_see_torn_ones(make, tmp_path: Pat
     c = make(capacity=12 << 10, block_bytes=512)
     assert c.put(key(0), content(0, torch.bfloat16))
     ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Event()
-    child = ctx.Process(target=_child, args=(c.name, str(tmp_path), 0.4, ready))
+    ready, go = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_child, args=(c.name, str(tmp_path), 0.4, ready, go))
     child.start()
     try:
         assert ready.wait(60)
         assert same(c.get(key(1)), content(0, torch.bfloat16))  # what the child read, bitwise
+        go.set()
         assert _stress(c, 0.4, seed=2) == 0  # meanwhile the child does the same
     finally:
+        go.set()
         child.join(60)
-    assert child.exitcode == 0, "2: the first get missed, 3: a hit differed, 4: CRC failures"
+    assert child.exitcode == 0, "2: the first get missed, 3: a hit differed, 4: CRC failures, 5: no go"
     got2 = c.get(key(2))
     assert got2 is None or same(got2, content(2))  # the stress may have evicted it
     s = c.stats()
