@@ -487,6 +487,8 @@ def format_report(rep: dict[str, Any]) -> str:
     for pool, v in rep["kv_pages"].items():
         peak, total = v.get("peak_used_pages"), v.get("total_pages")
         frac = f" ({100 * v['peak_fraction']:.1f} %)" if "peak_fraction" in v else ""
+        if peak is not None and total is not None and peak > total:  # pools sharing one arena
+            frac = " (shared arena: the pool's pages plus what the free arena holds at the end; it held more at its peak)"
         lines.append(
             f"  KV pool {pool:<10} peak {peak:.0f} / {total:.0f} pages{frac}"
             if peak is not None and total is not None
