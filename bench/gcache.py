@@ -269,10 +269,13 @@ async def _tier_cells(
 
 def baseline_settings() -> dict[str, dict[str, str]]:
     """The UCX settings ucx_perftest runs with, by label: UCX's own defaults, and the node's
-    (``services.gcache.ucx.ENV_DEFAULTS`` but ``UCX_TLS``, which the baseline sets itself)."""
+    (``services.gcache.ucx.ENV_DEFAULTS`` under this environment's ``UCX_*``, which the node
+    inherits; not ``UCX_TLS``, which the baseline sets itself)."""
     from services.gcache.ucx import ENV_DEFAULTS
 
-    return {"ucx defaults": {}, "node settings": {k: v for k, v in ENV_DEFAULTS.items() if k != "UCX_TLS"}}
+    node = {**ENV_DEFAULTS, **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+    node.pop("UCX_TLS", None)
+    return {"ucx defaults": {}, "node settings": node}
 
 
 def run_baseline(

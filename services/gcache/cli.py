@@ -168,7 +168,12 @@ class NodeServer:
         if not ucx.available():
             log.warning("no UCX data plane (ucxx does not import): gRPC data only")
             return
-        self._ucx = ucx.UcxServer(self.node.handle_ucx, host=self.opts.host, port=self.opts.ucx_port)
+        self._ucx = ucx.UcxServer(  # no buffer larger than an object: refused before any is received
+            self.node.handle_ucx,
+            host=self.opts.host,
+            port=self.opts.ucx_port,
+            max_buffer_bytes=self.opts.max_object_bytes,
+        )
         await self._ucx.start()
         self.node.ucx_port = int(self._ucx.port)
 

@@ -5,12 +5,13 @@ buffer newly mapped costs a page fault per 4 KiB when the transport writes it, a
 arrays of 4 MiB and more ask for transparent huge pages (``MADV_HUGEPAGE``), which on a host
 whose THP defrag mode is ``madvise`` may stall each fault in direct compaction: on this project's
 VM a 4 MiB get took 9 ms instead of 3 (docs/BENCHMARKS.md, GCache). So large buffers here are
-anonymous maps populated at once (``MAP_POPULATE``, no huge-page advice), and a buffer whose
-last view is dropped goes back to a free list of its size (at most ``max_idle_bytes`` kept), so
-a steady stream of same-size pages (a model's full and SWA page objects) reuses memory that is
-already mapped, as a registered-buffer pool does for RDMA. The buffer handed out is a view of
-a numpy array; it returns to the pool only when that array is freed (``weakref.finalize``), so a
-caller can never see its bytes overwritten."""
+anonymous maps (no huge-page advice; not populated up front, so a header declaring a large
+buffer commits no memory before its data arrives), and a buffer whose last view is dropped goes
+back to a free list of its size (at most ``max_idle_bytes`` kept), so a steady stream of
+same-size pages (a model's full and SWA page objects) reuses memory that is already mapped, as
+a registered-buffer pool does for RDMA. The buffer handed out is a view of a numpy array; it
+returns to the pool only when that array is freed (``weakref.finalize``, not at interpreter
+exit), so a caller can never see its bytes overwritten."""
 
 from __future__ import annotations
 
@@ -22,26 +23,28 @@ import numpy as np
 
 MIN_POOLED_BYTES = 64 << 10  # smaller buffers come from malloc (np.empty)
 MAX_IDLE_BYTES = 256 << 20  # default: free buffers kept for reuse, bytes over all sizes
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 def _map(n: int) -> mmap.mmap:
-    """``n`` bytes of anonymous memory, populated where the platform can."""
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _POPULATE
-    return mmap.mmap(-1, n, flags=flags) if flags else mmap.mmap(-1, n)
+    """``n`` bytes of private anonymous memory (Python's default for fd -1 is shared)."""
+    return mmap.mmap(-1, n, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, n)
 
 
 class RecvPool:
     """Receive buffers by exact size. ``take(n)``: a writable ``n``-byte memoryview (contents
     undefined). Thread-safe: a buffer may be freed on any thread. Args: max_idle_bytes: free
-    buffers kept, bytes (0: none kept); min_bytes: smaller requests bypass the pool."""
+    buffers kept, bytes (0: none kept); min_bytes: smaller requests bypass the pool. The lock is
+    reentrant: a garbage collection inside ``take`` may free a pooled view on the same thread."""
 
     def __init__(self, max_idle_bytes: int = MAX_IDLE_BYTES, min_bytes: int = MIN_POOLED_BYTES) -> None:
         if max_idle_bytes < 0 or min_bytes < 1:
             raise ValueError("max_idle_bytes must be >= 0 and min_bytes >= 1")
         self.max_idle_bytes, self.min_bytes = max_idle_bytes, min_bytes
         self._free: dict[int, list[mmap.mmap]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.idle_bytes = 0
         self.mapped = 0  # buffers mapped so far
         self.reused = 0  # buffers handed out again from a free list
@@ -59,9 +62,11 @@ class RecvPool:
                 self.reused += 1
         if block is None:
             block = _map(n)
-            self.mapped += 1
+            with self._lock:
+                self.mapped += 1
         arr = np.frombuffer(block, np.uint8)
-        weakref.finalize(arr, self._give_back, block)
+        # not at exit: a view may still be in use (a daemon thread) while exit handlers run
+        weakref.finalize(arr, self._give_back, block).atexit = False
         return arr.data
 
     def _give_back(self, block: mmap.mmap) -> None:

@@ -57,7 +57,7 @@ ABORT_PERIOD_NS = 100_000_000  # how long closing an endpoint may wait on UCX (t
 ENV_DEFAULTS = {  # set where not set, before ucxx is imported
     "UCX_TLS": "tcp,self",
     "UCX_RNDV_FRAG_MEM_TYPE": "host",  # ucxx's default, cuda, fails without a GPU
-    # rendezvous by zero-copy put: a single 4 MiB reply over tcp took 1.4-2.0 ms here, against
+    # rendezvous by zero-copy put: a single 4 MiB reply over tcp took 1.2-2.0 ms here, against
     # 3.8-7.5 ms with UCX's own choice (bench gcache; docs/BENCHMARKS.md)
     "UCX_RNDV_SCHEME": "put_zcopy",
     "UCX_WARN_UNUSED_ENV_VARS": "n",

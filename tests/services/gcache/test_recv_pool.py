@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -56,3 +60,50 @@ def test_bad_arguments() -> None:
         RecvPool(max_idle_bytes=-1)
     with pytest.raises(ValueError):
         RecvPool(min_bytes=0)
+
+
+def test_a_view_freed_inside_the_pools_lock_does_not_deadlock() -> None:
+    """A garbage collection inside ``take``'s critical section may free a pooled view on the
+    same thread (Python 3.12+ collects between bytecodes): its finalizer takes the lock again."""
+    pool = RecvPool(max_idle_bytes=1 << 20, min_bytes=4096)
+    done = threading.Event()
+
+    def run() -> None:
+        v = pool.take(8192)
+        with pool._lock:  # as if inside take()
+            del v
+        done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    assert done.is_set(), "the finalizer blocked on the pool's lock"
+    assert pool.idle_bytes == 8192
+
+
+@pytest.mark.cluster  # a child interpreter
+def test_buffers_still_in_use_at_exit_are_not_handed_out_again() -> None:
+    """At interpreter exit a live buffer stays out of the pool: a take() from a later exit hook
+    (or a daemon thread still running) gets other memory."""
+    script = textwrap.dedent(
+        """
+        import atexit
+        from services.gcache.recv_pool import RecvPool
+
+        pool = RecvPool(min_bytes=4096)
+        held = {}
+
+        def late_take():  # registered first: runs after weakref's own exit hook
+            b = pool.take(1 << 20)
+            b[:] = b"\\x02" * (1 << 20)
+            print("held", held["a"][0], "reused", pool.reused)
+
+        atexit.register(late_take)
+        a = pool.take(1 << 20)
+        a[:] = b"\\x01" * (1 << 20)
+        held["a"] = a
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["held", "1", "reused", "0"]
