@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
@@ -187,7 +188,7 @@ def test_garbage_on_the_ucx_port_is_refused_and_the_node_keeps_serving() -> None
     from services.gcache.ucx import UcxClient
 
     async def go() -> None:
-        async with node(ucx=True) as srv:
+        async with node(ucx=True, max_object_bytes=1 << 20) as srv:
             assert srv.node is not None
             raw = UcxClient("127.0.0.1", srv.node.ucx_port, timeout_s=10.0)
             r = await raw.call(OP_GET, b"\xff\xfe garbage \x00\x01")
@@ -199,6 +200,11 @@ def test_garbage_on_the_ucx_port_is_refused_and_the_node_keeps_serving() -> None
             assert r.status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"reservations" in bytes(r.meta)
             r = await raw.call(99, b"")
             assert r.status == grpc.StatusCode.UNIMPLEMENTED.value[0] and b"unknown op" in bytes(r.meta)
+            # a buffer over --max-object-bytes is refused from its header, before it is received
+            big = np.zeros(srv.opts.max_object_bytes + 1, np.uint8)
+            r = await raw.call(OP_PUT, pb.PutDataRequest(reservations=[1]).SerializeToString(), [big])
+            assert r.status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert f"at most {srv.opts.max_object_bytes}".encode() in bytes(r.meta)
             await raw.close()
             c = GCacheClient(srv.address, "ucx")
             pages = chain(tokens(16))
