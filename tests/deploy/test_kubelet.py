@@ -64,6 +64,9 @@ def _retries(base: str) -> dict[str, float]:
     return out
 
 
+STREAM_TOKENS = 160  # long enough that the stream is still in flight when its pod is looked up
+
+
 def _complete(base: str, prompt: str, n: int) -> dict[str, Any]:
     body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
@@ -129,7 +132,7 @@ def test_the_chart_runs_discovers_scales_and_drains(tiny_dir: Path, tmp_path: Pa
                     in text
                 )
         prompt = "the quick brown fox jumps over the lazy dog " * 3
-        reference = _complete(base, prompt, 48)["text"]
+        reference = _complete(base, prompt, STREAM_TOKENS)["text"]
 
         # scale up: the new decode pod is used only once Ready
         [d2] = kubelet.scale(DECODE, 2)
@@ -155,7 +158,7 @@ def test_the_chart_runs_discovers_scales_and_drains(tiny_dir: Path, tmp_path: Pa
         # scale down under a stream: the decode pod serving it drains; nothing resumed or lost
         before = _retries(base)
         result: dict[str, Any] = {}
-        streamer = threading.Thread(target=_stream, args=(base, prompt, 48, result))
+        streamer = threading.Thread(target=_stream, args=(base, prompt, STREAM_TOKENS, result))
         streamer.start()
         wait_for("the stream's first tokens", lambda: result.get("chunks", 0) >= 2)
         busy = [
@@ -183,7 +186,7 @@ def test_the_chart_runs_discovers_scales_and_drains(tiny_dir: Path, tmp_path: Pa
         kubelet.scale(PREFILL, 1, victims=[victim])
         assert kubelet.wait_gone(victim, timeout_s=120).exit_code == 0
         wait_for("the prefill pod to leave the router", lambda: addr[victim] not in _workers(base, token))
-        assert _complete(base, prompt, 48)["text"] == reference
+        assert _complete(base, prompt, STREAM_TOKENS)["text"] == reference
     finally:
         kubelet.close()
         kube.stop_thread()
