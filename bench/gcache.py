@@ -268,12 +268,14 @@ async def _tier_cells(
 
 
 def baseline_settings() -> dict[str, dict[str, str]]:
-    """The UCX settings ucx_perftest runs with, by label: UCX's own defaults, and the node's
-    (``services.gcache.ucx.ENV_DEFAULTS`` under this environment's ``UCX_*``, which the node
-    inherits; not ``UCX_TLS``, which the baseline sets itself)."""
-    from services.gcache.ucx import ENV_DEFAULTS
+    """The UCX settings ucx_perftest runs with, by label: UCX's own defaults, and the node's: its
+    process's ``UCX_*`` once ucxx is imported (``services.gcache.ucx.ENV_DEFAULTS``, ucxx's own
+    additions such as ``UCX_RNDV_THRESH``, and this environment's settings, which the node
+    inherits), but ``UCX_TLS``, which the baseline sets itself."""
+    from services.gcache import ucx
 
-    node = {**ENV_DEFAULTS, **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+    ucx.available()  # imports ucxx as the node does, where it can
+    node = {**ucx.ENV_DEFAULTS, **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
     node.pop("UCX_TLS", None)
     return {"ucx defaults": {}, "node settings": node}
 

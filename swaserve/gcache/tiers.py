@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ALIGN = 4096
+_PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # DRAM chunks: private, zero pages until written
 CHUNK_SLOTS = 64
 
 Slot = tuple[int, int]  # (slot size in bytes, index in its class)
@@ -125,19 +126,22 @@ class Tier:
 
 
 class DramTier(Tier):
+    """Slots in chunks of anonymous memory: a new chunk is mapped, not zeroed, so its pages are
+    faulted in as puts first write them (a 64 MiB ``bytearray`` was zeroed inside one put)."""
+
     name = "dram"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, 64)
-        self._chunks: dict[int, list[bytearray]] = {}
+        self._chunks: dict[int, list[mmap.mmap]] = {}
 
     def _grow(self, c: _Class, n: int) -> None:
-        self._chunks.setdefault(c.size, []).append(bytearray(n * c.size))
+        self._chunks.setdefault(c.size, []).append(mmap.mmap(-1, n * c.size, flags=_PRIVATE))
 
     def _cut(self, c: _Class) -> None:
         self._chunks[c.size].pop()
 
-    def _locate(self, slot: Slot) -> tuple[bytearray, int]:
+    def _locate(self, slot: Slot) -> tuple[mmap.mmap, int]:
         size, i = slot
         for chunk in self._chunks[size]:
             k = len(chunk) // size
