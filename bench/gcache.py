@@ -15,8 +15,8 @@ object once verified and copied into host pages (its receive buffer goes back to
 pool, services/gcache/recv_pool.py). N per size: ``--iters`` at most, ``--cell-bytes`` of
 objects at most, at least 4. Baseline: ``ucx_perftest`` (the libucx wheel's, ``tag_bw`` over
 ``tcp,self``, bench/ucx_perftest.py) between two processes on the same machine, same sizes, with
-UCX's own defaults and with the node's UCX settings (``ENV_DEFAULTS``), each before and after the
-cells (it busy-polls both sides: on a shared 2-core machine it varies), the best run per size
+UCX's own defaults and with the node's UCX settings (``baseline_settings``), each before and
+after the cells (it busy-polls both sides: on a shared 2-core machine it varies), the best run per size
 kept. Server and client run on two different CPUs (``taskset``; the node and the perftest server
 on one, this process and the perftest client on the other), as on two machines.
 
@@ -303,24 +303,21 @@ def run_baseline(
 def merge_baselines(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One baseline from several runs (UCX's defaults and the node's settings, before and after
     the cells: ucx_perftest busy-polls both sides, so on a shared 2-core machine it varies a
-    lot): per size the run with the most MB/s; ``runs_mb_per_s``: every run's MB/s per size, in
-    run order; ``runs``: each run's label and MB/s per size."""
+    lot): per size the run with the most MB/s; ``runs``: each run's label and MB/s per size."""
     ok = [r for r in runs if r["rows"]]
     if not ok:
         return runs[0] if runs else {"error": "not run", "rows": []}
     best: dict[int, dict[str, Any]] = {}
-    spread: dict[str, list[float]] = {}
     for run in ok:
         for row in run["rows"]:
             size = row["size_bytes"]
-            spread.setdefault(_size(size), []).append(row["mb_per_s"])
             if size not in best or row["mb_per_s"] > best[size]["mb_per_s"]:
                 best[size] = row
     labelled = [
         {"label": r.get("label"), "mb_per_s": {_size(x["size_bytes"]): x["mb_per_s"] for x in r["rows"]}}
         for r in ok
     ]
-    out: dict[str, Any] = {"rows": list(best.values()), "runs_mb_per_s": spread, "runs": labelled}
+    out: dict[str, Any] = {"rows": list(best.values()), "runs": labelled}
     out.update({k: r[k] for r in runs for k in ("missing", "error") if k in r})
     return out
 

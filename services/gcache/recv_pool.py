@@ -1,12 +1,12 @@
 """``RecvPool``: receive buffers for the UCX data plane, recycled by exact size.
 
 A reply's page objects (or a put's, on the node) land in fresh buffers that the caller keeps. A
-buffer newly mapped costs a page fault per 4 KiB when the transport writes it, and numpy's
-arrays of 4 MiB and more ask for transparent huge pages (``MADV_HUGEPAGE``), which on a host
-whose THP defrag mode is ``madvise`` may stall each fault in direct compaction: on this project's
-VM a 4 MiB get took 9 ms instead of 3 (docs/BENCHMARKS.md, GCache). So large buffers here are
-anonymous maps (no huge-page advice; not populated up front, so a header declaring a large
-buffer commits no memory before its data arrives), and a buffer whose last view is dropped goes
+buffer newly mapped costs a page fault per 4 KiB when the transport writes it; on a VM that
+hands freed memory back to its host (this project's: Firecracker with free-page reporting) each
+of those is a host fault too, and a 4 MiB get into fresh memory took 9-16 ms instead of 2-3
+(docs/BENCHMARKS.md, GCache). So large buffers here are anonymous maps (not populated up front,
+so a header declaring a large buffer commits no memory before its data arrives), and a buffer
+whose last view is dropped goes
 back to a free list of its size (at most ``max_idle_bytes`` kept), so a steady stream of
 same-size pages (a model's full and SWA page objects) reuses memory that is already mapped, as
 a registered-buffer pool does for RDMA. The buffer handed out is a view of a numpy array; it
@@ -21,16 +21,10 @@ import weakref
 
 import numpy as np
 
+from swaserve.gcache.tiers import anonymous_map
+
 MIN_POOLED_BYTES = 64 << 10  # smaller buffers come from malloc (np.empty)
 MAX_IDLE_BYTES = 256 << 20  # default: free buffers kept for reuse, bytes over all sizes
-
-
-_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-
-
-def _map(n: int) -> mmap.mmap:
-    """``n`` bytes of private anonymous memory (Python's default for fd -1 is shared)."""
-    return mmap.mmap(-1, n, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, n)
 
 
 class RecvPool:
@@ -61,7 +55,7 @@ class RecvPool:
                 self.idle_bytes -= n
                 self.reused += 1
         if block is None:
-            block = _map(n)
+            block = anonymous_map(n)
             with self._lock:
                 self.mapped += 1
         arr = np.frombuffer(block, np.uint8)

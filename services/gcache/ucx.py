@@ -1,8 +1,7 @@
 """GCache's UCX data plane: ``UcxServer`` (in the node's event loop, calling ``GCacheNode.handle_ucx``)
 and ``UcxClient``, over ucxx's async tag API with host buffers. Importing this module never imports
 ucxx; the first server or client does, after setting ``ENV_DEFAULTS`` (``UCX_TLS=tcp,self``,
-``UCX_RNDV_FRAG_MEM_TYPE=host``,
-``UCX_RNDV_SCHEME=put_zcopy``, ...) where they are not set already.
+``UCX_RNDV_FRAG_MEM_TYPE=host``, ``UCX_RNDV_SCHEME=put_zcopy``, ...) where they are not set already.
 
 Wire format: ``services.gcache.ucx_wire``.
 

@@ -144,8 +144,8 @@ async def _recv_rest(
 ) -> tuple[bytes, list[memoryview]]:
     """The meta and buffers of the message whose head (``f``, parsed from ``head``) arrived.
     Buffer ``i`` lands in ``into[i]`` when that holds it, else in a buffer of ``POOL``
-    (``recv_pool``; a packed reply's: a view of ``head``). Raises ``FrameError`` for a buffer over ``max_buffer``, all over
-    ``max_total`` bytes, or a packed reply longer than ``head``."""
+    (``recv_pool``; a packed reply's: a view of ``head``). Raises ``FrameError`` for a buffer
+    over ``max_buffer``, all over ``max_total`` bytes, or a packed reply longer than ``head``."""
     if f.inline:
         tail: Buffer = memoryview(head)[HEADER.size : HEADER.size + f.meta_len + 8 * f.nbuf]
     else:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ALIGN = 4096
-_PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # DRAM chunks: private, zero pages until written
 CHUNK_SLOTS = 64
 
 Slot = tuple[int, int]  # (slot size in bytes, index in its class)
@@ -125,6 +124,12 @@ class Tier:
         return None
 
 
+def anonymous_map(n: int) -> mmap.mmap:
+    """``n`` bytes of private anonymous memory: zero pages, faulted in when first written (Python's
+    default for ``mmap(-1, n)`` is a shared map)."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 class DramTier(Tier):
     """Slots in chunks of anonymous memory: a new chunk is mapped, not zeroed, so its pages are
     faulted in as puts first write them (a 64 MiB ``bytearray`` was zeroed inside one put)."""
@@ -136,7 +141,7 @@ class DramTier(Tier):
         self._chunks: dict[int, list[mmap.mmap]] = {}
 
     def _grow(self, c: _Class, n: int) -> None:
-        self._chunks.setdefault(c.size, []).append(mmap.mmap(-1, n * c.size, flags=_PRIVATE))
+        self._chunks.setdefault(c.size, []).append(anonymous_map(n * c.size))
 
     def _cut(self, c: _Class) -> None:
         self._chunks[c.size].pop()
