@@ -1,7 +1,8 @@
 """GCache's UCX data plane: ``UcxServer`` (in the node's event loop, calling ``GCacheNode.handle_ucx``)
-and ``UcxClient``, over ucxx's async tag API with host buffers. Importing this module never imports
-ucxx; the first server or client does, after setting ``ENV_DEFAULTS`` (``UCX_TLS=tcp,self``,
-``UCX_RNDV_FRAG_MEM_TYPE=host``, ``UCX_RNDV_SCHEME=put_zcopy``, ...) where they are not set already.
+and ``UcxClient``, over ucxx's async tag API with host buffers, the worker progressed by the event
+loop (``ucx_ep``). Importing this module never imports ucxx; the first server or client does,
+after setting ``ENV_DEFAULTS`` (``UCX_TLS=tcp,self``, ``UCX_RNDV_FRAG_MEM_TYPE=host``,
+``UCX_RNDV_SCHEME=put_zcopy``, ...) where they are not set already.
 
 Wire format: ``services.gcache.ucx_wire``.
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from services.gcache.ucx_ep import FastEndpoint, LoopProgress, RequestWaiter
 from services.gcache.ucx_wire import (
     INLINE_BYTES,
     INTERNAL,
@@ -93,15 +95,16 @@ def available() -> bool:
 
 class _Runtime:
     """ucxx's application context (one per process) held for the servers and clients of one event
-    loop: made by the first ``acquire``, torn down when the last user releases it (the notifier
-    and progress threads stopped, so the process can exit). ucxx delivers completions to the loop
-    it was initialised in, so a second loop may use UCX only once the first has no users left."""
+    loop: made by the first ``acquire`` and progressed by that loop (``progress``, a
+    ``ucx_ep.LoopProgress``: no ucxx threads), torn down when the last user releases it. A second
+    loop may use UCX only once the first has no users left."""
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.users = 0
         self.generation = 0
         self.owned = False
+        self.progress: LoopProgress | None = None  # ours, when this runtime made the context
         self._exit_hook = False
 
     def acquire(self) -> tuple[Any, int]:
@@ -115,8 +118,10 @@ class _Runtime:
             self._teardown()  # the old loop is gone: its users will not release
         if self.loop is None:
             if getattr(ucxx.core, "_ctx", None) is None:
-                ucxx.init(progress_mode="thread", enable_python_future=True)
+                # progress by the loop itself (services/gcache/ucx_ep.py), not ucxx's threads
+                ucxx.init(progress_mode="blocking", enable_python_future=False)
                 self.owned = True
+                self.progress = LoopProgress.install(ucxx.core._ctx, loop)
             else:
                 self.owned = False
             self.loop, self.users = loop, 0
@@ -124,6 +129,11 @@ class _Runtime:
             self._register_exit_hook()
         self.users += 1
         return ucxx, self.generation
+
+    def waiter(self) -> RequestWaiter:
+        """How requests are awaited: through ``progress``, or ucxx's own ``wait`` when another
+        part of this process made ucxx's context (its progress mode then)."""
+        return self.progress if self.progress is not None else RequestWaiter()
 
     def release(self, generation: int) -> None:
         """One user fewer (a stale generation is ignored); the last one tears the context down."""
@@ -135,13 +145,16 @@ class _Runtime:
 
     def _teardown(self) -> None:
         self.loop, self.users = None, 0
+        progress, self.progress = self.progress, None
         if self.owned:
             self.owned = False
-            _stop_ucxx(reset=True)
+            _stop_ucxx(reset=True)  # cancels what is in flight first: then buffers may go
+        if progress is not None:
+            progress.close()
 
     def _register_exit_hook(self) -> None:
-        # ucxx's notifier thread is not a daemon: a client never closed would keep the process
-        # alive. threading's own exit hooks run before it joins non-daemon threads (atexit after).
+        # ucxx's notifier thread (a context in its thread mode, made elsewhere) is not a daemon:
+        # a client never closed would keep the process alive. threading's own exit hooks run before it joins non-daemon threads (atexit after).
         if not self._exit_hook:
             self._exit_hook = True
             register = getattr(threading, "_register_atexit", None)
@@ -263,7 +276,7 @@ class UcxServer:
         if self._listener is None:  # stopping
             _abort(ep)
             return
-        conn = _Conn(ep)
+        conn = _Conn(FastEndpoint(ep, _RUNTIME.waiter()))
         task = asyncio.create_task(self._serve(conn))
         self._conns[task] = conn
         task.add_done_callback(lambda t: self._conns.pop(t, None))
@@ -423,7 +436,7 @@ class UcxClient:
             if self._ep is None:
                 ucxx, generation = _RUNTIME.acquire()
                 try:
-                    ep = await ucxx.create_endpoint(self.host, self.port)
+                    ep = FastEndpoint(await ucxx.create_endpoint(self.host, self.port), _RUNTIME.waiter())
                 except BaseException:
                     _RUNTIME.release(generation)
                     raise

@@ -1,0 +1,165 @@
+"""UCX progress driven by the asyncio loop itself, and tag send / receive awaited through it.
+
+ucxx 0.52's progress modes each cost something here: ``thread`` (its default) completes every
+message through a progress thread, then its notifier thread, then a wake-up of the event loop;
+``polling`` and ``blocking`` busy-poll a core even when idle (a pending request is awaited by
+``await asyncio.sleep(0)`` in a loop, and ``blocking`` never re-arms the worker). ``LoopProgress``
+is the blocking design done fully: the worker's epoll fd is a reader of the loop; when it fires
+(or a request was just posted) the loop progresses the worker, completes the futures of the
+requests that finished, and re-arms the worker (progressing again while ``arm`` says events are
+pending), as ucx-py's blocking mode did. A slow tick (``TICK_S``) progresses the worker anyway,
+for requests ucxx's own code posts and awaits (connection set-up).
+
+``FastEndpoint`` posts tag messages on a ucxx async endpoint with the tags its ``send(buf, tag=)``
+/ ``recv(buf, tag=)`` use (the endpoint's tag mixed with the caller's) and awaits them through the
+loop's ``LoopProgress``. Uses ucxx's ``Endpoint._ep`` / ``_tags`` and ``ProgressTasks`` (pinned
+ucxx 0.52; tests/services/gcache/test_ucx.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+TICK_S = 0.01  # progress at least this often (seconds) while the loop has a LoopProgress
+
+
+class RequestWaiter:
+    """Awaits a ucxx request with ucxx's own ``wait`` (whatever progress mode its context has)."""
+
+    async def wait(self, req: Any, keep: Any = None) -> None:
+        """Until ucxx request ``req`` completes (``keep``, its buffer, held until then). Raises
+        ucxx's errors (``UCXCanceled``, ``UCXError``: the peer is gone) or CancelledError."""
+        await req.wait()
+
+
+class LoopProgress(RequestWaiter):
+    """Progress of ucxx worker ``worker`` in ``loop`` (see the module doc). ``close`` stops it.
+    Register it in ucxx's ``ProgressTasks`` before ucxx makes a listener or endpoint, so ucxx
+    does not start its own (``install``)."""
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker, self.loop = worker, loop
+        worker.init_blocking_progress_mode()
+        self.fd = int(worker.epoll_file_descriptor)
+        self._waiting: dict[Any, tuple[asyncio.Future[None], Any]] = {}
+        # buffers of requests whose waiter left (cancelled) before they completed: UCX may still
+        # write into or read from them until the request completes (an abort cancels it)
+        self._orphans: dict[Any, Any] = {}
+        self._scheduled = False
+        self.closed = False
+        loop.add_reader(self.fd, self._progress)
+        self._tick = loop.call_later(TICK_S, self._on_tick)
+
+    @classmethod
+    def install(cls, ctx: Any, loop: asyncio.AbstractEventLoop) -> LoopProgress:
+        """The ``LoopProgress`` of ``loop`` for ucxx application context ``ctx``, made and
+        registered in ucxx's ``ProgressTasks`` if there is none yet."""
+        from ucxx._lib_async import application_context as app
+
+        have = app.ProgressTasks.get(loop)
+        if isinstance(have, cls) and not have.closed:
+            return have
+        made = cls(ctx.worker, loop)
+        app.ProgressTasks[loop] = made
+        return made
+
+    # ucxx's ProgressTasks entries are hashed by loop and closed through these
+    def __hash__(self) -> int:
+        return hash(self.loop)
+
+    def __eq__(self, other: object) -> bool:
+        return hash(self) == hash(other)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._tick.cancel()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self.fd)
+        for fut, _ in self._waiting.values():
+            if not fut.done():
+                fut.cancel()
+        self._waiting.clear()
+        self._orphans.clear()
+
+    def kick(self) -> None:
+        """Progress soon (in this loop's next round)."""
+        if not self._scheduled and not self.closed:
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _on_tick(self) -> None:
+        if self.closed:
+            return
+        self._progress()
+        self._tick = self.loop.call_later(TICK_S, self._on_tick)
+
+    def _progress(self) -> None:
+        self._scheduled = False
+        if self.closed:
+            return
+        self.worker.progress()
+        if self._waiting:
+            for req in [r for r in self._waiting if r.completed]:
+                fut, _ = self._waiting.pop(req)
+                if not fut.done():
+                    fut.set_result(None)
+        if self._orphans:
+            for req in [r for r in self._orphans if r.completed]:
+                del self._orphans[req]
+        if not self.worker.arm():  # events came in since: progress again before sleeping
+            self.kick()
+
+    async def wait(self, req: Any, keep: Any = None) -> None:
+        if not req.completed:
+            self.kick()
+            fut: asyncio.Future[None] = self.loop.create_future()
+            self._waiting[req] = (fut, keep)
+            try:
+                await fut
+            finally:
+                self._waiting.pop(req, None)
+                if not req.completed:
+                    self._orphans[req] = keep
+        req.check_error()
+
+
+class FastEndpoint:
+    """``send(buf, tag=)`` / ``recv(buf, tag=)`` over ucxx async endpoint ``ep`` through
+    ``progress`` (a ``LoopProgress``, or a ``RequestWaiter``): each posts its request at once and
+    returns an awaitable. ``abort`` closes."""
+
+    def __init__(self, ep: Any, progress: RequestWaiter) -> None:
+        from ucxx._lib.arr import Array
+        from ucxx._lib.libucxx import UCXCloseError
+        from ucxx._lib_async.utils import hash64bits
+        from ucxx.types import Tag, TagMaskFull
+
+        self.ep, self.progress = ep, progress
+        self._array, self._tag, self._mask, self._hash = Array, Tag, TagMaskFull, hash64bits
+        self._closed_error = UCXCloseError
+
+    def _raw(self) -> Any:
+        raw = self.ep._ep
+        if raw is None or self.ep.closed:
+            raise self._closed_error("Endpoint closed")
+        raw.raise_on_error()
+        return raw
+
+    def _tagged(self, side: str, tag: int | None) -> Any:
+        base = self.ep._tags[side]
+        return self._tag(base if tag is None else self._hash(base, hash(tag)))
+
+    def send(self, buf: Any, tag: int | None = None) -> Awaitable[None]:
+        arr = self._array(buf)
+        return self.progress.wait(self._raw().tag_send(arr, self._tagged("msg_send", tag)), arr)
+
+    def recv(self, buf: Any, tag: int | None = None) -> Awaitable[None]:
+        arr = self._array(buf)
+        req = self._raw().tag_recv(arr, self._tagged("msg_recv", tag), self._mask)
+        return self.progress.wait(req, arr)
+
+    def abort(self, **kw: Any) -> None:
+        self.ep.abort(**kw)
