@@ -7,9 +7,9 @@ NVMe tier's file reads and writes; injected clock).
 - ``lookup`` grants a read lease: a leased page is neither evicted nor moved until the lease ends
   (``lease_s``) or is released. ``read`` checks the payload CRC of an NVMe copy; a bad page is
   deleted (with its descendants) and counted, never returned.
-- Heat = exponentially decayed access count (``half_life_s``), kept as the time-invariant score
-  ``log2(count) + t / half_life`` so heats compare at any time; a touch raises the ancestors'
-  score to at least the page's (a hot prefix outlives its sessions).
+- Heat = exponentially decayed access count (``half_life_s``; ``heat.HeatHeaps``: the eviction
+  order per tier and slot class); a touch raises the ancestors' score to at least the page's (a
+  hot prefix outlives its sessions).
 - Placement: new pages go to DRAM; above the high watermark (and when a DRAM slot is needed) the
   coldest DRAM pages move to NVMe; an NVMe page read ``promote_reads`` times moves back when DRAM
   has room or holds a colder page. Eviction takes the coldest page with no resident child of its
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -31,50 +30,12 @@ from dataclasses import dataclass, field
 
 from swaserve.gcache import codec
 from swaserve.gcache.codec import KIND_NAMES, CorruptPage
+from swaserve.gcache.heat import HEAP_SLACK, Block, Entry, HeatHeaps, PageId
 from swaserve.gcache.tiers import NvmeTier, Slot, Tier
 
-PageId = tuple[bytes, int]  # (key, kind)
-
-
-@dataclass(frozen=True)
-class Block:
-    """A router prefix-index block a full page completes: its key, position in its chain and the
-    previous block's key (None at depth 0) (``kvcache.hashing``)."""
-
-    key: int
-    depth: int
-    parent: int | None
-
+__all__ = ["BUSY", "EXISTS", "FULL", "HEAP_SLACK", "NO_PARENT", "Block", "Entry", "PageId", "PageStore"]
 
 EXISTS, BUSY, FULL, NO_PARENT = "exists", "busy", "full", "no_parent"
-HEAP_SLACK = 1024  # a class's eviction heap is compacted (stale items out) past 2x live + this
-
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    key: bytes
-    kind: int
-    parent: bytes
-    index: int
-    size: int  # object bytes (header + payload)
-    tier: Tier
-    slot: Slot
-    committed: bool = False
-    score: float = -math.inf
-    token: int = 0  # the heap item that is current
-    leased: int = 0
-    nvme_reads: int = 0
-    deadline: float = 0.0  # uncommitted: reclaimed after
-    needs_parent: bool = False  # a full page whose parent must be on this node
-    block: Block | None = None  # the routers' index block this page completes
-
-    @property
-    def pid(self) -> PageId:
-        return self.key, self.kind
-
-    @property
-    def parent_pid(self) -> PageId:
-        return self.parent, self.kind
 
 
 @dataclass
@@ -106,7 +67,7 @@ class PageStore:
         if not 0 < low <= high <= 1:
             raise ValueError(f"watermarks need 0 < low <= high <= 1, got {low}, {high}")
         self.dram, self.nvme, self.clock = dram, nvme, clock
-        self.half_life, self.lease_s, self.put_timeout = half_life_s, lease_s, put_timeout_s
+        self.lease_s, self.put_timeout = lease_s, put_timeout_s
         self.promote_reads, self.high, self.low = promote_reads, high, low
         self.index: dict[PageId, Entry] = {}
         self.children: dict[PageId, set[PageId]] = {}  # resident pages by their parent's id
@@ -115,8 +76,7 @@ class PageStore:
         self._pinned: Counter[PageId] = Counter()  # parents of pending reservations
         self.leases: dict[int, _Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
-        self._heaps: dict[tuple[str, int], list[tuple[float, int, int, Entry]]] = {}
-        self._heap_cap: dict[tuple[str, int], int] = {}  # a heap's length that triggers compaction
+        self.heat = HeatHeaps(half_life_s)
         self._ids = itertools.count(1)
         self.stats: Counter[tuple[str, str, str]] = Counter()  # (what, tier, kind) -> count
         self.recovered = {"pages": 0, "dropped": 0}
@@ -125,54 +85,17 @@ class PageStore:
         if nvme is not None:
             self.recover()
 
-    # -- heat -------------------------------------------------------------------------------------
+    # -- heat (swaserve/gcache/heat.py) -------------------------------------------------------------
     def _heat_up(self, e: Entry, now: float, propagate: bool = True) -> None:
-        t = now / self.half_life
-        count = 2.0 ** (e.score - t) if e.score > -math.inf else 0.0
-        self._set_score(e, math.log2(count + 1.0) + t)
+        self.heat.heat_up(e, now)
         if propagate:
             self._propagate(e)
 
     def _propagate(self, e: Entry) -> None:
         p = self.index.get(e.parent_pid)
         while p is not None and p.score < e.score:  # heat(parent) >= heat(child)
-            self._set_score(p, e.score)
+            self.heat.set_score(p, e.score)
             p = self.index.get(p.parent_pid)
-
-    def _set_score(self, e: Entry, score: float) -> None:
-        e.score, e.token = score, next(self._ids)
-        heap = self._heap(e.tier, e.slot[0])
-        heapq.heappush(heap, (score, -e.index, e.token, e))
-        key = (e.tier.name, e.slot[0])
-        if len(heap) > self._heap_cap.get(key, HEAP_SLACK):  # stale items pile up without evictions
-            heap[:] = [item for item in heap if self._current(item, e.tier)]
-            heapq.heapify(heap)
-            self._heap_cap[key] = 2 * len(heap) + HEAP_SLACK
-
-    def _current(self, item: tuple[float, int, int, Entry], tier: Tier) -> bool:
-        e = item[3]
-        return e.token == item[2] and e.tier is tier and self.index.get(e.pid) is e
-
-    def _heap(self, tier: Tier, size: int) -> list[tuple[float, int, int, Entry]]:
-        return self._heaps.setdefault((tier.name, size), [])
-
-    def _coldest(self, tier: Tier, size: int, ok: Callable[[Entry], bool]) -> Entry | None:
-        """The coldest current page of ``tier``'s class ``size`` passing ``ok`` (stale heap items
-        dropped; current ones that fail ``ok`` kept)."""
-        heap, keep = self._heap(tier, size), []
-        found = None
-        while heap:
-            item = heapq.heappop(heap)
-            e = item[3]
-            if not self._current(item, tier):
-                continue  # stale
-            keep.append(item)
-            if ok(e):
-                found = e
-                break
-        for item in keep:
-            heapq.heappush(heap, item)
-        return found
 
     def _evictable(self, e: Entry) -> bool:
         return e.leased == 0 and not self.children.get(e.pid) and e.pid not in self._pinned
@@ -202,7 +125,7 @@ class PageStore:
     def _demote_any(self) -> bool:
         best = None
         for size in list(self.dram.classes):
-            e = self._coldest(self.dram, size, lambda x: x.leased == 0)
+            e = self.heat.coldest(self.dram, size, lambda x: x.leased == 0)
             if e is not None and (best is None or e.score < best.score):
                 best = e
         return best is not None and self._move(best, self.nvme)  # type: ignore[arg-type]
@@ -361,13 +284,13 @@ class PageStore:
                 tier.write(dst, tier.read(e.slot, e.size))
                 tier.release(e.slot)
                 e.slot = dst
-                self._set_score(e, e.score)
+                self.heat.set_score(e, e.score)
             tier.shrink(other)
             return True
         return False
 
     def _demote(self, dsize: int) -> bool:
-        e = self._coldest(self.dram, dsize, lambda x: x.leased == 0)
+        e = self.heat.coldest(self.dram, dsize, lambda x: x.leased == 0)
         return e is not None and self._move(e, self.nvme)  # type: ignore[arg-type]
 
     def _move(self, e: Entry, to: Tier) -> bool:
@@ -379,11 +302,11 @@ class PageStore:
         self._count("demotions" if to is self.nvme else "promotions", e.tier, e.kind)
         e.tier.release(e.slot)
         e.tier, e.slot, e.nvme_reads = to, slot, 0
-        self._set_score(e, e.score)  # into the new tier's heap
+        self.heat.set_score(e, e.score)  # into the new tier's heap
         return True
 
     def _evict(self, tier: Tier, size: int) -> bool:
-        e = self._coldest(tier, size, self._evictable)
+        e = self.heat.coldest(tier, size, self._evictable)
         if e is None:
             return False
         self._count("evictions", tier, e.kind)
@@ -392,6 +315,7 @@ class PageStore:
 
     def _drop(self, e: Entry) -> None:
         del self.index[e.pid]
+        self.heat.forget(e)
         if e.block is not None:
             self.events.append(("removed", e.block))
         sib = self.children.get(e.parent_pid)
@@ -472,7 +396,7 @@ class PageStore:
         if dram.capacity < dram.slot_size(e.size):
             return
         if dram.free_slots(dram.slot_size(e.size)) == 0:
-            cold = self._coldest(dram, dram.slot_size(e.size), lambda x: x.leased == 0)
+            cold = self.heat.coldest(dram, dram.slot_size(e.size), lambda x: x.leased == 0)
             if cold is None or cold.score >= e.score or not self._move(cold, self.nvme):  # type: ignore[arg-type]
                 return
         self._move(e, dram)

@@ -386,10 +386,10 @@ def test_eviction_heaps_stay_bounded_without_evictions() -> None:
     for _ in range(3000):
         clock.t += 0.01
         store.touch([pages[rng.randrange(len(pages))]["pid"]])
-        (heap,) = store._heaps.values()
+        (heap,) = store.heat.heaps.values()
         assert len(heap) <= 2 * len(pages) + HEAP_SLACK + 1
     check(store)
     # the heap still yields the coldest current page: the same as a scan of the index
-    (heap,) = store._heaps.values()
+    (heap,) = store.heat.heaps.values()
     want = min((e for e in store.index.values() if store._evictable(e)), key=lambda e: (e.score, -e.index))
-    assert store._coldest(store.dram, size, store._evictable) is want
+    assert store.heat.coldest(store.dram, size, store._evictable) is want
