@@ -216,10 +216,11 @@ class _GenerationRequest(_Strict):
                 param=prompt_param,
                 code="context_length_exceeded",
             )
-        if max_tokens == 0 and prompt_logprobs is None and not getattr(self, "echo", False):
+        prompt_only = prompt_logprobs is not None or bool(getattr(self, "echo", False))
+        if max_tokens is not None and max_tokens < (0 if prompt_only else 1):
+            floor = "0" if prompt_only else "1 (0, the prompt only, goes with echo or prompt_logprobs)"
             raise ProtocolError(
-                f"{max_tokens_param} must be at least 1 (0, the prompt only, goes with echo or prompt_logprobs)",
-                param=max_tokens_param,
+                f"{max_tokens_param} must be at least {floor}, got {max_tokens}", param=max_tokens_param
             )
         if max_tokens is None:  # a default never overflows the context (vLLM trims it too)
             max_tokens = min(default_max_tokens, max_model_len - prompt_len)
@@ -255,8 +256,8 @@ class _GenerationRequest(_Strict):
         except ValueError as e:
             message = str(e)
             field = message.split(" ", 1)[0]
-            if field == "max_tokens":
-                field = max_tokens_param
+            if field == "max_tokens":  # the name the request used
+                field, message = max_tokens_param, max_tokens_param + message[len(field) :]
             raise ProtocolError(message, param=field if field in type(self).model_fields else None) from e
         checked: tuple[tuple[str, float], ...] = (
             ("temperature", params.temperature),

@@ -482,3 +482,14 @@ def test_request_timer_abort_and_discard() -> None:
     get = m.registry.get_sample_value
     assert get("swaserve:request_success_total", {"model_name": "m", "finished_reason": "abort"}) == 1
     assert get("swaserve:e2e_request_latency_seconds_count", {"model_name": "m"}) == 1
+
+
+def test_a_negative_max_tokens_names_the_field_the_request_used_and_its_floor() -> None:
+    err = refused(chat(max_completion_tokens=-1).sampling_params, 30, MAX_LEN)
+    assert err.param == "max_completion_tokens" and str(err).startswith(
+        "max_completion_tokens must be at least 1"
+    )
+    err = refused(chat(max_tokens=-1).sampling_params, 30, MAX_LEN)
+    assert err.param == "max_tokens" and "at least 1" in str(err)
+    err = refused(completion(max_tokens=-5, echo=True).sampling_params, 5, MAX_LEN)
+    assert err.param == "max_tokens" and "at least 0, got -5" in str(err)
