@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
 import re
@@ -28,6 +29,8 @@ from safetensors.torch import save_file
 
 from swaserve.model.multimodal import MEDIA_TOKENS, TOKEN_TEXT
 from swaserve.model.train import DistillConfig, PretrainConfig, corpus_prompts, distill, pretrain
+
+log = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -497,6 +500,11 @@ def _build_once(target: Path, build: Callable[[], object]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not (target / "config.json").is_file():
+                log.warning(
+                    "building %s on first use (cached at %s; minutes for a trained preset)",
+                    target.name,
+                    target,
+                )
                 build()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -25,12 +25,14 @@ import json
 import logging
 import math
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from swaserve.config import FULL, SWA
 from swaserve.model.attention import KindMeta, kind_meta
@@ -156,7 +158,8 @@ def pretrain(model: MiMoV2ForCausalLM, windows: torch.Tensor, cfg: PretrainConfi
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         sched = _cosine(opt, cfg.steps)
         running = 0.0
-        for step in range(cfg.steps):
+        bar = _bar(cfg.steps, "target pretraining")
+        for step in bar:
             x = windows[torch.tensor(rng.sample(range(windows.shape[0]), min(cfg.batch, windows.shape[0])))]
             loss = F.cross_entropy(lm_logits(model, x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
             opt.zero_grad()
@@ -168,8 +171,15 @@ def pretrain(model: MiMoV2ForCausalLM, windows: torch.Tensor, cfg: PretrainConfi
             if (step + 1) % 10 == 0:
                 losses.append(round(running / 10, 4))
                 log.info("target pretraining step %d/%d: loss %.4f", step + 1, cfg.steps, running / 10)
+                bar.set_postfix(loss=f"{running / 10:.3f}", refresh=False)
                 running = 0.0
     return losses
+
+
+def _bar(steps: int, what: str) -> tqdm[int]:
+    """A progress bar on stderr for a training loop (a checkpoint is built on first use, for
+    minutes on a CPU: a user sees it move); at most one refresh per 10 s off a terminal."""
+    return tqdm(range(steps), desc=what, unit="step", mininterval=0.5 if sys.stderr.isatty() else 10.0)
 
 
 @contextlib.contextmanager
@@ -291,7 +301,8 @@ def distill(model: MiMoV2ForCausalLM, prompts: torch.Tensor, cfg: DistillConfig)
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         sched = _cosine(opt, cfg.steps)
         running = 0.0
-        for step in range(cfg.steps):
+        bar = _bar(cfg.steps, "MTP self-distillation")
+        for step in bar:
             idx = torch.tensor(rng.sample(range(n_train), min(cfg.batch, n_train)))
             loss = torch.stack([
                 F.cross_entropy(mtp_logits(model, k, seqs[idx], hidden[idx]).flatten(0, 1), labels[idx].flatten())
@@ -306,6 +317,7 @@ def distill(model: MiMoV2ForCausalLM, prompts: torch.Tensor, cfg: DistillConfig)
             if (step + 1) % out.every == 0:
                 out.loss.append(round(running / out.every, 4))
                 log.info("MTP distillation step %d/%d: loss %.4f", step + 1, cfg.steps, running / out.every)
+                bar.set_postfix(loss=f"{running / out.every:.3f}", refresh=False)
                 running = 0.0
     out.accuracy, out.accept_length, out.accepted_per_pos = evaluate(model, *held, first=p_len)
     log.info(
