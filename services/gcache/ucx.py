@@ -96,8 +96,9 @@ def available() -> bool:
 class _Runtime:
     """ucxx's application context (one per process) held for the servers and clients of one event
     loop: made by the first ``acquire`` and progressed by that loop (``progress``, a
-    ``ucx_ep.LoopProgress``: no ucxx threads), torn down when the last user releases it. A second
-    loop may use UCX only once the first has no users left."""
+    ``ucx_ep.LoopProgress``: no ucxx threads), kept while that loop lives (a reconnect after a
+    dropped endpoint reuses it: a teardown cost 0.1-0.3 s and leaked the old worker's fds). A
+    second loop may use UCX once the first is closed or has no users left: it is torn down then."""
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -119,6 +120,7 @@ class _Runtime:
         if self.loop is None:
             if getattr(ucxx.core, "_ctx", None) is None:
                 # progress by the loop itself (services/gcache/ucx_ep.py), not ucxx's threads
+                LoopProgress.reserve(loop)
                 ucxx.init(progress_mode="blocking", enable_python_future=False)
                 self.owned = True
                 self.progress = LoopProgress.install(ucxx.core._ctx, loop)
@@ -136,21 +138,22 @@ class _Runtime:
         return self.progress if self.progress is not None else RequestWaiter()
 
     def release(self, generation: int) -> None:
-        """One user fewer (a stale generation is ignored); the last one tears the context down."""
+        """One user fewer (a stale generation is ignored). Our context stays for its loop; one
+        made elsewhere is let go with its last user."""
         if generation != self.generation or self.loop is None:
             return
         self.users -= 1
-        if self.users <= 0:
+        if self.users <= 0 and not self.owned:
             self._teardown()
 
     def _teardown(self) -> None:
-        self.loop, self.users = None, 0
-        progress, self.progress = self.progress, None
-        if self.owned:
-            self.owned = False
-            _stop_ucxx(reset=True)  # cancels what is in flight first: then buffers may go
+        progress, owned = self.progress, self.owned
+        self.loop, self.users, self.progress, self.owned = None, 0, None, False
         if progress is not None:
-            progress.close()
+            _close_in_its_loop(progress)  # no more progress from the old loop
+        if owned:
+            _stop_ucxx(reset=True)  # cancels what is in flight, then resets
+        del progress  # buffers of requests that were in flight go only now
 
     def _register_exit_hook(self) -> None:
         # ucxx's notifier thread (a context in its thread mode, made elsewhere) is not a daemon:
@@ -160,6 +163,27 @@ class _Runtime:
             register = getattr(threading, "_register_atexit", None)
             with contextlib.suppress(RuntimeError):
                 (register or __import__("atexit").register)(_stop_ucxx)
+
+
+def _close_in_its_loop(progress: LoopProgress, timeout_s: float = 5.0) -> None:
+    """``progress.close()`` in the thread of its loop when that loop runs in another thread."""
+    loop = progress.loop
+    try:
+        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if loop.is_closed() or not loop.is_running() or loop is here:
+        progress.close()
+        return
+    done = threading.Event()
+
+    def close() -> None:
+        progress.close()
+        done.set()
+
+    loop.call_soon_threadsafe(close)
+    if not done.wait(timeout_s):
+        log.warning("the event loop that held UCX did not stop its progress within %.0f s", timeout_s)
 
 
 def _stop_ucxx(reset: bool = False) -> None:
@@ -189,6 +213,13 @@ def _stop_ucxx(reset: bool = False) -> None:
 
 
 _RUNTIME = _Runtime()
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Read a finished task's exception: a call that failed on one of its messages (or was
+    cancelled) leaves the other's error unread, which asyncio would log."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _abort(ep: Any) -> None:
@@ -465,6 +496,7 @@ class UcxClient:
             for fut in (got, sending):  # a refusal leaves the rest of the request unsent
                 if not fut.done():
                     fut.cancel()
+                fut.add_done_callback(_retrieve)
         meta_back, bufs = await _recv_rest(ep, f, head, MAX_BUFFER_BYTES, self.max_reply_bytes, into)
         return f.op == OP_REFUSED, Reply(f.status, meta_back, bufs)
 

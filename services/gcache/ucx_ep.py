@@ -18,19 +18,29 @@ ucxx 0.52; tests/services/gcache/test_ucx.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import struct
 from collections.abc import Awaitable
 from typing import Any
 
 TICK_S = 0.01  # progress at least this often (seconds) while the loop has a LoopProgress
+_RESERVED = object()  # a ProgressTasks entry that keeps ucxx from starting its own progress
 
 
 class RequestWaiter:
     """Awaits a ucxx request with ucxx's own ``wait`` (whatever progress mode its context has)."""
 
     async def wait(self, req: Any, keep: Any = None) -> None:
-        """Until ucxx request ``req`` completes (``keep``, its buffer, held until then). Raises
-        ucxx's errors (``UCXCanceled``, ``UCXError``: the peer is gone) or CancelledError."""
-        await req.wait()
+        """Until ucxx request ``req`` completes (``keep``, its buffer, held until then, even when
+        the waiter is cancelled first). Raises ucxx's errors (``UCXCanceled``, ``UCXError``: the
+        peer is gone) or CancelledError."""
+        try:
+            await req.wait()
+        except asyncio.CancelledError:
+            fut = None if req.completed else req.future
+            if fut is not None:
+                fut.add_done_callback(lambda f, k=keep: f.cancelled() or f.exception())
+            raise
 
 
 class LoopProgress(RequestWaiter):
@@ -51,6 +61,15 @@ class LoopProgress(RequestWaiter):
         loop.add_reader(self.fd, self._progress)
         self._tick = loop.call_later(TICK_S, self._on_tick)
 
+    @staticmethod
+    def reserve(loop: asyncio.AbstractEventLoop) -> None:
+        """Before ``ucxx.init``: keep ucxx from starting its own progress task for ``loop`` (its
+        context starts one at init; ``blocking``'s would progress the worker behind ours)."""
+        from ucxx._lib_async import application_context as app
+
+        app.ProgressTasks.setdefault(loop, _RESERVED)
+        _patch_exchange()
+
     @classmethod
     def install(cls, ctx: Any, loop: asyncio.AbstractEventLoop) -> LoopProgress:
         """The ``LoopProgress`` of ``loop`` for ucxx application context ``ctx``, made and
@@ -62,6 +81,7 @@ class LoopProgress(RequestWaiter):
             return have
         made = cls(ctx.worker, loop)
         app.ProgressTasks[loop] = made
+        _patch_exchange()
         return made
 
     # ucxx's ProgressTasks entries are hashed by loop and closed through these
@@ -72,17 +92,23 @@ class LoopProgress(RequestWaiter):
         return hash(self) == hash(other)
 
     def close(self) -> None:
+        """Stop progressing (in ``loop``'s thread). Waiting requests fail with ``UCXCanceled``;
+        the buffers of requests still in flight stay held by this object (drop it only after
+        ucxx's context is reset)."""
         if self.closed:
             return
+        from ucxx._lib.libucxx import UCXCanceled
+
         self.closed = True
         self._tick.cancel()
         if not self.loop.is_closed():
             self.loop.remove_reader(self.fd)
-        for fut, _ in self._waiting.values():
+        for req, (fut, keep) in self._waiting.items():
             if not fut.done():
-                fut.cancel()
+                fut.set_exception(UCXCanceled("UCX progress closed"))
+            if not req.completed:
+                self._orphans[req] = keep
         self._waiting.clear()
-        self._orphans.clear()
 
     def kick(self) -> None:
         """Progress soon (in this loop's next round)."""
@@ -93,8 +119,11 @@ class LoopProgress(RequestWaiter):
     def _on_tick(self) -> None:
         if self.closed:
             return
-        self._progress()
-        self._tick = self.loop.call_later(TICK_S, self._on_tick)
+        try:
+            self._progress()
+        finally:
+            if not self.closed:
+                self._tick = self.loop.call_later(TICK_S, self._on_tick)
 
     def _progress(self) -> None:
         self._scheduled = False
@@ -163,3 +192,56 @@ class FastEndpoint:
 
     def abort(self, **kw: Any) -> None:
         self.ep.abort(**kw)
+
+
+def _waiter() -> RequestWaiter:
+    from ucxx._lib_async import application_context as app
+
+    have = app.ProgressTasks.get(asyncio.get_running_loop())
+    return have if isinstance(have, LoopProgress) and not have.closed else RequestWaiter()
+
+
+async def exchange_peer_info(
+    endpoint: Any, msg_tag: int, listener: bool, connect_timeout: float = 5.0
+) -> dict[str, int]:
+    """ucxx's connection handshake (each side sends its message tag and the tag's hash as two u64
+    over the UCX stream API; the listener sends first), awaited through the loop's progress
+    (ucxx's own polls ``asyncio.sleep(0)`` in a loop: a core busy while a peer is slow) with the
+    16-byte buffers held until UCX completes their requests, and the half-made endpoint closed
+    when the handshake fails or is cancelled (ucxx's freed a receive buffer still posted: UCX
+    wrote the peer's bytes into freed memory). Raises TimeoutError, ucxx's errors, RuntimeError
+    (bad checksum)."""
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.utils import hash64bits
+
+    mine = struct.pack("QQ", msg_tag, hash64bits(msg_tag))
+    theirs = bytearray(len(mine))
+    out, into = Array(mine), Array(theirs)
+    waiter = _waiter()
+    try:
+        async with asyncio.timeout(connect_timeout):
+            if listener:
+                await waiter.wait(endpoint.stream_send(out), out)
+                await asyncio.sleep(0)  # an await between the two stream calls, as ucxx has
+                await waiter.wait(endpoint.stream_recv(into), into)
+            else:
+                await waiter.wait(endpoint.stream_recv(into), into)
+                await asyncio.sleep(0)
+                await waiter.wait(endpoint.stream_send(out), out)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            endpoint.close_blocking(period=100_000_000, max_attempts=1)  # cancels what is posted
+        raise
+    tag, checksum = struct.unpack("QQ", theirs)
+    if hash64bits(tag) != checksum:
+        raise RuntimeError(f"UCX handshake: checksum {checksum:#x} does not match tag {tag:#x}")
+    return {"msg_tag": tag, "checksum": checksum}
+
+
+def _patch_exchange() -> None:
+    """ucxx 0.52 imports ``exchange_peer_info`` by name into the modules that connect: ours there."""
+    from ucxx._lib_async import application_context as app
+    from ucxx._lib_async import listener as lis
+
+    app.exchange_peer_info = exchange_peer_info  # type: ignore[assignment]
+    lis.exchange_peer_info = exchange_peer_info  # type: ignore[assignment]

@@ -7,6 +7,8 @@ away with the last user and a later loop starts again, and a ucxx context made b
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,10 +17,14 @@ import numpy as np
 import pytest
 
 from services.gcache.ucx_wire import Reply
+from swaserve.procs import free_port
 from tests.services.gcache.helpers import run, ucx_or_skip
+from tests.services.gcache.test_node_process import gcache_node
 
 IDLE_S = 1.0
 IDLE_CPU_MAX_S = 0.4  # busy-polling costs ~IDLE_S; the loop's own ticks cost ~0.01-0.05 s
+CYCLES = 20
+DEADLINE_S = 2.0
 
 
 @pytest.fixture(autouse=True)
@@ -70,25 +76,69 @@ def test_calls_of_every_size_complete_many_at_once_and_an_idle_connection_costs_
     run(go())
 
 
-def test_the_last_user_stops_the_loop_progress_and_a_new_loop_starts_again() -> None:
+@pytest.mark.cluster
+def test_the_context_stays_for_its_loop_without_leaking_and_a_new_loop_starts_again() -> None:
+    """A client, the process's only UCX user, that drops its endpoint (close, a deadline, a dead
+    peer) reconnects on the same context: no teardown per drop (one cost 0.1-0.3 s and leaked
+    the old worker's descriptors). A later loop gets a new context and progress."""
     from services.gcache import ucx
+    from services.gcache.node import OP_GET
+    from services.gcache.ucx import UcxClient
 
-    async def go() -> object:
-        server, client = await _pair()
-        r = await client.call(3, b"x", [b"abc"])  # type: ignore[attr-defined]
-        assert bytes(r.buffers[0]) == b"cba"
-        progress = ucx._RUNTIME.progress
-        loop = asyncio.get_running_loop()
-        assert progress is not None and loop._selector.get_map().get(progress.fd) is not None  # type: ignore[attr-defined]
-        await client.close()  # type: ignore[attr-defined]
-        await server.stop()  # type: ignore[attr-defined]
-        assert ucx._RUNTIME.progress is None and progress.closed
-        assert loop._selector.get_map().get(progress.fd) is None  # type: ignore[attr-defined]
-        return progress
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
 
-    first = run(go())
-    second = run(go())  # a new loop, a new context and progress
-    assert first is not second
+    with gcache_node("gcache-reuse", "--ucx-port", str(ucx_port := free_port()), "--dram", "32MiB"):
+
+        async def go() -> object:
+            client = UcxClient("127.0.0.1", ucx_port, timeout_s=10.0)
+            assert (await client.call(OP_GET)).status == 0  # no pages asked: an empty reply
+            progress = ucx._RUNTIME.progress
+            assert progress is not None
+            await client.close()
+            before = fds()
+            for _ in range(CYCLES):  # connect, call, drop
+                assert (await client.call(OP_GET)).status == 0
+                await client.close()
+            assert client.connects == CYCLES + 1
+            assert ucx._RUNTIME.progress is progress and not progress.closed
+            grown = fds() - before
+            assert grown < CYCLES // 2, f"{grown} descriptors more after {CYCLES} reconnects"
+            return progress
+
+        first = run(go())
+        second = run(go())  # a new loop: the old context torn down, a new one made
+        assert first is not second and first.closed  # type: ignore[attr-defined]
+
+
+@pytest.mark.cluster
+def test_a_call_that_fails_with_its_endpoint_gets_a_transport_error_not_a_cancellation() -> None:
+    """A sibling call's deadline drops the shared endpoint: the others fail with
+    ``UcxTransportError`` (nobody cancelled them), and the client reconnects after."""
+    from services.gcache.node import OP_GET
+    from services.gcache.ucx import UcxClient, UcxTransportError
+
+    with gcache_node("gcache-sibling", "--ucx-port", str(ucx_port := free_port()), "--dram", "32MiB") as (
+        proc,
+        _,
+    ):
+
+        async def go() -> None:
+            client = UcxClient("127.0.0.1", ucx_port, timeout_s=10.0)
+            assert (await client.call(OP_GET)).status == 0
+            proc.kill(signal.SIGSTOP)
+            try:
+                short = asyncio.create_task(client.call(OP_GET, timeout_s=0.3))
+                others = [asyncio.create_task(client.call(OP_GET)) for _ in range(4)]
+                got = await asyncio.gather(short, *others, return_exceptions=True)
+            finally:
+                proc.kill(signal.SIGCONT)
+            assert all(isinstance(g, UcxTransportError) for g in got), got
+            assert "no reply within 0.3 s" in str(got[0])
+            assert (await client.call(OP_GET)).status == 0
+            await client.close()
+
+        run(go())
 
 
 FOREIGN = """
@@ -96,6 +146,7 @@ import asyncio, ucxx
 from services.gcache.ucx import UcxClient, UcxServer, _RUNTIME
 from services.gcache.ucx_ep import LoopProgress
 from services.gcache.ucx_wire import Reply
+from swaserve.procs import free_port
 
 async def echo(op, meta, bufs):
     return Reply(0, meta, [bytes(b) for b in bufs])
@@ -122,3 +173,31 @@ print("done", flush=True)
 def test_a_context_made_elsewhere_in_the_process_is_used_with_its_own_waits() -> None:
     out = subprocess.run([sys.executable, "-c", FOREIGN], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.cluster
+def test_connecting_to_a_stopped_node_waits_without_spinning_a_core() -> None:
+    """The connection handshake is awaited through the loop's progress: ucxx's own polls
+    ``asyncio.sleep(0)`` in a loop (a whole core for the deadline, or ucxx's 5 s connect
+    timeout), and freed its receive buffer while UCX could still write into it."""
+    from services.gcache.ucx import UcxClient, UcxTransportError
+
+    with gcache_node("gcache-stopped", "--ucx-port", str(ucx_port := free_port()), "--dram", "32MiB") as (
+        proc,
+        _,
+    ):
+
+        async def go() -> None:
+            c = UcxClient("127.0.0.1", ucx_port, timeout_s=DEADLINE_S)
+            proc.kill(signal.SIGSTOP)
+            try:
+                t0 = time.process_time()
+                with pytest.raises(UcxTransportError, match="no connection within"):
+                    await c.call(1, b"x")
+                spent = time.process_time() - t0
+            finally:
+                proc.kill(signal.SIGCONT)
+            assert spent < DEADLINE_S / 3, f"{spent:.2f} CPU s in a {DEADLINE_S} s connect: busy-polling"
+            await c.close()
+
+        run(go())
