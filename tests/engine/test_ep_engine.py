@@ -138,7 +138,9 @@ def test_ep_ranks_equal_one_engine(
         )
         assert len(got_logits[rid]) == len(want_logits[rid]) == NEW
         for a, b in zip(got_logits[rid], want_logits[rid], strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+            # the ranks' expert outputs are summed in another order: fp32 reassociation, relative
+            # (a logit of 1.14 once differed by 1.01e-5)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     if size == 4:
         assert idle[3] > 0  # stepped with no request of its own: idle forwards
     layers = len(ep.mean_sum)
