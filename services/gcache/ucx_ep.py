@@ -8,7 +8,8 @@ is the blocking design done fully: the worker's epoll fd is a reader of the loop
 (or a request was just posted) the loop progresses the worker, completes the futures of the
 requests that finished, and re-arms the worker (progressing again while ``arm`` says events are
 pending), as ucx-py's blocking mode did. A slow tick (``TICK_S``) progresses the worker anyway,
-for requests ucxx's own code posts and awaits (connection set-up).
+a backstop. ``exchange_peer_info`` replaces ucxx's connection handshake (same wire bytes), awaited
+the same way with its buffers held until UCX is done with them.
 
 ``FastEndpoint`` posts tag messages on a ucxx async endpoint with the tags its ``send(buf, tag=)``
 / ``recv(buf, tag=)`` use (the endpoint's tag mixed with the caller's) and awaits them through the

@@ -180,7 +180,7 @@ def test_connecting_to_a_stopped_node_waits_without_spinning_a_core() -> None:
     """The connection handshake is awaited through the loop's progress: ucxx's own polls
     ``asyncio.sleep(0)`` in a loop (a whole core for the deadline, or ucxx's 5 s connect
     timeout), and freed its receive buffer while UCX could still write into it."""
-    from services.gcache.ucx import UcxClient, UcxTransportError
+    from services.gcache.ucx import UcxClient, UcxServer, UcxTransportError
 
     with gcache_node("gcache-stopped", "--ucx-port", str(ucx_port := free_port()), "--dram", "32MiB") as (
         proc,
@@ -188,6 +188,8 @@ def test_connecting_to_a_stopped_node_waits_without_spinning_a_core() -> None:
     ):
 
         async def go() -> None:
+            here = UcxServer(_echo, port=0)
+            await here.start()  # this loop's ucxx context made here, outside the measure
             c = UcxClient("127.0.0.1", ucx_port, timeout_s=DEADLINE_S)
             proc.kill(signal.SIGSTOP)
             try:
@@ -199,5 +201,6 @@ def test_connecting_to_a_stopped_node_waits_without_spinning_a_core() -> None:
                 proc.kill(signal.SIGCONT)
             assert spent < DEADLINE_S / 3, f"{spent:.2f} CPU s in a {DEADLINE_S} s connect: busy-polling"
             await c.close()
+            await here.stop()
 
         run(go())
