@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from services.gcache.ucx_ep import FastEndpoint
+from services.gcache.ucx_ep import FastEndpoint, retrieve
 from services.gcache.ucx_runtime import _RUNTIME, ABORT_PERIOD_NS, ENV_DEFAULTS, available
 from services.gcache.ucx_wire import (
     INLINE_BYTES,
@@ -54,13 +54,6 @@ REFUSE_GRACE_S = 1.0  # after a refusal, how long the server waits for the peer 
 
 Handler = Callable[[int, bytes, list[memoryview]], Awaitable[Reply]]
 __all__ = ["ENV_DEFAULTS", "Handler", "Reply", "UcxClient", "UcxServer", "UcxTransportError", "available"]
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    """Read a finished task's exception: a call that failed on one of its messages (or was
-    cancelled) leaves the other's error unread, which asyncio would log."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _abort(ep: Any) -> None:
@@ -337,7 +330,7 @@ class UcxClient:
             for fut in (got, sending):  # a refusal leaves the rest of the request unsent
                 if not fut.done():
                     fut.cancel()
-                fut.add_done_callback(_retrieve)
+                fut.add_done_callback(retrieve)  # the other half's error, unread
         meta_back, bufs = await _recv_rest(ep, f, head, MAX_BUFFER_BYTES, self.max_reply_bytes, into)
         return f.op == OP_REFUSED, Reply(f.status, meta_back, bufs)
 

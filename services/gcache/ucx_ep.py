@@ -20,12 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import struct
 from collections.abc import Awaitable
 from typing import Any
 
 TICK_S = 0.01  # progress at least this often (seconds) while the loop has a LoopProgress
 _RESERVED = object()  # a ProgressTasks entry that keeps ucxx from starting its own progress
+
+
+def retrieve(fut: asyncio.Future[Any], keep: Any = None) -> None:
+    """A done-callback that reads a finished future's exception (asyncio would log one nobody
+    read); ``keep``: an object held until then (a buffer UCX may still use)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class RequestWaiter:
@@ -40,7 +48,7 @@ class RequestWaiter:
         except asyncio.CancelledError:
             fut = None if req.completed else req.future
             if fut is not None:
-                fut.add_done_callback(lambda f, k=keep: f.cancelled() or f.exception())
+                fut.add_done_callback(functools.partial(retrieve, keep=keep))
             raise
 
 

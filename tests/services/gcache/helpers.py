@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -62,3 +64,9 @@ async def node(ucx: bool = False, **kw: Any) -> AsyncIterator[NodeServer]:
         yield server
     finally:
         await server.stop()
+
+
+def run_script(code: str, timeout_s: float = 60.0) -> None:
+    """Run ``code`` in a new Python process: it must exit 0 having printed ``done``."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 import types
@@ -26,7 +25,7 @@ from swaserve.gcache import codec
 from swaserve.gcache.l3 import L3Error, PutPage
 from swaserve.procs import free_port
 from swaserve.v1 import gcache_pb2 as pb
-from tests.services.gcache.helpers import chain, node, run, tokens, ucx_or_skip
+from tests.services.gcache.helpers import chain, node, run, run_script, tokens, ucx_or_skip
 from tests.services.gcache.test_node_process import gcache_node
 
 SLACK_S = 3.0  # a busy 2-core machine: scheduling on top of a deadline
@@ -277,8 +276,7 @@ print("done", flush=True)
 
 @pytest.mark.cluster
 def test_a_process_that_leaves_a_client_open_exits() -> None:
-    out = subprocess.run([sys.executable, "-c", EXITS], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    run_script(EXITS)
 
 
 @pytest.mark.cluster

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 
 from services.gcache.ucx_wire import Reply
 from swaserve.procs import free_port
-from tests.services.gcache.helpers import run, ucx_or_skip
+from tests.services.gcache.helpers import run, run_script, ucx_or_skip
 from tests.services.gcache.test_node_process import gcache_node
 
 IDLE_S = 1.0
@@ -171,8 +169,7 @@ print("done", flush=True)
 
 @pytest.mark.cluster
 def test_a_context_made_elsewhere_in_the_process_is_used_with_its_own_waits() -> None:
-    out = subprocess.run([sys.executable, "-c", FOREIGN], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    run_script(FOREIGN)
 
 
 @pytest.mark.cluster
