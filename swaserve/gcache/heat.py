@@ -3,10 +3,13 @@ object), ``HeatHeaps`` (per tier and slot class, a min-heap by heat).
 
 Heat = exponentially decayed access count (``half_life_s``), kept as the time-invariant score
 ``log2(count) + t / half_life`` so heats compare at any time without decaying every page (the
-store lifts ancestors to their children's score: ``PageStore._propagate``). A heap item is
-(score, -index, token, entry): ties go to the deeper page; an item is current while its entry's
-``token`` and tier are unchanged, so a new score or a move only pushes a new item and stale ones
-are skipped on pop, or dropped when a heap grows past twice its live pages + ``HEAP_SLACK``.
+store lifts ancestors to their children's level: ``PageStore._propagate``). Eviction order and
+lifts go by ``level(score)``, the score to 1/``LEVELS`` (half_life / 256 of recency): pages of a
+chain read or written one after another share a level, so a read lifts no ancestor and costs
+O(1), not O(depth), and a level's ties go to the deeper page. A heap item is
+(level, -index, token, entry); an item is current while its entry's ``token`` and tier are
+unchanged, so a new score or a move only pushes a new item and stale ones are skipped on pop, or
+dropped when a heap grows past twice its live pages + ``HEAP_SLACK``.
 Sans IO. Design: docs/DESIGN.md#gcache"""
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ from swaserve.gcache.tiers import Slot, Tier
 
 PageId = tuple[bytes, int]  # (key, kind)
 HEAP_SLACK = 1024  # a class's eviction heap is compacted (stale items out) past 2x live + this
+LEVELS = 256  # heat levels per score unit (a doubled count, or one half-life of recency)
+
+
+def level(score: float) -> float:
+    """``score`` rounded down to the heat's resolution, 1 / ``LEVELS`` (exact in binary)."""
+    return math.floor(score * LEVELS) / LEVELS if score > -math.inf else score
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ class HeatHeaps:
         e.score, e.token = score, next(self._tokens)
         key = (e.tier.name, e.slot[0])
         heap = self.heaps.setdefault(key, [])
-        heapq.heappush(heap, (score, -e.index, e.token, e))
+        heapq.heappush(heap, (level(score), -e.index, e.token, e))
         if len(heap) > self._cap.get(key, HEAP_SLACK):  # stale items pile up without evictions
             heap[:] = [item for item in heap if self._current(item, e.tier)]
             heapq.heapify(heap)

@@ -8,8 +8,8 @@ NVMe tier's file reads and writes; injected clock).
   (``lease_s``) or is released. ``read`` checks the payload CRC of an NVMe copy; a bad page is
   deleted (with its descendants) and counted, never returned.
 - Heat = exponentially decayed access count (``half_life_s``; ``heat.HeatHeaps``: the eviction
-  order per tier and slot class); a touch raises the ancestors' score to at least the page's (a
-  hot prefix outlives its sessions).
+  order per tier and slot class); a touch raises the ancestors' heat level to at least the page's
+  (a hot prefix outlives its sessions).
 - Placement: new pages go to DRAM; above the high watermark (and when a DRAM slot is needed) the
   coldest DRAM pages move to NVMe; an NVMe page read ``promote_reads`` times moves back when DRAM
   has room or holds a colder page. Eviction takes the coldest page with no resident child of its
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from swaserve.gcache import codec
 from swaserve.gcache.codec import KIND_NAMES, CorruptPage
-from swaserve.gcache.heat import HEAP_SLACK, Block, Entry, HeatHeaps, PageId
+from swaserve.gcache.heat import HEAP_SLACK, Block, Entry, HeatHeaps, PageId, level
 from swaserve.gcache.tiers import NvmeTier, Slot, Tier
 
 __all__ = ["BUSY", "EXISTS", "FULL", "HEAP_SLACK", "NO_PARENT", "Block", "Entry", "PageId", "PageStore"]
@@ -92,8 +92,11 @@ class PageStore:
             self._propagate(e)
 
     def _propagate(self, e: Entry) -> None:
+        """Lift ``e``'s ancestors to its level where they are below it: level(parent) >=
+        level(child) holds for every resident pair, so the walk stops at the first that is not."""
+        lv = level(e.score)
         p = self.index.get(e.parent_pid)
-        while p is not None and p.score < e.score:  # heat(parent) >= heat(child)
+        while p is not None and level(p.score) < lv:
             self.heat.set_score(p, e.score)
             p = self.index.get(p.parent_pid)
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swaserve.gcache import codec
+from swaserve.gcache.heat import level
 from swaserve.gcache.store import BUSY, EXISTS, FULL, NO_PARENT, PageStore
 from swaserve.gcache.tiers import DramTier, NvmeTier
 from tests.gcache.helpers import chain, put
@@ -49,6 +50,8 @@ def check(store: PageStore) -> None:
         assert tier.given <= tier.capacity
     for pid, e in store.index.items():
         assert pid in store.children.get(e.parent_pid, set())
+        parent = store.index.get(e.parent_pid)  # a parent is at least as hot (to a heat level)
+        assert parent is None or level(parent.score) >= level(e.score)
 
 
 def test_accounting_and_dedupe() -> None:
@@ -391,5 +394,41 @@ def test_eviction_heaps_stay_bounded_without_evictions() -> None:
     check(store)
     # the heap still yields the coldest current page: the same as a scan of the index
     (heap,) = store.heat.heaps.values()
-    want = min((e for e in store.index.values() if store._evictable(e)), key=lambda e: (e.score, -e.index))
+    want = min(
+        (e for e in store.index.values() if store._evictable(e)), key=lambda e: (level(e.score), -e.index)
+    )
     assert store.heat.coldest(store.dram, size, store._evictable) is want
+
+
+def test_reading_a_long_chain_page_by_page_lifts_no_ancestor_each_time() -> None:
+    """Pages of a chain read one after another share a heat level: each read is O(1) heap work,
+    not a walk up the chain (400 pages read in order: 80,000 lifts when every read walked to
+    the root); a page read much later, or many times, lifts its ancestors once."""
+    pages = chain(list(range(1600)))  # 400 pages of one chain
+    clock = Clock()
+    size = DramTier(0).slot_size(len(pages[0]["obj"]))
+    store = PageStore(DramTier(size * 400), clock=clock)
+    lifts = 0
+    orig = store.heat.set_score
+
+    def counted(e, score):
+        nonlocal lifts
+        lifts += 1
+        orig(e, score)
+
+    store.heat.set_score = counted
+    for p in pages:
+        put(store, p)
+        clock.t += 0.001
+    for p in pages:
+        assert store.read(p["pid"]) is not None
+        clock.t += 0.001
+    assert lifts <= 3 * len(pages)  # one score per put, per commit, per read
+    check(store)
+    lifts = 0
+    clock.t += 600.0  # a half-life later the deepest page is read: its whole chain comes up
+    assert store.read(pages[-1]["pid"]) is not None
+    assert lifts == len(pages)
+    check(store)
+    # eviction still takes the deepest of the coldest level first
+    assert store.heat.coldest(store.dram, size, store._evictable) is store.index[pages[-1]["pid"]]
