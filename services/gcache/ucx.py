@@ -195,10 +195,12 @@ class UcxServer:
     async def _request(self, conn: _Conn, f: Frame, head: bytearray) -> None:
         try:
             try:
-                async with asyncio.timeout(self.request_timeout_s):
-                    meta, bufs = await _recv_rest(
-                        conn.ep, f, head, self.max_buffer_bytes, self.max_request_bytes
-                    )
+                rest = _recv_rest(conn.ep, f, head, self.max_buffer_bytes, self.max_request_bytes)
+                if f.inline and not f.nbuf:  # all of it came in the head: nothing to wait for
+                    meta, bufs = await rest
+                else:
+                    async with asyncio.timeout(self.request_timeout_s):
+                        meta, bufs = await rest
             except FrameError as e:
                 await self._refuse(conn, f.rid, str(e))
                 await asyncio.sleep(REFUSE_GRACE_S)
@@ -211,8 +213,11 @@ class UcxServer:
                 reply = Reply(INTERNAL, f"op {f.op} failed: {e!r}".encode())
             try:
                 views = [_view(b) for b in reply.buffers]
-                async with asyncio.timeout(self.request_timeout_s):
-                    await _send(conn.ep, f.op, reply.status, f.rid, reply.meta, views, False)
+                sending = _send(conn.ep, f.op, reply.status, f.rid, reply.meta, views, False)
+                if not sending.done():  # a small reply is sent as it is posted
+                    async with asyncio.timeout(self.request_timeout_s):
+                        await sending
+                sending.result()
             finally:
                 if reply.done is not None:
                     reply.done()
@@ -315,9 +320,12 @@ class UcxClient:
         """(refused, the reply). Raises FrameError for a malformed reply, ucxx's errors."""
         head = np.empty(REPLY_HEAD_BYTES, np.uint8).data  # a packed reply's buffers come in it
         got = asyncio.ensure_future(ep.recv(head, tag=message_tag(rid, 0)))  # posted before sending
-        sending = asyncio.ensure_future(_send(ep, op, 0, rid, meta, views, True))
+        posted = [got]
         try:
-            await asyncio.wait((sending, got), return_when=asyncio.FIRST_COMPLETED)
+            sending = _send(ep, op, 0, rid, meta, views, True)
+            posted.append(sending)
+            if not sending.done():  # a small request is sent as it is posted
+                await asyncio.wait((sending, got), return_when=asyncio.FIRST_COMPLETED)
             if not got.done():
                 await sending  # raises when the peer is gone
             await got
@@ -327,7 +335,7 @@ class UcxClient:
             if f.op != OP_REFUSED:
                 await sending
         finally:
-            for fut in (got, sending):  # a refusal leaves the rest of the request unsent
+            for fut in posted:  # a refusal leaves the rest of the request unsent
                 if not fut.done():
                     fut.cancel()
                 fut.add_done_callback(retrieve)  # the other half's error, unread

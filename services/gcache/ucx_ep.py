@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import functools
 import struct
-from collections.abc import Awaitable
 from typing import Any
 
 TICK_S = 0.01  # progress at least this often (seconds) while the loop has a LoopProgress
@@ -38,6 +37,11 @@ def retrieve(fut: asyncio.Future[Any], keep: Any = None) -> None:
 
 class RequestWaiter:
     """Awaits a ucxx request with ucxx's own ``wait`` (whatever progress mode its context has)."""
+
+    def watch(self, req: Any, keep: Any = None) -> asyncio.Future[None]:
+        """A future done when ucxx request ``req`` completes (its error: ucxx's); cancelling it
+        leaves ``keep``, the request's buffer, held until UCX is done with it."""
+        return asyncio.ensure_future(self.wait(req, keep))
 
     async def wait(self, req: Any, keep: Any = None) -> None:
         """Until ucxx request ``req`` completes (``keep``, its buffer, held until then, even when
@@ -61,10 +65,11 @@ class LoopProgress(RequestWaiter):
         self.worker, self.loop = worker, loop
         worker.init_blocking_progress_mode()
         self.fd = int(worker.epoll_file_descriptor)
+        # every posted request until it completes, with its future and its buffer: a future
+        # cancelled first leaves the buffer here, as UCX may still write into or read from it
+        # until the request completes (an abort cancels it)
         self._waiting: dict[Any, tuple[asyncio.Future[None], Any]] = {}
-        # buffers of requests whose waiter left (cancelled) before they completed: UCX may still
-        # write into or read from them until the request completes (an abort cancels it)
-        self._orphans: dict[Any, Any] = {}
+        self._orphans: dict[Any, Any] = {}  # requests still posted when this closed
         self._scheduled = False
         self.closed = False
         loop.add_reader(self.fd, self._progress)
@@ -143,31 +148,45 @@ class LoopProgress(RequestWaiter):
             for req in [r for r in self._waiting if r.completed]:
                 fut, _ = self._waiting.pop(req)
                 if not fut.done():
-                    fut.set_result(None)
+                    _settle(fut, req)
         if self._orphans:
             for req in [r for r in self._orphans if r.completed]:
                 del self._orphans[req]
         if not self.worker.arm():  # events came in since: progress again before sleeping
             self.kick()
 
-    async def wait(self, req: Any, keep: Any = None) -> None:
-        if not req.completed:
-            self.kick()
-            fut: asyncio.Future[None] = self.loop.create_future()
+    def watch(self, req: Any, keep: Any = None) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        if req.completed:
+            _settle(fut, req)
+        elif self.closed:
+            from ucxx._lib.libucxx import UCXCanceled
+
+            self._orphans[req] = keep
+            fut.set_exception(UCXCanceled("UCX progress closed"))
+        else:
             self._waiting[req] = (fut, keep)
-            try:
-                await fut
-            finally:
-                self._waiting.pop(req, None)
-                if not req.completed:
-                    self._orphans[req] = keep
+            self.kick()
+        return fut
+
+    async def wait(self, req: Any, keep: Any = None) -> None:
+        await self.watch(req, keep)
+
+
+def _settle(fut: asyncio.Future[None], req: Any) -> None:
+    """Complete ``fut`` as completed ucxx request ``req`` ended: its error, or None."""
+    try:
         req.check_error()
+    except Exception as e:
+        fut.set_exception(e)
+    else:
+        fut.set_result(None)
 
 
 class FastEndpoint:
     """``send(buf, tag=)`` / ``recv(buf, tag=)`` over ucxx async endpoint ``ep`` through
     ``progress`` (a ``LoopProgress``, or a ``RequestWaiter``): each posts its request at once and
-    returns an awaitable. ``abort`` closes."""
+    returns a future (no task: a message costs no task of its own). ``abort`` closes."""
 
     def __init__(self, ep: Any, progress: RequestWaiter) -> None:
         from ucxx._lib.arr import Array
@@ -190,14 +209,14 @@ class FastEndpoint:
         base = self.ep._tags[side]
         return self._tag(base if tag is None else self._hash(base, hash(tag)))
 
-    def send(self, buf: Any, tag: int | None = None) -> Awaitable[None]:
+    def send(self, buf: Any, tag: int | None = None) -> asyncio.Future[None]:
         arr = self._array(buf)
-        return self.progress.wait(self._raw().tag_send(arr, self._tagged("msg_send", tag)), arr)
+        return self.progress.watch(self._raw().tag_send(arr, self._tagged("msg_send", tag)), arr)
 
-    def recv(self, buf: Any, tag: int | None = None) -> Awaitable[None]:
+    def recv(self, buf: Any, tag: int | None = None) -> asyncio.Future[None]:
         arr = self._array(buf)
         req = self._raw().tag_recv(arr, self._tagged("msg_recv", tag), self._mask)
-        return self.progress.wait(req, arr)
+        return self.progress.watch(req, arr)
 
     def abort(self, **kw: Any) -> None:
         self.ep.abort(**kw)

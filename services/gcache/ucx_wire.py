@@ -13,8 +13,8 @@ each buffer one tag message.
 
 A request's head goes on the endpoint's own tag; every other message on a tag made of the request
 id and the part number (``message_tag``), so calls share one endpoint without waiting for each
-other. ``_send`` / ``_recv_rest`` take any endpoint with ucxx's async ``send(buf, tag=)`` /
-``recv(buf, tag=)``."""
+other. ``_send`` / ``_recv_rest`` take any endpoint whose ``send(buf, tag=)`` / ``recv(buf, tag=)``
+return awaitables (``ucx_ep.FastEndpoint``'s futures, or ucxx's coroutines)."""
 
 from __future__ import annotations
 
@@ -121,22 +121,22 @@ def parse_header(raw: Buffer, max_meta: int = MAX_META_BYTES, max_buffers: int =
     return Frame(op & ~PACKED, status, rid, meta_len, nbuf, bool(op & PACKED))
 
 
-async def _send(
+def _send(
     ep: Any, op: int, status: int, rid: int, meta: Buffer, views: Sequence[memoryview], request: bool
-) -> None:
-    """Send a head (a request's on the endpoint's own tag) and the buffers ``views``."""
+) -> asyncio.Future[Any]:
+    """Post a head (a request's on the endpoint's own tag) and the buffers ``views``: a future
+    done once all are sent (often done already: a small message completes as it is posted)."""
     tail = bytes(meta) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
     if not request and views and HEADER.size + len(tail) + sum(v.nbytes for v in views) <= REPLY_HEAD_BYTES:
         packed = b"".join([pack_header(op | PACKED, status, rid, len(meta), len(views)), tail, *views])
-        await ep.send(packed, tag=message_tag(rid, 0))
-        return
+        return asyncio.ensure_future(ep.send(packed, tag=message_tag(rid, 0)))
     head = pack_header(op, status, rid, len(meta), len(views))
     inline = HEADER.size + len(tail) <= INLINE_BYTES
     sends = [ep.send(head + tail if inline else head, **({} if request else {"tag": message_tag(rid, 0)}))]
     if tail and not inline:
         sends.append(ep.send(tail, tag=message_tag(rid, 1)))
     sends += [ep.send(v, tag=message_tag(rid, 2 + i)) for i, v in enumerate(views) if v.nbytes]
-    await asyncio.gather(*sends)
+    return asyncio.ensure_future(sends[0]) if len(sends) == 1 else asyncio.gather(*sends)
 
 
 async def _recv_rest(

@@ -201,3 +201,80 @@ def test_connecting_to_a_stopped_node_waits_without_spinning_a_core() -> None:
             await here.stop()
 
         run(go())
+
+
+class _Req:
+    """A ucxx request as LoopProgress sees it: ``completed``, ``check_error``."""
+
+    def __init__(self, completed: bool = False, error: Exception | None = None) -> None:
+        self.completed, self.error = completed, error
+
+    def check_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Worker:
+    """A ucxx worker as LoopProgress drives it: an epoll fd (a pipe's read end), progress, arm."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+        self.epoll_file_descriptor = self.r
+        self.progressed = 0
+
+    def init_blocking_progress_mode(self) -> None:
+        pass
+
+    def progress(self) -> None:
+        self.progressed += 1
+
+    def arm(self) -> bool:
+        return True
+
+
+def test_a_request_future_holds_its_buffer_until_ucx_completes_the_request_even_when_cancelled() -> None:
+    import gc
+    import weakref
+
+    from services.gcache.ucx_ep import LoopProgress
+
+    class Buf(bytearray):
+        pass
+
+    async def go() -> None:
+        worker = _Worker()
+        lp = LoopProgress(worker, asyncio.get_running_loop())
+        try:
+            done_at_post = lp.watch(_Req(completed=True), Buf(8))
+            assert done_at_post.done() and done_at_post.result() is None
+            failed = lp.watch(_Req(completed=True, error=ConnectionResetError("peer gone")))
+            with pytest.raises(ConnectionResetError, match="peer gone"):
+                failed.result()
+
+            req, buf = _Req(), Buf(8)
+            ref = weakref.ref(buf)
+            fut = lp.watch(req, buf)
+            del buf
+            fut.cancel()  # the waiter leaves; UCX still owns the buffer
+            for _ in range(3):
+                await asyncio.sleep(0)
+            gc.collect()
+            assert ref() is not None and worker.progressed >= 1
+            req.completed = True  # UCX completes it (an abort cancels it): the buffer goes
+            lp.kick()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            gc.collect()
+            assert ref() is None and not lp._waiting
+
+            late = _Req()
+            pending = lp.watch(late, Buf(8))
+            late.error, late.completed = ConnectionAbortedError("aborted"), True
+            with pytest.raises(ConnectionAbortedError):
+                await asyncio.wait_for(pending, 1.0)  # no event on the fd: the kick or the tick
+        finally:
+            lp.close()
+            os.close(worker.r)
+            os.close(worker.w)
+
+    run(go())
