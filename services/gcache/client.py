@@ -336,8 +336,13 @@ def sharded_client(
 
 
 def connect(url: str) -> L3Store:
-    """The ``L3Store`` of a ``gcache://`` or ``redis://`` URL (module docstring). Raises
+    """The ``L3Store`` of a ``gcache://`` or ``redis://`` URL (module docstring). A ``?`` after
+    the first separates parameters as ``&`` does: the Helm chart appends ours to a Redis URL from
+    a Secret, which may carry its own (``rediss://...?ssl_cert_reqs=required``). Raises
     ValueError for another scheme, a bad transport or timeout."""
+    base, sep, params = url.partition("?")
+    if sep:
+        url = f"{base}?{params.replace('?', '&')}"
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
     transport = query.pop("transport", "auto")

@@ -195,6 +195,23 @@ FAILS = [
         "gcache.enabled needs a Redis",
     ),
     ({"gcache": {"enabled": True, "nvme": {"volume": {"type": "hostPath"}}}}, "hostPath.path is required"),
+    (
+        {
+            "gcache": {
+                "enabled": True,
+                "nvme": {"volume": {"type": "hostPath", "hostPath": {"path": "/mnt/g"}}},
+            }
+        },
+        "set gcache.antiAffinity hard",
+    ),
+    (
+        {"router": {"autoscaling": {"enabled": True, "minReplicas": 9, "maxReplicas": 2}}},
+        "router autoscaling: minReplicas 9 > maxReplicas 2",
+    ),
+    (
+        {"model": {"speculativeNumSteps": 2}, "decode": {"engineArgs": ["--speculative-num-steps", "0"]}},
+        "set model.speculativeNumSteps instead",
+    ),
     ({"gcache": {"enabled": True, "ucx": {"tcpPortRange": "50200-50100"}}}, "needs 1 <= LO <= HI <= 65535"),
     ({"encoder": {"enabled": True, "device": "cuda"}}, "encoder.device cuda needs encoder.gpus >= 1"),
     (
@@ -741,6 +758,13 @@ def test_gcache_nvme_volume_options(volume: str) -> None:
         assert _arg(c, "--nvme-dir") == "/var/lib/gcache"
     if volume == "hostPath":
         assert vols["nvme"]["hostPath"] == {"path": "/mnt/nvme0/gcache", "type": "DirectoryOrCreate"}
+        # the kubelet makes it root's; fsGroup does not reach hostPath: chowned before the node starts
+        [init] = pod["initContainers"]
+        assert init["command"] == ["chown", "10001:10001", "/var/lib/gcache"]
+        assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+        assert init["volumeMounts"] == [{"name": "nvme", "mountPath": "/var/lib/gcache"}]
+    else:
+        assert "initContainers" not in pod
     if volume == "emptyDir":
         assert vols["nvme"]["emptyDir"] == {"sizeLimit": "70Gi"}
     assert "affinity" not in pod  # antiAffinity none

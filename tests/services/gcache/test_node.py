@@ -301,6 +301,10 @@ def test_l3_urls() -> None:
         assert r.redis_url == "redis://127.0.0.1:1/3" and r.namespace == "ns1"  # type: ignore[attr-defined]
         t = swaserve_connect("rediss://:pw@127.0.0.1:1/0?namespace=ns2")  # through the entry points
         assert t.redis_url == "rediss://:pw@127.0.0.1:1/0" and t.namespace == "ns2"  # type: ignore[attr-defined]
+        # the chart appends "?namespace=..&transport=.." to a Redis URL that may have a query
+        u = connect("rediss://:pw@127.0.0.1:1/0?ssl_cert_reqs=required?namespace=ns3&transport=grpc")
+        assert u.redis_url == "rediss://:pw@127.0.0.1:1/0?ssl_cert_reqs=required"  # type: ignore[attr-defined]
+        assert u.namespace == "ns3" and u.transport == "grpc"  # type: ignore[attr-defined]
         for bad in ("http://x:1", "gcache://x:1?transport=tcp", "gcache://", "gcache://x:1?timeout_s=soon",
                     "gcache://x:1?timeout_s=-1", "gcache://x:1?timeout_s=nan", "gcache://x:1?bogus=1"):  # fmt: skip
             with pytest.raises(ValueError):

@@ -254,6 +254,9 @@ topologySpreadConstraints:
 {{- if and .Values.gcache.nvme.enabled (eq $v.type "hostPath") (not $v.hostPath.path) }}
 {{- fail "gcache.nvme.volume.hostPath.path is required with gcache.nvme.volume.type hostPath" }}
 {{- end }}
+{{- if and .Values.gcache.nvme.enabled (eq $v.type "hostPath") (eq .Values.gcache.antiAffinity "soft") (not .Values.gcache.affinity) }}
+{{- fail "gcache.nvme.volume.type hostPath: set gcache.antiAffinity hard (two nodes on one host would share hostPath.path and the second could not lock its tier), or none with an affinity of your own" }}
+{{- end }}
 {{- $r := splitList "-" .Values.gcache.ucx.tcpPortRange }}
 {{- if or (gt (int (index $r 0)) (int (index $r 1))) (gt (int (index $r 1)) 65535) (lt (int (index $r 0)) 1) }}
 {{- fail (printf "gcache.ucx.tcpPortRange %s: needs 1 <= LO <= HI <= 65535" .Values.gcache.ucx.tcpPortRange) }}
@@ -282,7 +285,8 @@ topologySpreadConstraints:
 {{- end }}
 {{- end -}}
 
-{{/* Env entries of a prefill worker while gcache is enabled (after swaserve.redisEnv's). */}}
+{{/* Env entries of a prefill worker while gcache is enabled (after swaserve.redisEnv's). REDIS_URL
+comes from a Secret and may have a query of its own: the client reads a second "?" as "&". */}}
 {{- define "swaserve.gcachePrefillEnv" -}}
 {{- if .Values.gcache.enabled }}
 - name: SWASERVE_L3_URL

@@ -15,6 +15,11 @@ placement's ConfigMap (prefill.yaml) mounted as the --ep-placement file.
 {{- define "swaserve.workerDeployment" -}}
 {{- $root := .root -}}
 {{- $spec := .spec -}}
+{{- range $a := $spec.engineArgs }}
+{{- if hasPrefix "--speculative-num-steps" (toString $a) }}
+{{- fail (printf "%s: engineArgs has %s: set model.speculativeNumSteps instead (prefill and decode must agree: prefill sends the first drafts with the KV)" $.name $a) }}
+{{- end }}
+{{- end }}
 {{- $port := int $root.Values.workerPorts.grpc -}}
 {{- $ep := default (dict "size" 1) $spec.ep -}}
 {{- $epSize := int $ep.size -}}
