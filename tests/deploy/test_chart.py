@@ -204,6 +204,12 @@ FAILS = [
         },
         "set gcache.antiAffinity hard",
     ),
+    ({"gcache": {"enabled": True, "dram": "0"}}, "at '/gcache/dram': '0' does not match pattern"),
+    ({"decode": {"stagingMemory": "0GiB"}}, "at '/decode/stagingMemory': '0GiB' does not match"),
+    (
+        {"gcache": {"enabled": True, "ucx": {"enabled": False}, "prefill": {"transport": "ucx"}}},
+        "gcache.prefill.transport ucx needs gcache.ucx.enabled",
+    ),
     (
         {"router": {"autoscaling": {"enabled": True, "minReplicas": 9, "maxReplicas": 2}}},
         "router autoscaling: minReplicas 9 > maxReplicas 2",

@@ -257,6 +257,9 @@ topologySpreadConstraints:
 {{- if and .Values.gcache.nvme.enabled (eq $v.type "hostPath") (eq .Values.gcache.antiAffinity "soft") (not .Values.gcache.affinity) }}
 {{- fail "gcache.nvme.volume.type hostPath: set gcache.antiAffinity hard (two nodes on one host would share hostPath.path and the second could not lock its tier), or none with an affinity of your own" }}
 {{- end }}
+{{- if and (not .Values.gcache.ucx.enabled) (eq .Values.gcache.prefill.transport "ucx") }}
+{{- fail "gcache.prefill.transport ucx needs gcache.ucx.enabled (the nodes would have no UCX port and every L3 call would fail): use auto or grpc" }}
+{{- end }}
 {{- $r := splitList "-" .Values.gcache.ucx.tcpPortRange }}
 {{- if or (gt (int (index $r 0)) (int (index $r 1))) (gt (int (index $r 1)) 65535) (lt (int (index $r 0)) 1) }}
 {{- fail (printf "gcache.ucx.tcpPortRange %s: needs 1 <= LO <= HI <= 65535" .Values.gcache.ucx.tcpPortRange) }}
