@@ -205,6 +205,14 @@ FAILS = [
         "set gcache.antiAffinity hard",
     ),
     ({"gcache": {"enabled": True, "dram": "0"}}, "at '/gcache/dram': '0' does not match pattern"),
+    (
+        {"gcache": {"enabled": True, "dram": "6GiB"}},
+        "gcache.dram 6GiB does not fit gcache.resources.limits.memory 6Gi",
+    ),
+    (
+        {"gcache": {"enabled": True, "nvme": {"capacity": "100GiB"}}},
+        "100GiB is more than its pvc volume's 70Gi",
+    ),
     ({"decode": {"stagingMemory": "0GiB"}}, "at '/decode/stagingMemory': '0GiB' does not match"),
     (
         {"gcache": {"enabled": True, "ucx": {"enabled": False}, "prefill": {"transport": "ucx"}}},

@@ -257,6 +257,19 @@ topologySpreadConstraints:
 {{- if and .Values.gcache.nvme.enabled (eq $v.type "hostPath") (eq .Values.gcache.antiAffinity "soft") (not .Values.gcache.affinity) }}
 {{- fail "gcache.nvme.volume.type hostPath: set gcache.antiAffinity hard (two nodes on one host would share hostPath.path and the second could not lock its tier), or none with an affinity of your own" }}
 {{- end }}
+{{- $g := .Values.gcache }}
+{{- with dig "limits" "memory" "" $g.resources }}
+{{- if ge (include "swaserve.sizeBytes" $g.dram | int64) (include "swaserve.quantityBytes" . | int64) }}
+{{- fail (printf "gcache.dram %s does not fit gcache.resources.limits.memory %s (the node holds its DRAM tier plus about 1 GiB)" $g.dram .) }}
+{{- end }}
+{{- end }}
+{{- if $g.nvme.enabled }}
+{{- $room := "" }}
+{{- if eq $v.type "pvc" }}{{ $room = $v.size }}{{ else if eq $v.type "emptyDir" }}{{ $room = $v.emptyDir.sizeLimit }}{{ end }}
+{{- if and $room (gt (include "swaserve.sizeBytes" $g.nvme.capacity | int64) (include "swaserve.quantityBytes" $room | int64)) }}
+{{- fail (printf "gcache.nvme.capacity %s is more than its %s volume's %s (the tier preallocates its slot files)" $g.nvme.capacity $v.type $room) }}
+{{- end }}
+{{- end }}
 {{- if and (not .Values.gcache.ucx.enabled) (eq .Values.gcache.prefill.transport "ucx") }}
 {{- fail "gcache.prefill.transport ucx needs gcache.ucx.enabled (the nodes would have no UCX port and every L3 call would fail): use auto or grpc" }}
 {{- end }}
@@ -341,6 +354,14 @@ comes from a Secret and may have a query of its own: the client reads a second "
 {{- if not (hasKey $units $unit) }}{{ fail (printf "%q is not a Kubernetes quantity of bytes (e.g. 1Gi)" .) }}{{ end -}}
 {{- mulf (float64 $num) (get $units $unit) | int64 -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Bytes of a size the services' CLIs take (512MiB, 4GiB, 1.5G, 4096): a B suffix dropped, K
+    read as k, then as a Kubernetes quantity. */}}
+{{- define "swaserve.sizeBytes" -}}
+{{- $s := trimSuffix "B" (toString .) -}}
+{{- if hasSuffix "K" $s }}{{ $s = printf "%sk" (trimSuffix "K" $s) }}{{ end -}}
+{{- include "swaserve.quantityBytes" $s -}}
 {{- end -}}
 
 {{/* Encoders' guards. */}}
