@@ -206,6 +206,19 @@ FAILS = [
     ),
     ({"gcache": {"enabled": True, "dram": "0"}}, "at '/gcache/dram': '0' does not match pattern"),
     (
+        {"workerPorts": {"grpc": 9090, "metrics": 9090}},
+        "workerPorts.grpc and workerPorts.metrics are both 9090",
+    ),
+    (
+        {"gcache": {"enabled": True, "ports": {"grpc": 50062, "ucx": 50062}}},
+        "gcache.ports [50062 9090 50062]",
+    ),
+    ({"gcache": {"enabled": True, "ports": {"ucx": 50110}}}, "gcache.ports.ucx 50110 is inside"),
+    (
+        {"tls": {"grpc": {"enabled": True, "secretName": "s", "healthPort": 50051}}},
+        "tls.grpc.healthPort 50051 is also a workerPorts port",
+    ),
+    (
         {"gcache": {"enabled": True, "dram": "6GiB"}},
         "gcache.dram 6GiB does not fit gcache.resources.limits.memory 6Gi",
     ),

@@ -277,6 +277,15 @@ topologySpreadConstraints:
 {{- if or (gt (int (index $r 0)) (int (index $r 1))) (gt (int (index $r 1)) 65535) (lt (int (index $r 0)) 1) }}
 {{- fail (printf "gcache.ucx.tcpPortRange %s: needs 1 <= LO <= HI <= 65535" .Values.gcache.ucx.tcpPortRange) }}
 {{- end }}
+{{- $p := $g.ports }}
+{{- $ports := list (int $p.grpc) (int $p.metrics) }}
+{{- if $g.ucx.enabled }}{{ $ports = append $ports (int $p.ucx) }}{{ end }}
+{{- if ne (len $ports) (len (uniq $ports)) }}
+{{- fail (printf "gcache.ports %v: the node listens on each, so they must differ" $ports) }}
+{{- end }}
+{{- if and $g.ucx.enabled (le (int (index $r 0)) (int $p.ucx)) (le (int $p.ucx) (int (index $r 1))) }}
+{{- fail (printf "gcache.ports.ucx %d is inside gcache.ucx.tcpPortRange %s (UCX's own TCP connections take those ports)" (int $p.ucx) $g.ucx.tcpPortRange) }}
+{{- end }}
 {{- end }}
 {{- end -}}
 

@@ -15,6 +15,13 @@ placement's ConfigMap (prefill.yaml) mounted as the --ep-placement file.
 {{- define "swaserve.workerDeployment" -}}
 {{- $root := .root -}}
 {{- $spec := .spec -}}
+{{- $wp := $root.Values.workerPorts }}
+{{- if eq (int $wp.grpc) (int $wp.metrics) }}
+{{- fail (printf "workerPorts.grpc and workerPorts.metrics are both %d: a worker cannot listen twice on one port" (int $wp.grpc)) }}
+{{- end }}
+{{- if and $root.Values.tls.grpc.enabled (has (int $root.Values.tls.grpc.healthPort) (list (int $wp.grpc) (int $wp.metrics))) }}
+{{- fail (printf "tls.grpc.healthPort %d is also a workerPorts port: the plaintext health port needs its own" (int $root.Values.tls.grpc.healthPort)) }}
+{{- end }}
 {{- range $a := $spec.engineArgs }}
 {{- if hasPrefix "--speculative-num-steps" (toString $a) }}
 {{- fail (printf "%s: engineArgs has %s: set model.speculativeNumSteps instead (prefill and decode must agree: prefill sends the first drafts with the KV)" $.name $a) }}
