@@ -29,7 +29,7 @@ from pathlib import Path
 
 from swaserve.cpus import usable_cpus
 from swaserve.options import ADMIN_TOKEN_ENV, API_KEY_ENV
-from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready
+from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready, stop_all
 
 DEFAULT_NAMESPACE = "swaserve"  # the routers' --namespace default
 L3_HOST_CACHE = "256MiB"  # a prefill worker's --host-cache-memory with GCache when none is given
@@ -331,8 +331,11 @@ class Cluster:
         """Stop the routers first (no new requests), then the workers (their last writes to L3),
         then the GCache nodes, then Redis; remove this run's temporary directory."""
         rank = {"router": 0, "gcache": 2, "redis": 3}
-        for _, s in sorted(self.services.items(), key=lambda kv: rank.get(kv[0].split("-")[0], 1)):
-            s.stop()
+        groups: dict[int, list[ServiceProcess]] = {}
+        for name, svc in self.services.items():
+            groups.setdefault(rank.get(name.split("-")[0], 1), []).append(svc)
+        for _, group in sorted(groups.items()):  # each group's drains overlap
+            stop_all(group)
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None

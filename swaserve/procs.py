@@ -7,6 +7,7 @@ launcher, the local Redis server, the demo, benches and tests.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import re
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -188,20 +189,31 @@ class ServiceProcess:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL after ``grace_s``; idempotent."""
+        stop_all([self], grace_s)
+
+    def _signal(self, sig: int) -> bool:
+        """Signal the process group if the process still runs; returns whether it did."""
         if self.proc is None or self.proc.poll() is not None:
-            self._join_reader()
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self._join_reader()
+            return False
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def stop_all(services: Sequence[ServiceProcess], grace_s: float = 15.0) -> None:
+    """Stop ``services`` together: SIGTERM every process group, wait up to ``grace_s`` for all of
+    them (their drains overlap), SIGKILL the ones left and wait up to 5 s more; idempotent."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        signalled = [svc for svc in services if svc._signal(sig)]
+        deadline = time.monotonic() + wait_s
+        for svc in signalled:
+            assert svc.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                svc.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for svc in services:
+        svc._join_reader()
 
 
 def grpc_ready(address: str) -> Callable[[], bool]:

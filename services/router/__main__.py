@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from services.lifecycle import run_app
 from swaserve.engine.types import MAX_LOGPROBS
 from swaserve.options import (
     AdminTokenOption,
@@ -286,4 +287,4 @@ def _discovery(
 
 
 if __name__ == "__main__":
-    app()
+    run_app(app)

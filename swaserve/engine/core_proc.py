@@ -226,6 +226,13 @@ def run(spec: CoreSpec) -> int:
 
         torch.set_num_threads(spec.num_threads)
     ctx = zmq.Context()
+    try:
+        return _serve(spec, ctx)
+    finally:
+        ctx.destroy(linger=2000)  # what is still queued for the front is sent (2 s at most)
+
+
+def _serve(spec: CoreSpec, ctx: zmq.Context[Any]) -> int:
     inp = ctx.socket(zmq.PULL)
     inp.connect(spec.input_addr)
     out = ctx.socket(zmq.PUSH)
@@ -353,4 +360,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the sockets are closed and flushed: skip the interpreter's teardown, about 1 s of CPU with
+    # torch loaded (a worker's stop waits for it)
+    os._exit(code)

@@ -57,6 +57,7 @@ from swaserve.model.audio_tokenizer import (
     parse_int_list,
 )
 from swaserve.model.layers import DenseMLP, PartialRope, RMSNorm
+from swaserve.model.meta import on_meta
 
 RMS_EPS = 1e-6  # Qwen2Config's default rms_norm_eps; the ports do not set it
 
@@ -313,7 +314,7 @@ _CODEBOOK_STATE = ("inited", "cluster_size", "embed_avg")  # k-means / EMA train
 
 
 def _expected_shapes(cfg: AudioConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
+    with on_meta():
         model = AudioEncoder(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
@@ -455,10 +456,7 @@ def load_audio_encoder(
         lambda n: n.startswith(("speech_embeddings.", "audio_encoder.")),
     )
     tok = _read_tensors([root / "audio_tokenizer" / "model.safetensors"], lambda n: n.startswith("encoder."))
-    with torch.device("meta"):
+    with on_meta():
         model = AudioEncoder(cfg)
     model.load_state_dict(audio_state_dict_from_hub(main, tok, cfg), strict=True, assign=True)
-    # the RoPE tables are computed, not loaded: rebuild them off the meta device
-    model.tokenizer.rope = PartialRope(cfg.tokenizer.head_dim, cfg.tokenizer.rope_theta)
-    model.input_local_transformer.rope = PartialRope(cfg.local_head_dim, cfg.rope_theta)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -59,7 +59,9 @@ class PartialRope(nn.Module):
     def __init__(self, rotary_dim: int, theta: float) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        # on the CPU even when built on the meta device (``model.meta``): the table is computed, not
+        # loaded, and ``Module.to`` moves it
+        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu") / rotary_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from swaserve.config import ModelConfig
+from swaserve.model.meta import on_meta
 from swaserve.model.mimo_v2 import MiMoV2ForCausalLM
 from swaserve.model.mtp import count_mtp_layers
 from swaserve.model.multimodal import TOWER_PREFIXES
@@ -88,7 +89,7 @@ def load_model(
     raw: dict[str, torch.Tensor] = dict(iter_checkpoint(model_dir))
     if not cfg.num_mtp_layers:  # the config does not say: the weights do
         cfg = dataclasses.replace(cfg, num_mtp_layers=count_mtp_layers(set(raw)))
-    with torch.device("meta"):
+    with on_meta():
         model = MiMoV2ForCausalLM(cfg)
     experts = list(range(cfg.n_routed_experts))
     if ep is not None:
@@ -172,9 +173,6 @@ def load_model(
     if absent:
         raise LoadError(f"internal: parameters not loaded: {sorted(absent)[:10]}")
     model.load_state_dict(state, assign=True)
-    for kind, rope in list(model.rope.items()):  # buffers were created on meta: rebuild
-        shape = cfg.full if kind == "full_attention" else cfg.swa
-        model.rope[kind] = type(rope)(shape.rotary_dim, shape.rope_theta)
     return model.to(device).eval()
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swaserve.model.layers import PartialRope, RMSNorm
+from swaserve.model.meta import on_meta
 from swaserve.model.vision_attention import SINK_MODES, Segments, attend
 
 DEFAULT_SINK_MODE = "key0_bias"
@@ -311,7 +312,7 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg, i) for i in range(cfg.depth))
         self.merger = PatchMerger(cfg)
         d = cfg.head_dim // 2  # d/2 frequencies per axis: h and w angles fill head_dim/2, then doubled
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d))
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -397,7 +398,7 @@ class VisionTransformer(nn.Module):
 
 def vision_param_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter name (hub layout, no prefix) and its shape."""
-    with torch.device("meta"):
+    with on_meta():
         model = VisionTransformer(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
