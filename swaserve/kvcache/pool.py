@@ -12,7 +12,6 @@ takes ``page_bytes / unit_bytes`` units, recorded in ``units`` (the storage's pa
 from __future__ import annotations
 
 from array import array
-from collections import deque
 
 from swaserve.kvcache.budget import ByteBudget
 from swaserve.kvcache.stats import PoolStats
@@ -45,8 +44,11 @@ class PagePool:
         self.num_layers = num_layers
         self.budget = budget
         self._issued = 0 if budget is not None else num_pages  # ids 0 .. issued-1 exist
-        self._free: deque[int] = deque(range(self._issued))
-        self._is_free = bytearray(b"\x01") * self._issued
+        # the free ids are _free[_head:] (a queue taken and refilled by slices: one C call per
+        # allocate or free, not one Python step per page); _held: the ids in use
+        self._free: list[int] = list(range(self._issued))
+        self._head = 0
+        self._held: set[int] = set()
         self._used = 0
         self.reserved = 0  # pages promised to admitted requests, not yet allocated
         self.peak_used = 0
@@ -70,7 +72,7 @@ class PagePool:
     def num_free(self) -> int:
         if self.budget is not None:
             return self.budget.free // self.page_bytes
-        return len(self._free)
+        return len(self._free) - self._head
 
     @property
     def num_used(self) -> int:
@@ -81,7 +83,7 @@ class PagePool:
         """Free pages not promised to anyone."""
         if self.budget is not None:
             return self.budget.available // self.page_bytes
-        return len(self._free) - self.reserved
+        return len(self._free) - self._head - self.reserved
 
     def can_reserve(self, n: int) -> bool:
         return self.num_available >= n
@@ -115,13 +117,16 @@ class PagePool:
         if self.budget is not None:
             self.budget.reserved -= from_reserved * self.page_bytes
             self.budget.used += n * self.page_bytes
-            fresh = max(0, n - len(self._free))  # ids never issued before
+            fresh = max(0, n - (len(self._free) - self._head))  # ids never issued before
             self._free.extend(range(self._issued, self._issued + fresh))
-            self._is_free.extend(b"\x01" * fresh)
             self._issued += fresh
-        pages = [self._free.popleft() for _ in range(n)]
-        for p in pages:
-            self._is_free[p] = False
+        head = self._head
+        pages = self._free[head : head + n]
+        self._head = head = head + n
+        if head > 4096 and 2 * head > len(self._free):  # drop the taken prefix (amortized O(1))
+            del self._free[:head]
+            self._head = 0
+        self._held.update(pages)
         if self.units_per_page:
             assert self.budget is not None
             m = self.units_per_page
@@ -133,17 +138,17 @@ class PagePool:
 
     def free(self, pages: list[int]) -> None:
         """Return pages to the free list. Raises ValueError on a double free (nothing changed)."""
-        for p in pages:
-            if p < 0 or self.is_free(p):
-                raise ValueError(f"page {p} freed twice (or never allocated)")
+        if not self._held.issuperset(pages):
+            p = next(p for p in pages if p not in self._held)
+            raise ValueError(f"page {p} freed twice (or never allocated)")
         if len(set(pages)) != len(pages):
             raise ValueError(f"a page is listed twice in {pages}")
-        for p in pages:
-            self._is_free[p] = True
-            self._free.append(p)
-            if self.units_per_page:
-                assert self.budget is not None
-                m = self.units_per_page
+        self._held.difference_update(pages)
+        self._free.extend(pages)
+        if self.units_per_page:
+            assert self.budget is not None
+            m = self.units_per_page
+            for p in pages:
                 self.budget.give_units(list(self.units[p * m : (p + 1) * m]))
                 self.units[p * m : (p + 1) * m] = array("q", [-1]) * m
         self._used -= len(pages)
@@ -151,7 +156,7 @@ class PagePool:
             self.budget.used -= len(pages) * self.page_bytes
 
     def is_free(self, page: int) -> bool:
-        return page >= self._issued or bool(self._is_free[page])
+        return page not in self._held
 
     def stats(self) -> PoolStats:
         """With a shared budget ``total_pages`` is what the pool could hold now: its pages and

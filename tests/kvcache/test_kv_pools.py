@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swaserve.kvcache.manager import KVCacheManager
@@ -103,3 +104,41 @@ def test_reservation_blocks_unreserved_allocation() -> None:
     assert pool.allocate(2) is None  # only 1 unreserved page
     assert pool.allocate(2, from_reserved=1) is not None
     assert pool.reserved == 2 and pool.num_free == 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 3000)), min_size=1, max_size=40), st.booleans())
+@example([(True, 3000), (True, 3000), (False, 6000), (True, 5000), (True, 2000)], False)  # compaction
+def test_pages_come_in_fifo_order_of_their_frees(ops: list[tuple[bool, int]], shared: bool) -> None:
+    """Against a plain FIFO of free ids (a pool of its own: 0..n-1 first; on a budget: the freed
+    ids first, then fresh ones in order), through the free list's compaction (> 4096 ids taken)."""
+    import collections
+
+    from swaserve.kvcache.budget import ByteBudget
+
+    n = 9000
+    pool = PagePool(n, 1, 1, ByteBudget(n) if shared else None)
+    model: collections.deque[int] = collections.deque(range(0 if shared else n))
+    fresh = 0
+    held: list[int] = []
+    for take, k in ops:
+        if take:
+            got = pool.allocate(k)
+            if len(held) + k > n:
+                assert got is None
+                continue
+            if shared:
+                while len(model) < k:
+                    model.append(fresh)
+                    fresh += 1
+            want = [model.popleft() for _ in range(k)]
+            assert got == want
+            held += want
+        else:
+            back, held = held[: k // 2], held[k // 2 :]
+            pool.free(back)
+            model.extend(back)
+        assert pool.num_used == len(held) and pool.num_free == n - len(held)
+        assert all(not pool.is_free(p) for p in held[:50]) and pool.is_free(n + 1)
+    with pytest.raises(ValueError, match="twice"):
+        pool.free([n + 5])
