@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from bench.targets import target
-from swaserve.encoder.runner import EncodeItem
+from swaserve.encoder.items import EncodeItem
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5  # max abs difference allowed between an optimized and a baseline embedding

@@ -50,7 +50,7 @@ from swaserve.config import EngineConfig
 from swaserve.cpus import usable_cpus
 from swaserve.engine.client import LocalEngineClient
 from swaserve.engine.types import SamplingParams
-from swaserve.model.ep import EPStats
+from swaserve.model.ep_stats import EPStats
 
 ARRANGEMENTS = ("one-core", "all-cores")
 CONVERSATION = "data/traces/conversation_trace.jsonl"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from swaserve.engine.spec import SpecStats
-from swaserve.model.ep import EPStats
+from swaserve.model.ep_stats import EPStats
 
 PREFIX = "swaserve:"
 

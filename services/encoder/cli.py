@@ -27,9 +27,10 @@ import typer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.encoder.limits import MAX_SUBMIT_BYTES
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.servicer import SERVICE, Encoder, EncoderServicer, EncodeScheduler, Limits
-from services.encoder.wire import DTYPES, MAX_SUBMIT_BYTES
+from services.encoder.wire import DTYPES
 from services.lifecycle import serve_until_signalled
 from swaserve.encoder.cache import EmbeddingCache
 from swaserve.encoder.runner import MediaEncoder

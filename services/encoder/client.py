@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-
-from services.encoder.wire import MAX_EMBEDDING_BYTES, MAX_SUBMIT_BYTES, Assembler
+from services.encoder.limits import MAX_EMBEDDING_BYTES, MAX_SUBMIT_BYTES
 from services.tls import Dialer
-from swaserve.encoder.runner import EncodeItem
+from swaserve.encoder.items import EncodeItem
 from swaserve.v1 import encoder_pb2 as pb
 from swaserve.v1 import encoder_pb2_grpc as egrpc
+
+if TYPE_CHECKING:  # the router submits without torch (a process start ~2 s faster)
+    import torch
 
 DEFAULT_FETCH_WAIT_S = 60.0  # the encoder's own default (--fetch-timeout-s)
 
@@ -90,6 +92,8 @@ class EncoderClient:
                 INVALID_ARGUMENT (its media failed to decode), UNAVAILABLE, ...
             WireError: a stream that does not check out.
         """
+        from services.encoder.wire import Assembler
+
         req = pb.FetchRequest(key=key, timeout_s=timeout_s)
         call = self._stub.Fetch(req, timeout=timeout_s + self.timeout_s)
         asm = Assembler(max_bytes)

@@ -34,11 +34,12 @@ from typing import NoReturn, Protocol, cast
 import grpc
 import torch
 
+from services.encoder.limits import CHUNK_BYTES
 from services.encoder.metrics import EncoderMetrics
-from services.encoder.wire import CHUNK_BYTES, chunks
+from services.encoder.wire import chunks
 from swaserve.encoder.batcher import EncodeBatcher, Modality, PendingItem
 from swaserve.encoder.cache import Embedding, EmbeddingCache, InFlight
-from swaserve.encoder.runner import EncodeItem
+from swaserve.encoder.items import EncodeItem
 from swaserve.encoder.shm_cache import ShmEmbeddingCache
 from swaserve.media import MediaError
 from swaserve.media.placeholders import KEY_BYTES, MODALITIES

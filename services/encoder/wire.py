@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from services.encoder.limits import CHUNK_BYTES, MAX_EMBEDDING_BYTES, MESSAGE_OVERHEAD
 from swaserve.v1 import encoder_pb2 as pb
 
 DTYPES: dict[str, torch.dtype] = {
@@ -24,10 +25,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-CHUNK_BYTES = 2 << 20  # a Fetch message's bound (bytes): under gRPC's 4 MiB default
-MESSAGE_OVERHEAD = 64  # bytes an EmbeddingChunk adds to its data (field tags, varints), at most
-MAX_SUBMIT_BYTES = 256 << 20  # the largest Submit message (the items' raw media together)
-MAX_EMBEDDING_BYTES = 1 << 30  # a reader's default bound on one item's embeddings
 
 
 class WireError(ValueError):

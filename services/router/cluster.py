@@ -35,7 +35,7 @@ from services.router.routing import RouterRouting, RoutingOptions
 from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
 from services.tls import Dialer
 from swaserve.config import ModelConfig
-from swaserve.encoder.runner import EncodeItem
+from swaserve.encoder.items import EncodeItem
 from swaserve.engine.client import EngineClient, Unavailable
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams

@@ -19,8 +19,8 @@ import grpc
 
 from services.encoder.client import EncoderClients
 from services.tls import Dialer
+from swaserve.encoder.items import EncodeItem
 from swaserve.encoder.placement import choose
-from swaserve.encoder.runner import EncodeItem
 from swaserve.engine.client import Unavailable
 from swaserve.media.placeholders import MediaInputs, MediaSpan
 from swaserve.metrics import EncoderStats

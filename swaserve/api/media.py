@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlparse
 import httpx
 
 from swaserve.api.errors import ProtocolError
-from swaserve.encoder.runner import EncodeItem
+from swaserve.encoder.items import EncodeItem
 from swaserve.media import MediaError, parse_limits
 from swaserve.media.audio import AudioParams, audio_num_tokens, decode_audio
 from swaserve.media.image import image_num_tokens, image_size, smart_resize

@@ -15,36 +15,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from swaserve.encoder.items import EncodeItem
 from swaserve.media import MediaError
 from swaserve.media.audio import AudioParams, decode_audio, log_mel
 from swaserve.media.image import decode_image, preprocess_frames, preprocess_images
 from swaserve.media.video import decode_frames
 from swaserve.model.multimodal import MultimodalConfig
-
-
-@dataclass(frozen=True)
-class EncodeItem:
-    """One media item to encode.
-
-    Attributes:
-        key: its 16-byte content key. modality: image, video or audio. data: the raw bytes.
-        num_tokens: output rows expected (from metadata). times: video: the sampled frame times
-            (s). size: video: the per-frame (h, w) after resizing; image: its (h, w) when not the
-            model's own ``smart_resize`` (``detail: low``), else None.
-    """
-
-    key: bytes
-    modality: str
-    data: bytes
-    num_tokens: int
-    times: tuple[float, ...] = ()
-    size: tuple[int, int] | None = None
-    meta: dict[str, object] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from swaserve.model.multimodal import MultimodalConfig
 if TYPE_CHECKING:
     import torch
 
-    from swaserve.encoder.runner import EncodeItem, MediaEncoder
+    from swaserve.encoder.items import EncodeItem
+    from swaserve.encoder.runner import MediaEncoder
     from swaserve.kvcache.block_events import BlockEvent
     from swaserve.transfer.kv_transfer import KVPayload
 

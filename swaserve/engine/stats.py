@@ -12,7 +12,7 @@ from typing import cast
 from swaserve.engine.spec import SpecStats  # at run time: msgspec decodes these (engine.ipc)
 from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.kvcache.stats import PoolStats
-from swaserve.model.ep import EPStats
+from swaserve.model.ep_stats import EPStats
 
 
 @dataclass(frozen=True)

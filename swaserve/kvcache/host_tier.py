@@ -16,7 +16,7 @@ from swaserve.kvcache.radix import RadixNode
 
 if TYPE_CHECKING:
     from swaserve.kvcache.adaptive import AdaptiveSplit
-    from swaserve.kvcache.host import PageMover
+    from swaserve.kvcache.mover import PageMover
     from swaserve.kvcache.radix import RadixTree
     from swaserve.kvcache.stats import CacheStats
 

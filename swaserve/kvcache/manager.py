@@ -19,8 +19,8 @@ from swaserve.config import FULL, SWA
 from swaserve.kvcache.adaptive import AdaptiveSplit
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.budget import ByteBudget
-from swaserve.kvcache.host import PageMover
 from swaserve.kvcache.kind import FullAttentionManager, KindManager, SlidingWindowManager
+from swaserve.kvcache.mover import PageMover
 from swaserve.kvcache.plan import PoolPlan, cdiv
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.prefix_cache import Acquired, PrefixCache, WritePolicy

@@ -16,8 +16,8 @@ from typing import Literal
 from swaserve.config import FULL, SWA
 from swaserve.kvcache.adaptive import AdaptiveSplit, node_page_hashes
 from swaserve.kvcache.block_events import BlockEvent, BlockEventLog
-from swaserve.kvcache.host import NoCopy, PageMover
 from swaserve.kvcache.host_tier import HostTier
+from swaserve.kvcache.mover import NoCopy, PageMover
 from swaserve.kvcache.pool import PagePool
 from swaserve.kvcache.radix import INNER, TRIM_INNER, TRIM_LEAF, CacheLock, RadixNode, RadixTree
 from swaserve.kvcache.stats import CacheStats

@@ -372,7 +372,7 @@ def test_the_chart_runs_an_encoder_pod_under_the_name_routers_dial(tiny_dir: Pat
     from bench.kubelet import Kubelet
     from services.encoder.cli import model_fingerprint
     from services.encoder.client import EncoderClient
-    from swaserve.encoder.runner import EncodeItem
+    from swaserve.encoder.items import EncodeItem
     from swaserve.encoder.shm_cache import ShmEmbeddingCache
     from swaserve.media.image import image_num_tokens
     from swaserve.media.placeholders import item_key

@@ -9,7 +9,7 @@ from swaserve.engine.stats import EngineStats, merge_stats
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.kvcache.stats import PoolStats
-from swaserve.model.ep import EPStats
+from swaserve.model.ep_stats import EPStats
 
 
 def test_balancer_prefers_the_rank_with_the_prefix_then_the_less_loaded() -> None:

@@ -195,7 +195,7 @@ def exported_names() -> set[str]:
     from swaserve.kvcache.prefix_cache import CacheStats
     from swaserve.kvcache.stats import PoolStats
     from swaserve.metrics import DiscoveryStats, RouterStats, ServerMetrics, WorkerStats
-    from swaserve.model.ep import EPStats
+    from swaserve.model.ep_stats import EPStats
 
     pools = {"full": PoolStats(8, 2, 3, 64, 1, cached_pages=1), "swa": PoolStats(8, 1, 1, 64, 1)}
     from swaserve.engine.spec import SpecStats

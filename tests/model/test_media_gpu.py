@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swaserve.encoder.runner import EncodeItem, MediaEncoder
+from swaserve.encoder.items import EncodeItem
+from swaserve.encoder.runner import MediaEncoder
 from swaserve.media.image import decode_image, image_num_tokens, preprocess_images
 from swaserve.media.placeholders import item_key
 from swaserve.model.multimodal import MultimodalConfig

@@ -14,7 +14,8 @@ from services.encoder.cli import EncoderOptions, EncoderServer
 from services.encoder.client import EncoderClient
 from services.encoder.servicer import Limits
 from services.tls import Dialer
-from swaserve.encoder.runner import EncodeItem, MediaEncoder
+from swaserve.encoder.items import EncodeItem
+from swaserve.encoder.runner import MediaEncoder
 from swaserve.media.audio import AudioParams, audio_num_tokens, decode_audio
 from swaserve.media.image import image_num_tokens
 from swaserve.media.placeholders import item_key

@@ -19,7 +19,8 @@ from services.encoder.client import EncoderClient, to_proto
 from services.encoder.servicer import EncodeScheduler, RpcFailure
 from services.tls import Dialer, read_pem, server_credentials
 from swaserve.encoder.cache import EmbeddingCache
-from swaserve.encoder.runner import EncodeItem, MediaEncoder
+from swaserve.encoder.items import EncodeItem
+from swaserve.encoder.runner import MediaEncoder
 from tests.helpers.tls import CA
 from tests.services.encoder.helpers import Counting, audio, image, sample, serving, video
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.encoder.wire import CHUNK_BYTES, Assembler, WireError, chunks
+from services.encoder.limits import CHUNK_BYTES
+from services.encoder.wire import Assembler, WireError, chunks
 from swaserve.v1 import encoder_pb2 as pb
 
 
