@@ -147,8 +147,9 @@ def test_reuse_takes_only_policy_independent_replays(tmp_path: Path) -> None:
     """--reuse: the full layout and the fixed ratios come from the earlier JSON, the adaptive
     split is replayed; a record of another slice is not used."""
     first, second, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    assert _cli("--limit", "30", "--json", str(first)).exit_code == 0
-    res = _cli("--limit", "30", "--json", str(second), "--reuse", str(first))
+    curve = ["--curve-share", "0.05", "--curve-share", "0.25"]  # two points of the curve: 1/3 of the replays
+    assert _cli("--limit", "30", *curve, "--json", str(first)).exit_code == 0
+    res = _cli("--limit", "30", *curve, "--json", str(second), "--reuse", str(first))
     assert res.exit_code == 0, res.output
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert a["reused"] == [] and b["reused"]
@@ -160,11 +161,11 @@ def test_reuse_takes_only_policy_independent_replays(tmp_path: Path) -> None:
         if "error" not in ra:
             assert rb["fixed"] == ra["fixed"] and rb["full"]["hit_rate"] == ra["full"]["hit_rate"]
             assert rb["adaptive"]["hit_rate"] == ra["adaptive"]["hit_rate"]  # replayed: deterministic
-    res = _cli("--limit", "20", "--json", str(other), "--reuse", str(first))  # another slice
+    res = _cli("--limit", "20", *curve, "--json", str(other), "--reuse", str(first))  # another slice
     assert res.exit_code == 0 and json.loads(other.read_text())["reused"] == []
     older = dict(a, eviction_rev=a["eviction_rev"] - 1)  # rows replayed with another eviction order
     first.write_text(json.dumps(older))
-    res = _cli("--limit", "30", "--json", str(other), "--reuse", str(first))
+    res = _cli("--limit", "30", *curve, "--json", str(other), "--reuse", str(first))
     assert res.exit_code == 0 and json.loads(other.read_text())["reused"] == []
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

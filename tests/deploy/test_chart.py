@@ -5,6 +5,7 @@ checks across objects that no schema makes (selectors, ports, flags the services
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -378,9 +379,18 @@ def _validate_crd(doc: dict[str, Any]) -> None:
     model[doc["kind"]].model_validate(doc)
 
 
+@pytest.fixture(scope="module")
+def kubernetes_validate() -> Iterator[Any]:
+    """``kubernetes_validate``, its schema files read once per module (it reads each object's
+    schema and the 4 MB definitions file again on every call; it never changes them)."""
+    kv = pytest.importorskip("kubernetes_validate")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kv.utils, "schema_contents", functools.cache(kv.utils.schema_contents))
+        yield kv
+
+
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_every_object_validates_against_its_schema(name: str) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+def test_every_object_validates_against_its_schema(name: str, kubernetes_validate: Any) -> None:
     for doc in render(EXAMPLES[name]):
         if doc["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/")):
             _validate_crd(doc)
@@ -389,9 +399,8 @@ def test_every_object_validates_against_its_schema(name: str) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_a_schema_error_is_caught() -> None:
+def test_a_schema_error_is_caught(kubernetes_validate: Any) -> None:
     """The validator is not vacuous: a wrong field in a rendered object fails."""
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     dep = copy.deepcopy(_objects(render({}), "Deployment")[0])
     dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpc"]["port"] = "grpc"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -767,7 +776,7 @@ def test_gcache_network_policies_open_grpc_ucx_and_metrics_only_to_their_peers()
 
 
 @pytest.mark.parametrize("volume", ["pvc", "hostPath", "emptyDir", "off"])
-def test_gcache_nvme_volume_options(volume: str) -> None:
+def test_gcache_nvme_volume_options(volume: str, kubernetes_validate: Any) -> None:
     nvme: dict[str, Any] = {"enabled": volume != "off"}
     if volume != "off":
         nvme["volume"] = {"type": volume, "hostPath": {"path": "/mnt/nvme0/gcache"}}
@@ -795,7 +804,6 @@ def test_gcache_nvme_volume_options(volume: str) -> None:
     if volume == "emptyDir":
         assert vols["nvme"]["emptyDir"] == {"sizeLimit": "70Gi"}
     assert "affinity" not in pod  # antiAffinity none
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for version in KUBE_VERSIONS:
         kubernetes_validate.validate(sts, version, strict=True)
 
