@@ -12,7 +12,7 @@ VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test test-core bench lint clean image chart-golden
+.PHONY: venv run test test-slow test-all test-core bench lint clean image chart-golden
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,18 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m swaserve.run_demo $(RUN_ARGS)
 
+# make test: everything but the tests marked slow (under ~12 min on 2 cores); make test-slow: those
+# (deployment emulations, bench harnesses, make run's demo, the rest of the format matrices);
+# CI (.ci/run) runs both, make test-all runs them in one pytest session
 test: $(STAMP)
+	scripts/system_deps.sh
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
+test-slow: $(STAMP)
+	scripts/system_deps.sh
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m slow
+
+test-all: $(STAMP)
 	scripts/system_deps.sh
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 

@@ -288,6 +288,7 @@ def test_up_refuses_a_busy_port_before_starting_workers(tiny_dir: Path) -> None:
     assert "[prefill-0]" not in out and "[decode-0]" not in out, out  # no worker was started
 
 
+@pytest.mark.slow
 @pytest.mark.cluster  # make run's driver as a subprocess
 def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
     report = tmp_path / "r.json"
@@ -321,6 +322,7 @@ def test_run_demo_once(tiny_dir: Path, tmp_path: Path) -> None:
     assert report.is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.cluster  # make run's driver as a subprocess
 def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "not_mimo"}')
@@ -344,6 +346,7 @@ def test_run_demo_reports_a_server_that_dies(tmp_path: Path) -> None:
     assert "server exited with status" in serve.stderr and "not_mimo" in serve.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.cluster  # make run's driver and pgrep as subprocesses
 def test_run_demo_sigterm_stops_server(tiny_dir: Path) -> None:
     proc = subprocess.Popen(

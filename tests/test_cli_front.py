@@ -154,6 +154,7 @@ def test_serve_takes_the_key_from_the_environment(tiny_dir: Path, running: list[
     assert KEY not in out
 
 
+@pytest.mark.slow
 def test_up_hands_the_front_flags_to_its_router(tiny_dir: Path, tmp_path: Path, running: list[Proc]) -> None:
     """``up --host --api-key --served-model-name --chat-template FILE --max-logprobs``: the router
     binds --host and gets the others; the key through its environment, not its command line."""

@@ -54,6 +54,7 @@ def test_gcache_needs_redis_and_starts_nothing_without_it(tiny_dir: Path) -> Non
     c.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.cluster  # swaserve up as a subprocess
 def test_up_with_a_gcache_node(tiny_dir: Path) -> None:
     cmd = [sys.executable, "-m", "swaserve.cli", "up", "--model", str(tiny_dir), "--port", "0",

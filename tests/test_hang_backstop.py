@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cluster  # runs pytest in a child process
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # runs pytest in a child process
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,6 +17,7 @@ from swaserve.config import ModelConfig
 pytestmark = pytest.mark.cluster  # starts engine-core and EP rank processes
 
 
+@pytest.mark.slow
 def test_bench_ep_quick(tmp_path: Path, tiny_dir: Path) -> None:
     out = tmp_path / "ep.json"
     res = CliRunner().invoke(app, ["bench", "ep", "--quick", "--json", str(out), "--model", str(tiny_dir)])

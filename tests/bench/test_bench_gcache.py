@@ -13,7 +13,7 @@ from bench.gcache import baseline_settings
 from services.gcache import ucx
 from swaserve.cli import app
 
-pytestmark = pytest.mark.cluster  # starts GCache nodes and ucx_perftest as child processes
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # starts GCache nodes and ucx_perftest
 
 SIZES = (64 << 10, 256 << 10)
 EPS = 0.01  # hit-rate slack: the runs route (and so cache) a little differently

@@ -26,6 +26,7 @@ from swaserve.kvformat import KIVI_FORMATS, ROW_FORMATS, KVFormat
 from swaserve.shapes import SHAPES, model_config
 
 
+@pytest.mark.slow
 def test_bench_kv_quant_quick(tmp_path: Path, tiny_dir: Path) -> None:
     out = tmp_path / "kv_quant.json"
     res = CliRunner().invoke(

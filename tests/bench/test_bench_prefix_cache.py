@@ -118,6 +118,7 @@ def _cli(*args: str) -> Any:
     return CliRunner().invoke(app, [*base, *args])
 
 
+@pytest.mark.slow
 def test_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "pc.json"
     res = _cli("--limit", "30", "--json", str(out))
@@ -143,6 +144,7 @@ def test_cli_writes_json(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "too small" in bad.output
 
 
+@pytest.mark.slow
 def test_reuse_takes_only_policy_independent_replays(tmp_path: Path) -> None:
     """--reuse: the full layout and the fixed ratios come from the earlier JSON, the adaptive
     split is replayed; a record of another slice is not used."""

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from swaserve.cli import app
 
-pytestmark = pytest.mark.cluster  # starts two encoder processes
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # starts two encoder processes
 
 
 def test_bench_encoder_quick(tmp_path: Path, tiny_dir: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 from tests.helpers.chart import NAMESPACE, RELEASE, render
 from tests.helpers.cluster import WORKER_ARGS, wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 FULL = f"{RELEASE}-swaserve"
 PREFILL, DECODE, ROUTER = f"{FULL}-prefill-all", f"{FULL}-decode", f"{FULL}-router"
 

@@ -24,7 +24,7 @@ from swaserve.procs import free_port
 from tests.helpers import promql as h
 from tests.helpers.cluster import MODEL, WORKER_ARGS, prompt, running
 
-pytestmark = pytest.mark.cluster  # the cluster and Prometheus are child processes
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # the cluster and Prometheus are child processes
 
 # Queries that return no number on this traffic, and why.
 NO_DATA = {

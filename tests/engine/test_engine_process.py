@@ -335,6 +335,7 @@ def test_serve_exits_non_zero_when_its_core_is_killed(tiny_dir: Path) -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_up_outputs_equal_inline_and_separate(tiny_dir: Path) -> None:
     """``swaserve up`` (router + 1 prefill + 1 decode) with inline and with separate cores:
     greedy and seeded requests (stop strings, logprobs) give the same tokens and text."""

@@ -106,11 +106,12 @@ def test_puts_carry_the_routers_index_blocks(tiny_dir: Path) -> None:
 @pytest.mark.parametrize(
     "quant",
     [
-        {"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3"},
-        {"kv_cache_dtype": "kivi4"},
-        {"kv_cache_dtype": "int8", "kv_sink_tokens": 3},
+        pytest.param({"kv_cache_dtype": "int8", "kv_cache_dtype_swa": "fp8_e4m3"}, id="int8-fp8"),
+        pytest.param({"kv_cache_dtype": "kivi4"}, id="kivi4", marks=pytest.mark.slow),
+        pytest.param(
+            {"kv_cache_dtype": "int8", "kv_sink_tokens": 3}, id="int8-sink3", marks=pytest.mark.slow
+        ),
     ],
-    ids=["int8-fp8", "kivi4", "int8-sink3"],
 )
 def test_quantized_pages_round_trip_through_l3_and_another_format_never_hits(
     tiny_dir: Path, quant: dict

@@ -16,7 +16,7 @@ from swaserve.engine.ep_client import EPEngineClient
 from swaserve.engine.types import SamplingParams
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def _prompts() -> list[list[int]]:

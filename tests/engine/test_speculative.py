@@ -347,7 +347,15 @@ def test_greedy_with_mtp_on_cuda_equals_cpu_without_it(mtp_dir: Path, refs) -> N
 # decode row's by float noise (~1e-6), which now and then lands a value one code away, and on the
 # tiny random model a flip can cascade into another token (seen: fp8_e5m2 at token 25 of 48,
 # int8 with 2 sink tokens at token 18 of 48 on these prompts; with 8 prompts batched both agree)
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "kivi2", "fp8_e4m3+sink2"])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        pytest.param("int8", marks=pytest.mark.slow),
+        pytest.param("fp8_e4m3", marks=pytest.mark.slow),
+        "kivi2",
+        "fp8_e4m3+sink2",
+    ],
+)
 def test_greedy_with_mtp_on_quantized_pages_equals_mtp_off(
     mtp_dir: Path, refs, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]

@@ -75,6 +75,7 @@ def test_greedy_sequences_are_the_targets_argmax_continuation(mtp_copy: Path) ->
     assert torch.equal(seqs[:, 7:], labels[:, 6:-1])  # each new token is the argmax before it
 
 
+@pytest.mark.slow
 def test_pretraining_lowers_the_loss_and_distillation_raises_the_accept_length(mtp_copy: Path) -> None:
     from tokenizers import Tokenizer
 

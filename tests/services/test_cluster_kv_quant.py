@@ -37,7 +37,10 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(c, marks=pytest.mark.slow) if c == "kivi2" else c for c in CASES],
+)
 def cluster(request, tiny_dir: Path) -> Iterator[tuple[Cluster, str]]:  # type: ignore[no-untyped-def]
     c = Cluster(tiny_dir, prefill=1, decode=1, worker_args=[*WORKER_ARGS, *CASES[request.param][0]])
     try:
