@@ -130,8 +130,9 @@ class PagePool:
         if self.units_per_page:
             assert self.budget is not None
             m = self.units_per_page
-            for p in pages:
-                self.units[p * m : (p + 1) * m] = array("q", self.budget.take_units(m))
+            taken = self.budget.take_units(n * m)  # page i gets taken[i * m : (i + 1) * m]
+            for i, p in enumerate(pages):
+                self.units[p * m : (p + 1) * m] = array("q", taken[i * m : (i + 1) * m])
         self._used += n
         self.peak_used = max(self.peak_used, self._used)
         return pages
@@ -148,9 +149,12 @@ class PagePool:
         if self.units_per_page:
             assert self.budget is not None
             m = self.units_per_page
+            back: list[int] = []
+            gone = array("q", [-1]) * m
             for p in pages:
-                self.budget.give_units(list(self.units[p * m : (p + 1) * m]))
-                self.units[p * m : (p + 1) * m] = array("q", [-1]) * m
+                back.extend(self.units[p * m : (p + 1) * m])
+                self.units[p * m : (p + 1) * m] = gone
+            self.budget.give_units(back)
         self._used -= len(pages)
         if self.budget is not None:
             self.budget.used -= len(pages) * self.page_bytes

@@ -156,7 +156,7 @@ def test_admission_waits_for_room_instead_of_failing(tiny_dir: Path, ratio: floa
     eng = LLMEngine(
         tiny_dir,
         EngineConfig(
-            page_size=4, max_num_batched_tokens=64, kv_cache_memory=200_000 if ratio else 600_000,
+            page_size=4, max_num_batched_tokens=64, kv_cache_memory=200_000 if ratio else 300_000,
             max_num_seqs=4, swa_full_tokens_ratio=ratio,
         ),
     )  # fmt: skip

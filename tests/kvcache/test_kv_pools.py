@@ -107,18 +107,24 @@ def test_reservation_blocks_unreserved_allocation() -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 3000)), min_size=1, max_size=40), st.booleans())
-@example([(True, 3000), (True, 3000), (False, 6000), (True, 5000), (True, 2000)], False)  # compaction
-def test_pages_come_in_fifo_order_of_their_frees(ops: list[tuple[bool, int]], shared: bool) -> None:
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 3000)), min_size=1, max_size=40),
+    st.sampled_from(["own", "budget", "arena"]),
+)
+@example([(True, 3000), (True, 3000), (False, 6000), (True, 5000), (True, 2000)], "own")  # compaction
+@example([(True, 3000), (True, 3000), (False, 6000), (True, 5000), (True, 2000)], "arena")
+def test_pages_come_in_fifo_order_of_their_frees(ops: list[tuple[bool, int]], mode: str) -> None:
     """Against a plain FIFO of free ids (a pool of its own: 0..n-1 first; on a budget: the freed
-    ids first, then fresh ones in order), through the free list's compaction (> 4096 ids taken)."""
+    ids first, then fresh ones in order), through the free lists' compaction (> 4096 ids taken);
+    on an arena (2 units a page) the held pages' units stay distinct and come back on free."""
     import collections
 
     from swaserve.kvcache.budget import ByteBudget
 
     n = 9000
-    pool = PagePool(n, 1, 1, ByteBudget(n) if shared else None)
-    model: collections.deque[int] = collections.deque(range(0 if shared else n))
+    budget = {"own": None, "budget": ByteBudget(2 * n), "arena": ByteBudget(2 * n, unit_bytes=1)}[mode]
+    pool = PagePool(n, 2, 1, budget)
+    model: collections.deque[int] = collections.deque(range(0 if budget else n))
     fresh = 0
     held: list[int] = []
     for take, k in ops:
@@ -127,7 +133,7 @@ def test_pages_come_in_fifo_order_of_their_frees(ops: list[tuple[bool, int]], sh
             if len(held) + k > n:
                 assert got is None
                 continue
-            if shared:
+            if budget:
                 while len(model) < k:
                     model.append(fresh)
                     fresh += 1
@@ -140,5 +146,10 @@ def test_pages_come_in_fifo_order_of_their_frees(ops: list[tuple[bool, int]], sh
             model.extend(back)
         assert pool.num_used == len(held) and pool.num_free == n - len(held)
         assert all(not pool.is_free(p) for p in held[:50]) and pool.is_free(n + 1)
+        if mode == "arena":
+            assert budget is not None
+            units = [u for p in held for u in pool.units[2 * p : 2 * p + 2]]
+            assert len(set(units)) == len(units) and min(units, default=0) >= 0
+            assert budget.free_units == 2 * (n - len(held))
     with pytest.raises(ValueError, match="twice"):
         pool.free([n + 5])
