@@ -28,7 +28,7 @@ from swaserve.procs import free_port
 from tests.helpers.cluster import FAST_POLLS, MODEL, WORKER_ARGS, running
 from tests.services.test_cluster import complete_all, prompts
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # EP in-process: tests/engine/test_ep_*.py
 
 NEW = 16
 

@@ -24,6 +24,7 @@ def _workers_answer(url: str) -> bool:
 
 
 @pytest.mark.cluster
+@pytest.mark.slow  # deployment: the Kubernetes discovery path (as tests/deploy/test_kubelet.py)
 @pytest.mark.timeout(180)
 def test_a_router_follows_the_pods_it_discovers(tiny_dir: Path, tmp_path: Path) -> None:
     fake = FakeKube()
