@@ -60,6 +60,7 @@ __all__ = [
     "WorkerHandle",
 ]
 log = logging.getLogger("swaserve.router")
+_DRAIN_RELEASES_S = 5.0  # stop(): how long the routing thread may take to apply queued releases
 
 
 class ClusterEngine(EngineClient):
@@ -181,6 +182,12 @@ class ClusterEngine(EngineClient):
             self._poller = None
         await self.encoders.stop()
         await self.pool.close()
+        # the lease releases still queued on the routing thread (streams cancelled at shutdown)
+        # reach the load book first: the process exits without joining threads (run_app), and a
+        # release lost with Redis would leave a phantom lease on a worker for lease_ttl_s
+        with contextlib.suppress(TimeoutError):
+            done = asyncio.get_running_loop().run_in_executor(self.routing.executor, lambda: None)
+            await asyncio.wait_for(done, _DRAIN_RELEASES_S)
         self._started = False
 
     async def _poll(self) -> None:

@@ -119,3 +119,29 @@ def test_a_router_without_a_worker_of_a_role_says_so(tiny_dir: Path) -> None:
             assert r.status_code == 200 and "last decode worker" in r.json()["warning"], r.text
 
     asyncio.run(run())
+
+
+def test_stop_applies_the_lease_releases_still_queued(tiny_dir: Path) -> None:
+    """A release queued on the routing thread (a stream cancelled at shutdown) is applied before
+    the app's shutdown returns: the process then exits without joining threads (``run_app``), and
+    a release lost with Redis would leave a phantom lease on the worker for ``lease_ttl_s``."""
+    import time
+
+    from services.router.cluster import ClusterEngine
+    from swaserve.api.server import build_app
+
+    released: list[str] = []
+
+    def slow_release(*leases: object) -> None:
+        time.sleep(0.5)
+        released.extend(str(x) for x in leases)
+
+    async def run() -> None:
+        engine = ClusterEngine(tiny_dir, ["127.0.0.1:1"], ["127.0.0.1:2"], poll_s=0.05)
+        engine.routing.release = slow_release  # type: ignore[method-assign]
+        app = build_app(engine)  # type: ignore[arg-type]
+        async with app.router.lifespan_context(app):
+            engine._release("lease-a", "lease-b")  # type: ignore[arg-type]
+        assert released == ["lease-a", "lease-b"]
+
+    asyncio.run(run())
