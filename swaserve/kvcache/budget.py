@@ -9,6 +9,8 @@ cannot be taken by the other kind.
 
 from __future__ import annotations
 
+from swaserve.kvcache.idqueue import IdQueue
+
 
 class ByteBudget:
     """``total`` bytes; ``used`` by allocated pages, ``reserved`` promised to admitted requests.
@@ -26,8 +28,7 @@ class ByteBudget:
     def __init__(self, total: int, unit_bytes: int | None = None) -> None:
         self.unit_bytes = unit_bytes
         self.num_units = 0
-        self._free_units: list[int] = []  # the free units are _free_units[_head:], taken by slices
-        self._head = 0
+        self._free_units = IdQueue()
         if unit_bytes is not None:
             if unit_bytes < 1:
                 raise ValueError(f"unit_bytes must be at least 1, got {unit_bytes}")
@@ -42,7 +43,7 @@ class ByteBudget:
 
     @property
     def free_units(self) -> int:
-        return len(self._free_units) - self._head
+        return len(self._free_units)
 
     def take_units(self, n: int) -> list[int]:
         """``n`` free arena units (the caller accounted their bytes in ``used``).
@@ -52,13 +53,7 @@ class ByteBudget:
         """
         if n > self.free_units:
             raise ValueError(f"take_units({n}) with {self.free_units} free units")
-        head = self._head
-        units = self._free_units[head : head + n]
-        self._head = head = head + n
-        if head > 4096 and 2 * head > len(self._free_units):  # drop the taken prefix (amortized O(1))
-            del self._free_units[:head]
-            self._head = 0
-        return units
+        return self._free_units.take(n)
 
     def give_units(self, units: list[int]) -> None:
         self._free_units.extend(units)

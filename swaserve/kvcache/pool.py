@@ -14,6 +14,7 @@ from __future__ import annotations
 from array import array
 
 from swaserve.kvcache.budget import ByteBudget
+from swaserve.kvcache.idqueue import IdQueue
 from swaserve.kvcache.stats import PoolStats
 
 
@@ -44,11 +45,8 @@ class PagePool:
         self.num_layers = num_layers
         self.budget = budget
         self._issued = 0 if budget is not None else num_pages  # ids 0 .. issued-1 exist
-        # the free ids are _free[_head:] (a queue taken and refilled by slices: one C call per
-        # allocate or free, not one Python step per page); _held: the ids in use
-        self._free: list[int] = list(range(self._issued))
-        self._head = 0
-        self._held: set[int] = set()
+        self._free = IdQueue(range(self._issued))
+        self._held: set[int] = set()  # the ids in use
         self._used = 0
         self.reserved = 0  # pages promised to admitted requests, not yet allocated
         self.peak_used = 0
@@ -72,7 +70,7 @@ class PagePool:
     def num_free(self) -> int:
         if self.budget is not None:
             return self.budget.free // self.page_bytes
-        return len(self._free) - self._head
+        return len(self._free)
 
     @property
     def num_used(self) -> int:
@@ -83,7 +81,7 @@ class PagePool:
         """Free pages not promised to anyone."""
         if self.budget is not None:
             return self.budget.available // self.page_bytes
-        return len(self._free) - self._head - self.reserved
+        return len(self._free) - self.reserved
 
     def can_reserve(self, n: int) -> bool:
         return self.num_available >= n
@@ -117,15 +115,10 @@ class PagePool:
         if self.budget is not None:
             self.budget.reserved -= from_reserved * self.page_bytes
             self.budget.used += n * self.page_bytes
-            fresh = max(0, n - (len(self._free) - self._head))  # ids never issued before
+            fresh = max(0, n - len(self._free))  # ids never issued before
             self._free.extend(range(self._issued, self._issued + fresh))
             self._issued += fresh
-        head = self._head
-        pages = self._free[head : head + n]
-        self._head = head = head + n
-        if head > 4096 and 2 * head > len(self._free):  # drop the taken prefix (amortized O(1))
-            del self._free[:head]
-            self._head = 0
+        pages = self._free.take(n)
         self._held.update(pages)
         if self.units_per_page:
             assert self.budget is not None
