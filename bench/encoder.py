@@ -537,7 +537,7 @@ def profile_items(model_dir: Path, items: Sequence[EncodeItem], batch: int = 16)
     and preprocessing alone (``preprocess_images``: per item even in a fused batch), the whole
     ``MediaEncoder.encode`` one item per call, and in calls of ``batch`` items; ms per item."""
     from swaserve.encoder.runner import MediaEncoder
-    from swaserve.media.image import decode_image, preprocess_images
+    from swaserve.media.pixels import decode_image, preprocess_images
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from swaserve.config import EngineConfig
+from swaserve.engine.grammar import validate
 from swaserve.engine.llm_engine import LLMEngine
-from swaserve.engine.structured import validate
 from swaserve.engine.types import SamplingParams, StructuredOutput
 
 ITEMS = 12

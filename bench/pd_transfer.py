@@ -89,7 +89,7 @@ def bytes_table() -> list[dict[str, Any]]:
 async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     import grpc
 
-    from services.convert import PAGES_PER_MESSAGE, transfer_messages
+    from services.kv_convert import PAGES_PER_MESSAGE, transfer_messages
     from services.worker import KVTransferService, WorkerMetrics
     from swaserve.model.checkpoint import tokenizer_dir
     from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.convert import WORKER_DRAINING, hidden_from_header, page_from_proto
+from services.convert import WORKER_DRAINING
+from services.kv_convert import hidden_from_header, page_from_proto
 from swaserve.config import FULL, SWA, kv_config
 from swaserve.engine.client import LocalEngineClient
 from swaserve.kvformat import engine_formats, residual_layers

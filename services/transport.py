@@ -11,7 +11,7 @@ from typing import Protocol
 
 import grpc
 
-from services.convert import transfer_messages
+from services.kv_convert import transfer_messages
 from services.tls import Dialer
 from swaserve.transfer.kv_transfer import KVPayload, TransferError
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc

@@ -88,13 +88,12 @@ def modalities_of(encoder: MediaEncoder) -> frozenset[str]:
 
 def model_fingerprint(model_dir: Path) -> str:
     """The fingerprint routers and workers compare (``model.identity``, media digest included)."""
-    from transformers import AutoTokenizer
-
     from swaserve.config import ModelConfig
+    from swaserve.hf_tokenizer import load_tokenizer
     from swaserve.model.identity import model_identity
     from swaserve.model.multimodal import media_digest
 
-    config, tok = ModelConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    config, tok = ModelConfig.from_pretrained(model_dir), load_tokenizer(model_dir)
     return model_identity(config, tok, model_dir.name, media_digest(model_dir)).fingerprint
 
 

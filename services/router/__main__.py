@@ -178,7 +178,6 @@ def main(
     from swaserve.api.media import media_options
     from swaserve.api.server import build_app
     from swaserve.api.workers import install_worker_routes
-    from swaserve.model.checkpoint import default_model_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     found_by = _discovery(
@@ -212,7 +211,11 @@ def main(
             redis.Redis.from_url(redis_url)  # a malformed URL raises ValueError here
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    model_dir = model or Path(default_model_dir())
+    if model is None:  # builds the default checkpoint on first use (imports torch: a model is built)
+        from swaserve.model.checkpoint import default_model_dir
+
+        model = default_model_dir()
+    model_dir = model
     try:  # the template the router renders chats with: read and checked now
         template = resolve_chat_template(chat_template, model_dir)
     except ValueError as e:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -46,8 +46,10 @@ from swaserve.model.identity import model_identity
 from swaserve.model.multimodal import MultimodalConfig
 from swaserve.routing.dispatch import NoInstanceError
 from swaserve.routing.load import Lease
-from swaserve.transfer.kv_transfer import KVPayload
 from swaserve.v1 import worker_pb2 as pb
+
+if TYPE_CHECKING:
+    from swaserve.transfer.kv_transfer import KVPayload
 
 __all__ = [
     "HUNG_POLLS",
@@ -99,13 +101,13 @@ class ClusterEngine(EngineClient):
         discovery: DiscoveryOptions | None = None,
         encoders: Sequence[str] = (),
     ) -> None:
-        from transformers import AutoTokenizer
+        from swaserve.hf_tokenizer import load_tokenizer
 
         if discovery is None and (not prefill or not decode):
             raise ValueError("the router needs at least one prefill and one decode worker")
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.max_model_len = self.model_config.max_position_embeddings
         self.request_timeout_s, self.max_retries, self.poll_s = request_timeout_s, max_retries, poll_s

@@ -64,7 +64,7 @@ def resolve_chat_template(value: str | None, model_dir: str | Path) -> str | Non
     if value is None:
         return None
     template = load_chat_template(value)
-    from transformers import AutoTokenizer
+    from swaserve.hf_tokenizer import load_tokenizer
 
-    check_chat_template(AutoTokenizer.from_pretrained(str(model_dir)), template)
+    check_chat_template(load_tokenizer(model_dir), template)
     return template

@@ -33,7 +33,7 @@ import httpx
 from swaserve.api.errors import ProtocolError
 from swaserve.encoder.items import EncodeItem
 from swaserve.media import MediaError, parse_limits
-from swaserve.media.audio import AudioParams, audio_num_tokens, decode_audio
+from swaserve.media.audio import AudioParams, audio_num_tokens, decoded_samples
 from swaserve.media.image import image_num_tokens, image_size, smart_resize
 from swaserve.media.placeholders import MediaSpan, item_key, pad_ids
 from swaserve.media.video import frame_size, grid_timestamps, probe_video, sample_times
@@ -304,8 +304,7 @@ class MediaFront:
             out.ids.append(t.video_end)
             out.items.append(EncodeItem(key, modality, data, per * len(stamps), tuple(times), (h, w)))
         else:
-            wave = decode_audio(data, opts.max_audio_seconds)
-            n = audio_num_tokens(self.audio_params.num_frames(int(wave.shape[0])))
+            n = audio_num_tokens(self.audio_params.num_frames(decoded_samples(data, opts.max_audio_seconds)))
             run(n, 0)
             out.items.append(EncodeItem(key, modality, data, n))
         out.item_spans.append(spans)

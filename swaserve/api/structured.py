@@ -18,7 +18,7 @@ import asyncio
 import json
 
 from swaserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
-from swaserve.engine.structured import validate
+from swaserve.engine.grammar import validate
 from swaserve.engine.types import StructuredOutput
 
 _RESPONSE_TYPES = ("text", "json_object", "json_schema")

@@ -22,8 +22,9 @@ import torch
 
 from swaserve.encoder.items import EncodeItem
 from swaserve.media import MediaError
-from swaserve.media.audio import AudioParams, decode_audio, log_mel
-from swaserve.media.image import decode_image, preprocess_frames, preprocess_images
+from swaserve.media.audio import AudioParams
+from swaserve.media.audio_features import decode_audio, log_mel
+from swaserve.media.pixels import decode_image, preprocess_frames, preprocess_images
 from swaserve.media.video import decode_frames
 from swaserve.model.multimodal import MultimodalConfig
 
@@ -159,7 +160,8 @@ def _load_vision(
 ) -> torch.nn.Module:
     from safetensors import safe_open
 
-    from swaserve.model.vision import HUB_PREFIXES, VisionTransformer, vision_state_dict_from_hub
+    from swaserve.model.vision import VisionTransformer, vision_state_dict_from_hub
+    from swaserve.model.vision_config import HUB_PREFIXES
 
     assert mm.vision is not None
     tensors: dict[str, torch.Tensor] = {}

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.engine.core import EngineCore
@@ -23,6 +22,7 @@ from swaserve.engine.request import Request
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, RequestOutput, SamplingParams
+from swaserve.hf_tokenizer import load_tokenizer
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.kvcache.manager import KVCacheManager
 from swaserve.kvcache.storage import KVStorage
@@ -52,7 +52,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         self.model_dir = Path(model_dir)
         self.media_config = MultimodalConfig.from_pretrained(model_dir)
         self.core = EngineCore(model_dir, config, eos_token_ids(self.tokenizer), clock)

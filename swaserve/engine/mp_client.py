@@ -29,7 +29,6 @@ import msgspec
 import torch
 import zmq
 import zmq.asyncio
-from transformers import AutoTokenizer
 
 from swaserve.config import EngineConfig, ModelConfig
 from swaserve.engine.client import EngineDead, LocalEngineClient, queue_stream
@@ -55,6 +54,7 @@ from swaserve.engine.llm_engine import eos_token_ids
 from swaserve.engine.output import OutputProcessor
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import EngineLimits, RequestOutput, SamplingParams
+from swaserve.hf_tokenizer import load_tokenizer
 from swaserve.kvcache.block_events import BlockEvent
 from swaserve.media.placeholders import MediaInputs
 from swaserve.model.multimodal import MultimodalConfig
@@ -105,7 +105,7 @@ class MPEngineClient(LocalEngineClient):
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.engine_config = engine_config or EngineConfig()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.media_config = MultimodalConfig.from_pretrained(model_dir)
         self.max_model_len = min(

@@ -46,7 +46,7 @@ class StructuredOutput:
 
     def validate(self) -> None:
         """Raise ValueError for an unknown kind (the grammar itself is checked by
-        ``engine.structured.validate``)."""
+        ``engine.grammar.validate``)."""
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(
                 f"structured output kind must be one of {list(STRUCTURED_KINDS)}, got {self.kind!r}"

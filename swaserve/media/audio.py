@@ -1,11 +1,13 @@
-"""Audio inputs: cheap metadata, decoding to 24 kHz mono, the MiMo log-mel front end, token counts.
+"""Audio inputs, torch-free (the router counts tokens with it): metadata, decoding to samples,
+the token counts. The front end in torch (``decode_audio`` to 24 kHz mono, ``resample``,
+``log_mel``) is ``media.audio_features``.
 
 The MiMo-V2.5 processor (vLLM vllm/transformers_utils/processors/mimo_v2_omni.py
 ``MiMoVLProcessor.preprocess_audio``, ported from the Xiaomi-authored SGLang fork Abatom/sglang)
 decodes the audio, resamples it to 24 kHz with ``torchaudio.transforms.Resample``, averages the
 channels, and takes ``log(clip(MelSpectrogram(...), 1e-7))`` transposed to ``[T, 128]`` (100
 frames/s). torchaudio cannot be installed here (no wheel for our torch), so both pieces are
-re-implemented in plain torch from their definitions:
+re-implemented in plain torch from their definitions (``media.audio_features``):
 
 * ``resample``: the windowed-sinc (Hann) band-limited interpolation that torchaudio's
   ``sinc_interp_hann`` method computes (low-pass width 6 zero crossings, roll-off 0.99), applied
@@ -27,7 +29,6 @@ Errors from untrusted bytes are ``MediaError``.
 
 from __future__ import annotations
 
-import functools
 import io
 import math
 import struct
@@ -37,7 +38,6 @@ from typing import Any, NamedTuple
 
 import av
 import numpy as np
-import torch
 
 from swaserve.media import MediaError
 
@@ -241,11 +241,9 @@ def _wav_truncated(data: bytes) -> bool:
     return False
 
 
-def decode_audio(data: bytes, max_seconds: float) -> torch.Tensor:
-    """Decode an audio file to a mono float32 waveform at 24 kHz.
-
-    The first audio stream is decoded to float (integer formats scaled to [-1, 1)), channels are
-    averaged, and the result is resampled with ``resample``. Video streams are ignored.
+def decode_channels(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
+    """Decode the first audio stream to float32 [channels, samples] at its own rate (integer
+    formats scaled to [-1, 1)); video streams are ignored.
 
     Args:
         data: the file's bytes (any container/codec the bundled FFmpeg reads: WAV, FLAC, MP3,
@@ -254,12 +252,12 @@ def decode_audio(data: bytes, max_seconds: float) -> torch.Tensor:
             on the decoded samples while decoding.
 
     Returns:
-        float32 [samples] at ``SAMPLE_RATE``, on the CPU.
+        (samples float32 [channels, n], the stream's rate in Hz).
 
     Raises:
         MediaError: not audio, corrupt, truncated (shorter than the container declares, or a WAV
-            data chunk past the end of the file), an unsupported format, longer than
-            ``max_seconds``, or too short for one mel frame (< 21 ms).
+            data chunk past the end of the file), an unsupported format, or longer than
+            ``max_seconds``.
     """
     if _wav_truncated(data):
         raise MediaError("audio: truncated WAV file (data chunk runs past the end)")
@@ -288,36 +286,31 @@ def decode_audio(data: bytes, max_seconds: float) -> torch.Tensor:
     decoded = total / rate
     if declared is not None and decoded < _TRUNCATED_SHARE * declared - _TRUNCATED_SLACK_S:
         raise MediaError(f"audio: truncated file ({decoded:.2f} s decoded of {declared:.2f} s declared)")
-    wave = torch.from_numpy(np.concatenate(chunks, axis=1)).mean(dim=0)
-    out = resample(wave, rate, SAMPLE_RATE)
-    if out.shape[0] < DEFAULT_PARAMS.min_samples:
+    return np.concatenate(chunks, axis=1), rate
+
+
+def check_length(num_samples: int) -> None:
+    """Raise MediaError when a waveform of ``num_samples`` samples at ``SAMPLE_RATE`` is too short
+    for one mel frame (< 21 ms)."""
+    if num_samples < DEFAULT_PARAMS.min_samples:
         need = DEFAULT_PARAMS.min_samples
         raise MediaError(
-            f"too short: {out.shape[0]} samples at {SAMPLE_RATE} Hz, at least {need} "
+            f"too short: {num_samples} samples at {SAMPLE_RATE} Hz, at least {need} "
             f"({1000 * need / SAMPLE_RATE:.0f} ms) needed"
         )
-    return out
 
 
-@functools.lru_cache(maxsize=32)
-def _sinc_kernel(old: int, new: int, width_zeros: int, rolloff: float) -> tuple[torch.Tensor, int]:
-    """Polyphase kernel [new, 1, 2 * pad + old] (float64) and its one-sided padding, in input samples.
+def decoded_samples(data: bytes, max_seconds: float) -> int:
+    """Samples at ``SAMPLE_RATE`` of the mono waveform ``media.audio_features.decode_audio``
+    returns for ``data`` (the router decodes to count tokens: declared durations can be wrong).
 
-    Phase ``j`` produces output sample ``i * new + j``, whose time in input samples is
-    ``i * old + j * old / new``; tap ``k`` reads input sample ``i * old + k - pad``. Its weight is
-    the band-limited interpolator at the offset ``d = k - pad - j * old / new``:
-    ``c * sinc(c * d) * hann(c * d / width_zeros)`` with cutoff ``c = rolloff * min(old, new) / old``
-    (cycles per input sample), the window ``cos(pi * x / 2)**2`` on ``|x| <= 1`` and zero beyond.
+    Raises:
+        MediaError: as ``decode_channels`` and ``check_length``.
     """
-    cutoff = rolloff * min(old, new) / old
-    pad = math.ceil(width_zeros / cutoff)
-    taps = torch.arange(-pad, pad + old, dtype=torch.float64)
-    phase = torch.arange(new, dtype=torch.float64)[:, None] * (old / new)
-    x = cutoff * (taps[None, :] - phase)  # offset in units of the cutoff period
-    x = x.clamp(-width_zeros, width_zeros)
-    window = torch.cos(x * (math.pi / (2 * width_zeros))) ** 2
-    sinc = torch.where(x == 0, torch.ones_like(x), torch.sin(math.pi * x) / (math.pi * x))
-    return (cutoff * sinc * window)[:, None, :], pad
+    channels, rate = decode_channels(data, max_seconds)
+    n = resampled_length(channels.shape[1], rate, SAMPLE_RATE)
+    check_length(n)
+    return n
 
 
 def resampled_length(num_samples: int, old: int, new: int) -> int:
@@ -326,101 +319,14 @@ def resampled_length(num_samples: int, old: int, new: int) -> int:
     return -(-num_samples * (new // g) // (old // g))
 
 
-def resample(
-    wave: torch.Tensor, old: int, new: int, width_zeros: int = 6, rolloff: float = 0.99
-) -> torch.Tensor:
-    """Band-limited resampling from ``old`` Hz to ``new`` Hz (torchaudio's ``sinc_interp_hann``).
-
-    Args:
-        wave: [..., samples], float32 or float64, on any device; zero outside its ends.
-        width_zeros: zero crossings of the sinc on each side (torchaudio ``lowpass_filter_width``).
-        rolloff: cutoff as a share of the lower Nyquist rate.
-
-    Returns:
-        [..., ceil(samples * new / old)] in ``wave``'s dtype; ``wave`` itself when the rates match.
-    """
-    if old <= 0 or new <= 0:
-        raise ValueError(f"sample rates must be positive, got {old}, {new}")
-    if old == new:
-        return wave
-    g = math.gcd(old, new)
-    old, new = old // g, new // g
-    kernel, pad = _sinc_kernel(old, new, width_zeros, rolloff)
-    kernel = kernel.to(device=wave.device, dtype=wave.dtype)
-    shape, n = wave.shape[:-1], wave.shape[-1]
-    x = torch.nn.functional.pad(wave.reshape(-1, 1, n), (pad, pad + old))
-    y = torch.nn.functional.conv1d(x, kernel, stride=old)  # [B, new, frames]
-    y = y.transpose(1, 2).reshape(x.shape[0], -1)
-    return y[:, : resampled_length(n, old, new)].reshape(*shape, -1)
-
-
-def _hz_to_mel(hz: np.ndarray | float) -> np.ndarray:
+def hz_to_mel(hz: np.ndarray | float) -> np.ndarray:
+    """The HTK mel scale: ``2595 log10(1 + hz / 700)``."""
     return 2595.0 * np.log10(1.0 + np.asarray(hz, dtype=np.float64) / 700.0)
 
 
-def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+def mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    """The inverse of ``hz_to_mel``."""
     return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
-
-
-@functools.lru_cache(maxsize=8)
-def mel_bank(p: AudioParams) -> torch.Tensor:
-    """HTK triangular mel bank without normalisation, float64 [n_fft // 2 + 1, n_mels].
-
-    Filter m rises linearly in Hz from corner m to corner m + 1 and falls to corner m + 2, the
-    ``n_mels + 2`` corners evenly spaced on the HTK mel scale between ``f_min`` and ``f_max``
-    (torchaudio ``functional.melscale_fbanks(norm=None, mel_scale="htk")``).
-    """
-    n_freqs = p.n_fft // 2 + 1
-    top = float(p.sample_rate // 2) if p.f_max is None else p.f_max
-    freqs = np.linspace(0.0, p.sample_rate // 2, n_freqs)
-    corners = _mel_to_hz(np.linspace(_hz_to_mel(p.f_min), _hz_to_mel(top), p.n_mels + 2))
-    width = np.diff(corners)
-    rise = (freqs[:, None] - corners[None, :-2]) / width[None, :-1]
-    fall = (corners[None, 2:] - freqs[:, None]) / width[None, 1:]
-    return torch.from_numpy(np.maximum(0.0, np.minimum(rise, fall)))
-
-
-def log_mel(
-    wave: torch.Tensor, p: AudioParams = DEFAULT_PARAMS, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """The MiMo front end: ``log(clamp(mel(|STFT|**power), log_floor))``.
-
-    Args:
-        wave: [samples] at ``p.sample_rate``; at least ``p.min_samples`` samples.
-        device: where to compute (default: ``wave``'s device).
-
-    Returns:
-        float32 [T, n_mels] on ``device``, T = ``p.num_frames(samples)`` (100 frames/s by default).
-
-    Raises:
-        ValueError: not 1-D, or too short for the reflect padding.
-    """
-    if wave.dim() != 1:
-        raise ValueError(f"log_mel takes a 1-D waveform, got shape {tuple(wave.shape)}")
-    if wave.shape[0] < p.min_samples:
-        raise ValueError(f"waveform of {wave.shape[0]} samples is shorter than {p.min_samples}")
-    dev = wave.device if device is None else torch.device(device)
-    # float64 where the device has it: float32 STFT error reaches ~4e-5 in the log domain at
-    # low-energy bins, float64 leaves only the final rounding (a second of audio is ~1e7 FLOP).
-    dtype = torch.float64 if dev.type in ("cpu", "cuda") else torch.float32
-    x = wave.to(device=dev, dtype=dtype)
-    window = torch.hann_window(p.win_length, periodic=True, dtype=dtype, device=dev)
-    spec = torch.stft(
-        x,
-        n_fft=p.n_fft,
-        hop_length=p.hop_length,
-        win_length=p.win_length,
-        window=window,
-        center=p.center,
-        pad_mode="reflect",
-        normalized=False,
-        onesided=True,
-        return_complex=True,
-    ).abs()  # [n_freqs, T]
-    if p.power != 1.0:
-        spec = spec.pow(p.power)
-    mel = spec.transpose(0, 1) @ mel_bank(p).to(device=dev, dtype=dtype)
-    return torch.log(torch.clamp(mel, min=p.log_floor)).float()
 
 
 def audio_num_tokens(num_mel_frames: int) -> int:

@@ -18,6 +18,12 @@ can count tokens before anything is decoded. ``decode_frames`` decodes the chose
 PyAV: the time range is split into chunks, each decoded by its own thread from its own
 container (seek back to a keyframe, decode, keep only the frames the chunk owns), and the result
 is pixel-equal to one sequential decode. Errors from untrusted bytes are ``MediaError``.
+
+torch is imported by the functions that use it, on first use: the router loads this module to
+count tokens and starts without torch. The sampling and the timestamps call torch on purpose: the
+processor computes them with torch ops (a float32 ``linspace`` whose CPU kernel rounds by its SIMD
+width), which a numpy imitation misses in the last bit for many lengths (so it could round to
+another frame).
 """
 
 from __future__ import annotations
@@ -28,14 +34,16 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import av
 import numpy as np
-import torch
 
 from swaserve.media import MediaError
 from swaserve.media.image import smart_resize
+
+if TYPE_CHECKING:
+    import torch
 
 # Sanity limits on what a container may claim (the API applies its own, tighter, per-request limits).
 MAX_SIDE = 16384  # pixels, either side
@@ -248,6 +256,8 @@ def _sample_indices(meta: VideoMeta, p: VideoParams) -> list[int]:
     end_idx = int(duration * f)
     # count + 1 evenly spaced points over [0, end_idx], the last dropped: float32 linspace and
     # round-half-even, exactly the processor's torch ops (do_include_last_frame=False).
+    import torch
+
     idx = torch.linspace(0, end_idx, count + 1).round().int()[:-1].clamp(max=n_total - 1)
     return idx.tolist()
 
@@ -300,6 +310,8 @@ def timestamp_text(seconds: float) -> str:
     """The "MM:SS" text of a time in seconds (minutes not wrapped: 3725 s is "62:05"), computed
     in float32 as the processor's timestamp tensor is (SGLang fork mimo_vl_utils.py
     ``format_timestamp``; vLLM's ``_format_timestamp`` has the same formula)."""
+    import torch
+
     t = torch.tensor(seconds, dtype=torch.float32)
     return f"{int(t // 60):02d}:{int(t % 60):02d}"
 
@@ -442,6 +454,8 @@ def decode_frames(data: bytes, times: Sequence[float], threads: int = 1) -> torc
             ``2 * num_frames + 256`` frames per chunk); a result over ``MAX_OUTPUT_BYTES``.
         ValueError: ``threads < 1``, or a negative or non-finite time.
     """
+    import torch
+
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if any(not (math.isfinite(t) and t >= 0) for t in times):

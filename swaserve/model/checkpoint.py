@@ -347,7 +347,7 @@ def _tiny_towers(hidden: int) -> tuple[Any, Any]:
     RVQ, bidirectional local transformer) at widths a CPU runs in milliseconds."""
     from swaserve.model.audio import AudioConfig
     from swaserve.model.audio_tokenizer import AudioTokenizerConfig
-    from swaserve.model.vision import VisionConfig
+    from swaserve.model.vision_config import VisionConfig
 
     vision = VisionConfig(
         depth=4,

@@ -22,8 +22,8 @@ from typing import Any
 
 from swaserve.media.image import ImageParams
 from swaserve.media.video import VideoParams
-from swaserve.model.vision import HUB_PREFIXES as VISION_PREFIXES
-from swaserve.model.vision import VisionConfig
+from swaserve.model.vision_config import HUB_PREFIXES as VISION_PREFIXES
+from swaserve.model.vision_config import VisionConfig
 
 # Special tokens of the MiMo-V2.5 chat format (processor_config ``*_token`` names).
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"

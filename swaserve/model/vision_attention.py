@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SINK_MODES = ("key0_bias", "denominator")
+from swaserve.model.vision_config import SINK_MODES
+
 Q_BLOCK = 64  # queries per block of the windowed path (at least 2 * window)
 
 

@@ -83,13 +83,12 @@ def agent(path: str | Path, limit: int | None = None, copies: int = 1) -> Worklo
     times as unrelated sessions (copy ``c`` adds ``c`` to every token id modulo the vocabulary:
     same lengths and reuse structure, no shared content), its arrivals shifted by ``c / copies``
     of the trace's span: the trace has too few sessions to load many instances closed loop."""
-    from transformers import AutoTokenizer
-
     from swaserve.agentic import estimate_output_tokens, read_agent_sessions, tokenize_calls
+    from swaserve.hf_tokenizer import load_tokenizer
     from swaserve.model.checkpoint import tokenizer_dir
 
     calls = read_agent_sessions(path, limit)
-    ids = tokenize_calls(calls, AutoTokenizer.from_pretrained(str(tokenizer_dir("default"))))
+    ids = tokenize_calls(calls, load_tokenizer(tokenizer_dir("default")))
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
     vocab = max(max(p) for p in ids) + 1

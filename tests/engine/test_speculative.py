@@ -276,7 +276,7 @@ def test_spec_counters_are_exported_under_vllm_names(
 
 def _through_the_wire(payload, page_size: int, layers: dict[str, int], cfg, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     """The payload as a decode worker stages it from the KVTransfer.Push stream (header + pages)."""
-    from services.convert import hidden_from_header, page_from_proto, transfer_messages
+    from services.kv_convert import hidden_from_header, page_from_proto, transfer_messages
     from swaserve.config import FULL, SWA
     from swaserve.transfer.kv_transfer import KVStaging, LayerShape
 

@@ -18,10 +18,11 @@ import torch
 
 from services.convert import params_from_proto, params_to_proto
 from swaserve.config import EngineConfig
+from swaserve.engine.grammar import grammar_of, validate
 from swaserve.engine.ipc import AddRequest, Decoder, ToCore, encode
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.sampler import Sampler, SamplingState
-from swaserve.engine.structured import StructuredDecoder, grammar_of, validate
+from swaserve.engine.structured import StructuredDecoder
 from swaserve.engine.types import FinishReason, SamplingParams, StructuredOutput
 from tests.transfer.test_pd_inprocess import run_pd, run_single
 

@@ -21,13 +21,11 @@ from swaserve.media.audio import (
     audio_num_tokens,
     audio_tokens_for_samples,
     audio_tokens_for_seconds,
-    decode_audio,
-    log_mel,
-    mel_bank,
+    decoded_samples,
     probe_audio,
-    resample,
     resampled_length,
 )
+from swaserve.media.audio_features import decode_audio, log_mel, mel_bank, resample
 
 
 def _tone(rate: int, seconds: float, freq: float = 440.0, amp: float = 0.3) -> np.ndarray:
@@ -214,6 +212,7 @@ def test_wav_decodes_to_24k_mono() -> None:
     native = _wav([_tone(SAMPLE_RATE, 0.5)], SAMPLE_RATE)  # already 24 kHz: samples pass untouched
     exact = torch.from_numpy(np.round(_tone(SAMPLE_RATE, 0.5) * 32767) / 32768).float()
     assert torch.equal(decode_audio(native, 5.0), exact)
+    assert decoded_samples(data, 5.0) == SAMPLE_RATE and decoded_samples(native, 5.0) == exact.shape[0]
 
 
 @pytest.mark.parametrize(
@@ -231,6 +230,7 @@ def test_compressed_audio_decodes_to_the_right_length(fmt: str, codec: str, rate
     assert abs(meta.duration_s - 1.0) < 0.1
     out = decode_audio(data, max_seconds=5.0)
     assert abs(out.shape[0] - SAMPLE_RATE) <= 0.1 * SAMPLE_RATE  # AAC adds its 1024-sample priming
+    assert decoded_samples(data, 5.0) == out.shape[0]  # the router's count, without torch
     assert abs(_peak_hz(out, SAMPLE_RATE) - 440.0) < 5.0
 
 
@@ -254,6 +254,8 @@ def test_bad_audio_is_a_media_error() -> None:
     for data, msg in cases:
         with pytest.raises(MediaError, match=msg):
             decode_audio(data, max_seconds=5.0)
+        with pytest.raises(MediaError, match=msg):
+            decoded_samples(data, max_seconds=5.0)
     with pytest.raises(MediaError, match=r"longer than the 0\.5 s limit"):
         decode_audio(wav, max_seconds=0.5)
     with pytest.raises(MediaError, match="no audio stream"):

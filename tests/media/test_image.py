@@ -1,4 +1,4 @@
-"""Image geometry, decoding and preprocessing (swaserve.media.image): smart_resize against transformers'
+"""Image geometry, decoding and preprocessing (swaserve.media.image, swaserve.media.pixels): smart_resize against transformers'
 qwen2_vl where the two agree and pinned where MiMo's differs, the resize/normalize/patchify pipeline
 against an explicit numpy reference, and bad images refused with a message."""
 
@@ -15,16 +15,8 @@ import torch
 from PIL import Image
 
 from swaserve.media import MediaError
-from swaserve.media.image import (
-    ImageParams,
-    decode_image,
-    image_grid,
-    image_num_tokens,
-    image_size,
-    preprocess_frames,
-    preprocess_images,
-    smart_resize,
-)
+from swaserve.media.image import ImageParams, image_grid, image_num_tokens, image_size, smart_resize
+from swaserve.media.pixels import decode_image, preprocess_frames, preprocess_images
 
 P = ImageParams()
 SMALL = ImageParams(patch_size=4, merge_size=2, min_pixels=4 * 8 * 8, max_pixels=64 * 8 * 8)

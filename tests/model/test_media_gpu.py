@@ -10,7 +10,8 @@ import torch
 
 from swaserve.encoder.items import EncodeItem
 from swaserve.encoder.runner import MediaEncoder
-from swaserve.media.image import decode_image, image_num_tokens, preprocess_images
+from swaserve.media.image import image_num_tokens
+from swaserve.media.pixels import decode_image, preprocess_images
 from swaserve.media.placeholders import item_key
 from swaserve.model.multimodal import MultimodalConfig
 from tests.helpers.media import png, wav
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _items(tiny_dir: Path) -> list[EncodeItem]:
-    from swaserve.media.audio import AudioParams, audio_num_tokens, decode_audio
+    from swaserve.media.audio import AudioParams, audio_num_tokens
+    from swaserve.media.audio_features import decode_audio
 
     mm = MultimodalConfig.from_pretrained(tiny_dir)
     assert mm is not None and mm.image is not None

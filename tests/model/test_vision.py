@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 from swaserve.model import vision_attention
 from swaserve.model.vision import (
-    VisionConfig,
+    _ACTS,
     VisionTransformer,
     random_vision_weights,
     vision_param_shapes,
     vision_state_dict_from_hub,
 )
+from swaserve.model.vision_config import ACTIVATIONS, VisionConfig
 
 TOL = 1e-5
 # fp32 ours vs the float64 reference: measured max |diff| ~1e-6 on outputs of magnitude ~2
@@ -397,3 +398,7 @@ def test_hub_state_dict_strips_prefixes_and_names_problems() -> None:
         vision_state_dict_from_hub({"visual.a": torch.zeros(1), "model.visual.a": torch.zeros(1)})
     with pytest.raises(ValueError, match="no vision tower weights"):
         vision_state_dict_from_hub({"model.embed_tokens.weight": torch.zeros(1)})
+
+
+def test_the_config_names_every_activation_the_tower_builds() -> None:
+    assert set(_ACTS) == set(ACTIVATIONS)

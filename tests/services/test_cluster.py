@@ -442,6 +442,18 @@ def test_structured_output_holds_across_pd(cluster: Cluster, tiny_dir: Path) -> 
     wait_idle(cluster)
 
 
+def test_the_router_process_never_loads_torch(cluster: Cluster) -> None:
+    """After text, chat, streaming and structured-output requests (the tests above), the router
+    still has no libtorch mapped: it tokenizes, renders chats, checks grammars and routes without
+    torch (``swaserve.hf_tokenizer``; the media, grammar and message modules it imports are
+    torch-free), so a router replica starts in a fraction of a worker's time and memory."""
+    maps = Path(f"/proc/{cluster.services['router'].proc.pid}/maps")  # type: ignore[union-attr]
+    if not maps.exists():
+        pytest.skip("needs /proc")
+    libs = {line.split()[-1] for line in maps.read_text().splitlines() if "libtorch" in line}
+    assert not libs, f"the router loaded {sorted(libs)}"
+
+
 def _stream_outcome(url: str, prompt: list[int], max_tokens: int) -> str:
     """'done' (finish_reason seen), 'error' (error event), or raises on a hang (timeout)."""
     body = {"model": "mimo-v2-tiny-v2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,

@@ -16,7 +16,7 @@ from services.encoder.servicer import Limits
 from services.tls import Dialer
 from swaserve.encoder.items import EncodeItem
 from swaserve.encoder.runner import MediaEncoder
-from swaserve.media.audio import AudioParams, audio_num_tokens, decode_audio
+from swaserve.media.audio import AudioParams, audio_num_tokens, decoded_samples
 from swaserve.media.image import image_num_tokens
 from swaserve.media.placeholders import item_key
 from swaserve.media.video import frame_size, grid_timestamps, probe_video, sample_times
@@ -37,7 +37,7 @@ def image(enc: MediaEncoder, seed: int, width: int = 64, height: int = 48) -> En
 
 def audio(enc: MediaEncoder, seconds: float = 0.5) -> EncodeItem:
     data = wav(seconds)
-    frames = AudioParams.from_hf(enc.config.processor).num_frames(int(decode_audio(data, 60).shape[0]))
+    frames = AudioParams.from_hf(enc.config.processor).num_frames(decoded_samples(data, 60))
     return EncodeItem(item_key("t", "audio", {}, data), "audio", data, audio_num_tokens(frames))
 
 
