@@ -2,8 +2,8 @@
 
 ``make_checkpoint`` builds a random ``MiMoV2FlashForCausalLM`` with transformers' own classes
 (``save_pretrained``: the hub's key layout) and a byte-level BPE tokenizer trained on ``data/corpus``
-with a ChatML template; every detail that changes logits is non-trivial on purpose. ``to_hub_style``
-rewrites config.json in the hub's spelling; ``quantize_fp8`` writes the hub's block-wise FP8 format.
+with a ChatML template; every detail that changes logits is non-trivial on purpose. The hub's
+config spelling and block-wise FP8 format are ``model.hub_format``'s.
 
 Design notes: docs/DESIGN.md#modelcheckpointpy"""
 
@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from swaserve.model.multimodal import MEDIA_TOKENS, TOKEN_TEXT
+from swaserve.model.multimodal import MEDIA_TOKENS
+from swaserve.model.tiny_towers import write_media_towers
 from swaserve.model.train import DistillConfig, PretrainConfig, corpus_prompts, distill, pretrain
 
 log = logging.getLogger(__name__)
@@ -40,11 +39,7 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, *MEDIA_TOKENS)
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
 CHECKPOINT_VERSION = 2  # bump when the generated weights or tokenizer change
 CORPUS_PATH = Path(__file__).resolve().parents[2] / "data" / "corpus" / "agent_messages.jsonl"
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-
-# Weights that the hub's FP8 checkpoints store as float8: attention projections, dense MLP, experts.
-_FP8_WEIGHT = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
 
 # ChatML with system/user/assistant/tool roles, OpenAI content parts, tool definitions and tool calls.
 CHAT_TEMPLATE = (
@@ -301,7 +296,7 @@ def make_checkpoint(
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out = Path(out_dir)
     plan = PRESETS[preset].train if train else None
-    with _atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite) as tmp:
         model = build_model(preset, seed)
         model.save_pretrained(tmp)
         write_tokenizer(train_tokenizer(model.config.vocab_size), tmp, model.config.max_position_embeddings)
@@ -341,117 +336,10 @@ def train_checkpoint(model_dir: Path, preset: str, plan: TrainPlan, seed: int, m
     (model_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _tiny_towers(hidden: int) -> tuple[Any, Any]:
-    """(VisionConfig, AudioConfig) of the small random towers: the real layouts (GQA, row and
-    column windows with sinks, a full block at each end; hybrid-window audio tokenizer with a skip,
-    RVQ, bidirectional local transformer) at widths a CPU runs in milliseconds."""
-    from swaserve.model.audio import AudioConfig
-    from swaserve.model.audio_tokenizer import AudioTokenizerConfig
-    from swaserve.model.vision_config import VisionConfig
-
-    vision = VisionConfig(
-        depth=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        out_hidden_size=hidden,
-        window_types=(-1, 0, 1, -1),
-        window_size=8,
-        use_sink=True,
-    )
-    tok = AudioTokenizerConfig(
-        n_mels=128,
-        d_model=32,
-        avg_pooler=2,
-        encoder_layers=4,
-        encoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        encoder_skip_layer_id=2,
-        encoder_attn_window_size=(8, 8),
-        hybrid_attention=True,
-        swa_per_block=2,
-        num_quantizers=4,
-        codebook_size=(16, 16, 8, 8),
-    )
-    audio = AudioConfig(
-        speech_vocab_size=(17, 17, 9, 9),
-        speech_zeroemb_idx=(16, 16, 8, 8),
-        audio_channels=4,
-        input_local_layers=2,
-        input_local_dim=32,
-        input_local_attn_heads=4,
-        input_local_head_dim=8,
-        input_local_intermediate_size=64,
-        out_hidden_size=hidden,
-        partial_rotary_factor=1.0,
-        projection_layers=2,
-        tokenizer=tok,
-    )
-    return vision, audio
-
-
-# Small media limits for CPU checkpoints: <= 64 tokens per image or frame pair, <= 16 frames.
-TINY_PROCESSOR = {
-    "image_min_pixels": 4 * 32 * 32,
-    "image_max_pixels": 64 * 32 * 32,
-    "video_min_pixels": 4 * 32 * 32,
-    "video_max_pixels": 16 * 32 * 32,
-    "video_total_max_pixels": 128 * 32 * 32,
-    "fps": 2.0,
-    "min_frames": 2,
-    "max_frames": 16,
-}
-
-
-def write_media_towers(model_dir: Path, seed: int) -> None:
-    """Add random vision (``visual.*`` in ``visual.safetensors``) and audio towers
-    (``speech_embeddings.*``/``audio_encoder.*`` in ``audio.safetensors``, the tokenizer in
-    ``audio_tokenizer/``) in the hub layout, the media token ids in config.json and a
-    ``processor_config.json`` (``TINY_PROCESSOR``)."""
-    from tokenizers import Tokenizer
-
-    from swaserve.model.audio import random_audio_weights
-    from swaserve.model.multimodal import TOKEN_KEYS
-    from swaserve.model.vision import random_vision_weights
-
-    cfg_path = model_dir / "config.json"
-    raw = json.loads(cfg_path.read_text())
-    vision, audio = _tiny_towers(int(raw["hidden_size"]))
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    for field_name, key in TOKEN_KEYS.items():
-        tid = tok.token_to_id(TOKEN_TEXT[field_name])
-        if tid is None:
-            raise RuntimeError(f"the tokenizer has no {TOKEN_TEXT[field_name]}")
-        raw[key] = tid
-    raw["vision_config"] = vision.to_hf()
-    audio_cfg, tok_cfg = audio.to_hf()
-    raw["audio_config"] = audio_cfg
-    visual = {f"visual.{k}": v.contiguous() for k, v in random_vision_weights(vision, seed + 2).items()}
-    main, tok_tensors = random_audio_weights(audio, seed + 3)
-    save_file(visual, str(model_dir / "visual.safetensors"), metadata={"format": "pt"})
-    save_file(main, str(model_dir / "audio.safetensors"), metadata={"format": "pt"})
-    (model_dir / "audio_tokenizer").mkdir(exist_ok=True)
-    save_file(
-        tok_tensors, str(model_dir / "audio_tokenizer" / "model.safetensors"), metadata={"format": "pt"}
-    )
-    (model_dir / "audio_tokenizer" / "config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        idx = json.loads(index.read_text())
-        idx["weight_map"].update({k: "visual.safetensors" for k in visual})
-        idx["weight_map"].update({k: "audio.safetensors" for k in main})
-        index.write_text(json.dumps(idx, indent=2))
-    (model_dir / "processor_config.json").write_text(json.dumps(TINY_PROCESSOR, indent=2) + "\n")
-    cfg_path.write_text(json.dumps(raw, indent=2) + "\n")
-
-
 def write_mtp_layers(model_dir: Path, preset: str, n: int, seed: int) -> None:
     """Add ``n`` random MTP layers to the checkpoint in ``model_dir`` (hub key layout: separate
     q/k/v projections, ``attention_sink_bias``, ``pre_mlp_layernorm``), initialised as
     ``build_model`` initialises the target, from their own generator (seed + 1)."""
-    from safetensors.torch import save_file
 
     from swaserve.config import ModelConfig
     from swaserve.model.mtp import HUB_RENAMES, MTPLayer
@@ -524,7 +412,7 @@ def tokenizer_dir(preset: str) -> Path:
     target = cache_dir() / "models" / f"mimo-v2-{preset}-tokenizer-v{CHECKPOINT_VERSION}"
 
     def build() -> None:
-        with _atomic_dir(target, True) as tmp:
+        with atomic_dir(target, True) as tmp:
             config = mimo_config(preset)
             config.save_pretrained(tmp)
             write_tokenizer(train_tokenizer(config.vocab_size), tmp, config.max_position_embeddings)
@@ -542,172 +430,8 @@ def tiny_model_dir() -> Path:
     return cached_model_dir("tiny")
 
 
-def to_hub_style(src_dir: str | Path, dst_dir: str | Path) -> Path:
-    """Copy a transformers-style checkpoint, rewriting config.json with XiaomiMiMo hub keys.
-
-    Weights and tokenizer files are copied unchanged (the weight key layout is already the hub's).
-
-    Raises:
-        ValueError: the source config is not in transformers style.
-    """
-    src, dst = Path(src_dir), Path(dst_dir)
-    c = json.loads((src / "config.json").read_text())
-    if "layer_types" not in c or "rope_parameters" not in c:
-        raise ValueError(f"{src}/config.json is not a transformers-style MiMo-V2 config")
-    full, swa = c["rope_parameters"]["full_attention"], c["rope_parameters"]["sliding_attention"]
-    if full.get("partial_rotary_factor") != swa.get("partial_rotary_factor"):
-        raise ValueError("hub configs have one partial_rotary_factor for both attention kinds")
-    hub = {
-        k: v
-        for k, v in c.items()
-        if k not in ("layer_types", "mlp_layer_types", "rope_parameters", "sliding_window", "rms_norm_eps")
-    }
-    hub.update(
-        hybrid_layer_pattern=[0 if t == "full_attention" else 1 for t in c["layer_types"]],
-        moe_layer_freq=[1 if t == "sparse" else 0 for t in c["mlp_layer_types"]],
-        rope_theta=full["rope_theta"],
-        swa_rope_theta=swa["rope_theta"],
-        partial_rotary_factor=full["partial_rotary_factor"],
-        sliding_window_size=c["sliding_window"] - 1,
-        layernorm_epsilon=c["rms_norm_eps"],
-        swa_num_attention_heads=c["num_attention_heads"],
-        swa_num_key_value_heads=2 * c["num_key_value_heads"],
-        swa_head_dim=c["head_dim"],
-        swa_v_head_dim=c["v_head_dim"],
-        add_full_attention_sink_bias=False,
-        add_swa_attention_sink_bias=True,
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
-    )
-    with _atomic_dir(dst, overwrite=False) as tmp:
-        for f in src.iterdir():
-            if f.is_file() and f.name != "config.json":
-                shutil.copy2(f, tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(dict(sorted(hub.items())), indent=2) + "\n")
-    return dst
-
-
-def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir (``model.safetensors`` or sharded with an index), on CPU."""
-    d = Path(model_dir)
-    index = d / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.is_file()
-        else ["model.safetensors"]
-    )
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(d / name), framework="pt") as f:
-            for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                out[k] = f.get_tensor(k)
-    return out
-
-
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise FP8 e4m3 quantization of one 2-D weight.
-
-    Args:
-        w: [out, in] float weight.
-        block: (bm, bn) block shape; edge blocks may be smaller.
-
-    Returns:
-        (q, scale_inv): q is [out, in] torch.float8_e4m3fn; scale_inv is float32
-        [ceil(out/bm), ceil(in/bn)] with ``w ~= q.float() * scale_inv`` expanded per block, where
-        scale_inv = block absmax / 448.
-    """
-    bm, bn = block
-    rows, cols = w.shape
-    nr, nc = -(-rows // bm), -(-cols // bn)
-    padded = torch.zeros(nr * bm, nc * bn, dtype=torch.float32)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(nr, bm, nc, bn)
-    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nr * bm, nc * bn)
-    return q[:rows, :cols].contiguous().to(torch.float8_e4m3fn), scale_inv.contiguous()
-
-
-def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Inverse of ``quantize_fp8_block``: [out, in] float32 = q.float() * scale_inv per block."""
-    bm, bn = block
-    rows, cols = q.shape
-    scale = scale_inv.float().repeat_interleave(bm, dim=0).repeat_interleave(bn, dim=1)
-    return q.float() * scale[:rows, :cols]
-
-
-def dequantize_fp8_state_dict(sd: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Replace every FP8 weight + ``<name>_scale_inv`` pair by its float32 dequantization."""
-    out: dict[str, torch.Tensor] = {}
-    for k, t in sd.items():
-        if k.endswith("_scale_inv"):
-            continue
-        out[k] = dequantize_fp8_block(t, sd[k + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn else t
-    return out
-
-
-def is_fp8_weight(name: str) -> bool:
-    """Whether the hub FP8 format stores this tensor as float8 (with a ``_scale_inv``)."""
-    return _FP8_WEIGHT.search(name) is not None
-
-
-def quantize_fp8(
-    src_dir: str | Path, dst_dir: str | Path, block: tuple[int, int] = (128, 128), *, num_shards: int = 2
-) -> Path:
-    """Convert a checkpoint to hub-style block FP8, written as ``num_shards`` shards with an index.
-
-    Projection weights (see ``is_fp8_weight``) become float8_e4m3fn plus float32 ``<name>_scale_inv``
-    [ceil(out/bm), ceil(in/bn)]; everything else keeps its dtype. config.json gains
-    ``quantization_config``; tokenizer and generation config are copied.
-
-    Raises:
-        ValueError: ``num_shards`` < 1 or the source is already quantized.
-    """
-    src, dst = Path(src_dir), Path(dst_dir)
-    config = json.loads((src / "config.json").read_text())
-    if num_shards < 1 or "quantization_config" in config:
-        raise ValueError("quantize_fp8 needs num_shards >= 1 and an unquantized source")
-    sd = load_state_dict(src)
-    tensors: dict[str, torch.Tensor] = {}
-    for k in sorted(sd):
-        if is_fp8_weight(k):
-            tensors[k], tensors[k + "_scale_inv"] = quantize_fp8_block(sd[k], block)
-        else:
-            tensors[k] = sd[k].contiguous()
-    n_layers = int(config.get("num_hidden_layers", 1))
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
-    for k, t in tensors.items():
-        m = re.match(r"model\.layers\.(\d+)\.", k)
-        i = (
-            min(int(m.group(1)) * num_shards // n_layers, num_shards - 1)
-            if m
-            else (0 if "embed_tokens" in k else num_shards - 1)
-        )
-        shards[i][k] = t
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(block),
-    }
-    with _atomic_dir(dst, overwrite=False) as tmp:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for f in TOKENIZER_FILES:
-            if (src / f).is_file():
-                shutil.copy2(src / f, tmp / f)
-    return dst
-
-
 @contextmanager
-def _atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a fresh temp dir next to ``out``; on success rename it to ``out``, else delete it."""
 
     def occupied() -> bool:

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, MiMoV2FlashForCausalLM
 
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.model import checkpoint as ck
+from swaserve.model import hub_format
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def tokenizer(tiny: Path):
 
 
 def _keys_and_dtypes(model_dir: Path) -> dict[str, torch.dtype]:
-    return {k: t.dtype for k, t in ck.load_state_dict(model_dir).items()}
+    return {k: t.dtype for k, t in hub_format.load_state_dict(model_dir).items()}
 
 
 def test_tiny_shape_and_files(tiny: Path) -> None:
@@ -91,7 +92,7 @@ def test_transformers_loads_tiny_and_matches_the_built_model(tiny: Path, tiny_hf
 
 
 def test_logit_details_are_non_trivial(tiny: Path, tiny_hf) -> None:
-    sd = ck.load_state_dict(tiny)
+    sd = hub_format.load_state_dict(tiny)
     sinks = [t for k, t in sd.items() if k.endswith("attention_sink_bias")]
     biases = [t for k, t in sd.items() if k.endswith("e_score_correction_bias")]
     norms = [t for k, t in sd.items() if k.endswith("norm.weight")]
@@ -223,7 +224,7 @@ def test_chat_template(tokenizer) -> None:
 
 
 def test_hub_style_config(tiny: Path, tmp_path: Path) -> None:
-    hub = ck.to_hub_style(tiny, tmp_path / "hub")
+    hub = hub_format.to_hub_style(tiny, tmp_path / "hub")
     c = json.loads((hub / "config.json").read_text())
     for gone in ("layer_types", "mlp_layer_types", "rope_parameters", "sliding_window", "rms_norm_eps"):
         assert gone not in c
@@ -245,7 +246,7 @@ def test_hub_style_config(tiny: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("block", [(24, 40), (128, 128)])
 def test_fp8_checkpoint(tiny: Path, tmp_path: Path, block: tuple[int, int]) -> None:
-    fp8 = ck.quantize_fp8(tiny, tmp_path / "fp8", block=block)
+    fp8 = hub_format.quantize_fp8(tiny, tmp_path / "fp8", block=block)
     index = json.loads((fp8 / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -270,9 +271,9 @@ def test_fp8_checkpoint(tiny: Path, tmp_path: Path, block: tuple[int, int]) -> N
         tiny
     ).encode("hi there")
 
-    ref, sd = ck.load_state_dict(tiny), ck.load_state_dict(fp8)
+    ref, sd = hub_format.load_state_dict(tiny), hub_format.load_state_dict(fp8)
     bm, bn = block
-    fp8_names = {k for k in ref if ck.is_fp8_weight(k)}
+    fp8_names = {k for k in ref if hub_format.is_fp8_weight(k)}
     assert len(fp8_names) == 8 * 4 + 3 + 7 * 8 * 3  # attention + dense MLP + experts
     assert set(sd) == set(ref) | {k + "_scale_inv" for k in fp8_names}
     for k, w in ref.items():
@@ -285,7 +286,7 @@ def test_fp8_checkpoint(tiny: Path, tmp_path: Path, block: tuple[int, int]) -> N
         assert s.dtype == torch.float32 and s.shape == (-(-rows // bm), -(-cols // bn))
         assert torch.equal(s[-1, -1], w[(s.shape[0] - 1) * bm :, (s.shape[1] - 1) * bn :].abs().max() / 448)
         assert torch.equal(s[0, 0], w[:bm, :bn].abs().max() / 448)
-    deq = ck.dequantize_fp8_state_dict(sd, block)
+    deq = hub_format.dequantize_fp8_state_dict(sd, block)
     assert set(deq) == set(ref)
     for k in fp8_names:
         w, d = ref[k], deq[k]
@@ -301,21 +302,21 @@ def test_fp8_checkpoint(tiny: Path, tmp_path: Path, block: tuple[int, int]) -> N
 def test_fp8_block_edge_cases() -> None:
     w = torch.zeros(5, 7)
     w[4, 6] = -3.0
-    q, s = ck.quantize_fp8_block(w, (4, 4))
+    q, s = hub_format.quantize_fp8_block(w, (4, 4))
     assert s.shape == (2, 2) and torch.isfinite(s).all() and (s > 0).all()
-    torch.testing.assert_close(ck.dequantize_fp8_block(q, s, (4, 4)), w, rtol=0, atol=0)
+    torch.testing.assert_close(hub_format.dequantize_fp8_block(q, s, (4, 4)), w, rtol=0, atol=0)
     assert s[1, 1] == pytest.approx(3.0 / 448)
 
 
 def test_fp8_rejects_bad_input(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError):
-        ck.quantize_fp8(tiny, tmp_path / "a", num_shards=0)
-    fp8 = ck.quantize_fp8(tiny, tmp_path / "b", num_shards=3)
+        hub_format.quantize_fp8(tiny, tmp_path / "a", num_shards=0)
+    fp8 = hub_format.quantize_fp8(tiny, tmp_path / "b", num_shards=3)
     assert (
         len(set(json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"].values())) == 3
     )
     with pytest.raises(ValueError):
-        ck.quantize_fp8(fp8, tmp_path / "c")
+        hub_format.quantize_fp8(fp8, tmp_path / "c")
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from swaserve.config import ConfigError, ModelConfig
-from swaserve.model.checkpoint import dequantize_fp8_state_dict, quantize_fp8, to_hub_style
+from swaserve.model.hub_format import dequantize_fp8_state_dict, quantize_fp8, to_hub_style
 from swaserve.model.loader import LoadError, load_model
 from tests.helpers.engine import Harness, reference_logits
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from swaserve.config import ModelConfig
-from swaserve.model.checkpoint import quantize_fp8, to_hub_style
+from swaserve.model.hub_format import quantize_fp8, to_hub_style
 from swaserve.model.identity import ModelIdentity, model_identity
 
 
