@@ -2,12 +2,15 @@
 importing torch where that can be avoided.
 
 transformers' ``AutoTokenizer`` imports ``configuration_utils``, which imports torch (about 3
-CPU-seconds and a few hundred MB in a process that runs no model: the router, the API front). A
-checkpoint whose ``tokenizer_config.json`` names the generic fast tokenizer (``PreTrainedTokenizerFast``
-or ``TokenizersBackend``, with a ``tokenizer.json`` and no ``auto_map``) is one that ``AutoTokenizer``
-(transformers 5) loads with ``TokenizersBackend.from_pretrained``, so that is called directly. Any
-other checkpoint goes through ``AutoTokenizer`` itself: its class resolution has model-type and
-hub-specific rules this module does not repeat.
+CPU-seconds and a few hundred MB in the router, which runs no model). For a MiMo-V2 checkpoint
+``AutoTokenizer`` (transformers 5) returns ``TokenizersBackend.from_pretrained(model_dir)``:
+transformers registers ``TokenizersBackend`` for ``model_type`` ``mimo_v2_flash`` and uses it
+whatever class ``tokenizer_config.json`` names (the hub's ``Qwen2Tokenizer`` included), and for the
+``mimo_v2`` spelling when it names the generic fast tokenizer. There ``load_tokenizer`` calls
+``TokenizersBackend`` directly (``auto_gives_backend``); remote code (an ``auto_map``), a
+``tokenizer_class`` in config.json, no ``tokenizer.json`` and every other model go through
+``AutoTokenizer`` itself. ``tests/test_hf_tokenizer.py`` checks both against ``AutoTokenizer``,
+so a transformers release that changes its rules fails there.
 """
 
 from __future__ import annotations
@@ -19,19 +22,21 @@ from typing import Any
 GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def is_generic(model_dir: str | Path) -> bool:
-    """Whether the checkpoint's tokenizer is the generic fast one (see the module doc)."""
+def auto_gives_backend(model_dir: str | Path) -> bool:
+    """Whether ``AutoTokenizer.from_pretrained(model_dir)`` returns a ``TokenizersBackend`` loaded
+    from ``model_dir`` alone (the module doc says when); False when unsure."""
     d = Path(model_dir)
     try:
-        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        tok = json.loads((d / "tokenizer_config.json").read_text())
+        model = json.loads((d / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (
-        isinstance(cfg, dict)
-        and cfg.get("tokenizer_class") in GENERIC_CLASSES
-        and "auto_map" not in cfg
-        and (d / "tokenizer.json").is_file()
-    )
+    if not (isinstance(tok, dict) and isinstance(model, dict)) or not (d / "tokenizer.json").is_file():
+        return False
+    if "auto_map" in tok or "auto_map" in model or "tokenizer_class" in model:
+        return False
+    kind = model.get("model_type")
+    return kind == "mimo_v2_flash" or (kind == "mimo_v2" and tok.get("tokenizer_class") in GENERIC_CLASSES)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -40,7 +45,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     Raises:
         OSError, ValueError: as ``from_pretrained`` (no tokenizer files, a malformed config).
     """
-    if is_generic(model_dir):
+    if auto_gives_backend(model_dir):
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(str(model_dir))
