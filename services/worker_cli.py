@@ -24,15 +24,14 @@ from typing import Annotated
 import typer
 
 from swaserve.config import EngineConfig
-from swaserve.kvcache.hashing import DEFAULT_BLOCK_TOKENS
-from swaserve.options import (
+from swaserve.front_options import (
     GrpcTlsCaOption,
     GrpcTlsCertOption,
     GrpcTlsKeyOption,
     GrpcTlsServerNameOption,
-    engine_options,
-    size_option,
 )
+from swaserve.kvcache.hashing import DEFAULT_BLOCK_TOKENS
+from swaserve.options import engine_options, size_option
 
 
 def _with_index_events(

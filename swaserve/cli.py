@@ -16,7 +16,7 @@ import typer
 
 from swaserve.config import EngineConfig  # light: no torch
 from swaserve.engine.types import MAX_LOGPROBS  # light: no torch
-from swaserve.options import (
+from swaserve.front_options import (
     API_KEY_ENV,
     AdminTokenOption,
     AllowedLocalMediaPathOption,
@@ -29,10 +29,9 @@ from swaserve.options import (
     SslCertfileOption,
     SslKeyfileOption,
     check_ssl_files,
-    engine_options,
     media_args,
-    size_option,
 )
+from swaserve.options import engine_options, size_option
 from swaserve.plan_cli import plan_ep, sim
 
 app = typer.Typer(

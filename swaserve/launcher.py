@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swaserve.cpus import usable_cpus
-from swaserve.options import ADMIN_TOKEN_ENV, API_KEY_ENV
+from swaserve.front_options import ADMIN_TOKEN_ENV, API_KEY_ENV
 from swaserve.procs import ClusterError, ServiceProcess, free_port, grpc_ready, http_ready, stop_all
 
 DEFAULT_NAMESPACE = "swaserve"  # the routers' --namespace default

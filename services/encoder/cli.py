@@ -35,7 +35,8 @@ from services.lifecycle import serve_until_signalled
 from swaserve.encoder.cache import EmbeddingCache
 from swaserve.encoder.runner import MediaEncoder
 from swaserve.encoder.shm_cache import ShmEmbeddingCache
-from swaserve.options import GrpcTlsCertOption, GrpcTlsKeyOption, size_option
+from swaserve.front_options import GrpcTlsCertOption, GrpcTlsKeyOption
+from swaserve.options import size_option
 from swaserve.v1 import encoder_pb2_grpc as egrpc
 
 log = logging.getLogger("swaserve.encoder")

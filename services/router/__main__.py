@@ -16,7 +16,7 @@ import typer
 
 from services.lifecycle import run_app
 from swaserve.engine.types import MAX_LOGPROBS
-from swaserve.options import (
+from swaserve.front_options import (
     AdminTokenOption,
     AllowedLocalMediaPathOption,
     AllowedMediaDomainsOption,
@@ -30,8 +30,8 @@ from swaserve.options import (
     SslCertfileOption,
     SslKeyfileOption,
     check_ssl_files,
-    size_option,
 )
+from swaserve.options import size_option
 from swaserve.routing.discovery import DEFAULT_PORT, DEFAULT_SELECTOR
 
 if TYPE_CHECKING:
