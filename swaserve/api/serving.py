@@ -25,14 +25,13 @@ from sse_starlette import EventSourceResponse
 
 from swaserve.api.logprobs import TokenTexts
 from swaserve.api.media import MediaFront, MediaOptions
+from swaserve.api.messages import part_modality, part_url
 from swaserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Prompt,
     ProtocolError,
     check_token_ids,
-    part_modality,
-    part_url,
 )
 from swaserve.api.render import ChatRenderer, Choice, CompletionRenderer, Job, Renderer, sse_data
 from swaserve.api.responses import ModelCard, ModelList, error_body

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from swaserve.api.protocol import ChatMessage, ProtocolError, check_body
+from swaserve.api.messages import ChatMessage, StrictModel
+from swaserve.api.protocol import ProtocolError, check_body
 
 _BOUNDED_NORMALIZERS = {"NFC": 3, "NFKC": 3, "NFD": 1, "NFKD": 1}
 
@@ -61,9 +62,7 @@ class PromptEncoder:
 
 
 # -- /tokenize, /detokenize (vLLM's shapes); unknown fields are a 400 --------------------------------
-class _Exact(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class _Exact(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:

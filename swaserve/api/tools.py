@@ -16,35 +16,32 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from swaserve.api.errors import ProtocolError
+from swaserve.api.messages import StrictModel
 from swaserve.engine.types import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-class _Exact(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class FunctionDef(_Exact):
+class FunctionDef(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Exact):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Exact):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Exact):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
