@@ -19,8 +19,9 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from swaserve.engine.stats import EngineStats
-from swaserve.metrics import PREFIX, WORKER_LABEL, token_bytes_family
+from swaserve.metrics import PREFIX, token_bytes_family
 from swaserve.metrics_engine import ep_families, spec_families
+from swaserve.metrics_router import WORKER_LABEL
 
 TEXT_FORMAT = "text/plain; version=0.0.4"
 

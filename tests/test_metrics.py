@@ -10,7 +10,8 @@ import pytest
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput
 from swaserve.kvcache.stats import PoolStats
-from swaserve.metrics import RequestTimer, RouterStats, ServerMetrics, WorkerStats, token_buckets
+from swaserve.metrics import RequestTimer, ServerMetrics, token_buckets
+from swaserve.metrics_router import RouterStats, WorkerStats
 
 M = {"model_name": "m"}
 

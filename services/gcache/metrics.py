@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-PREFIX = "swaserve:"  # as swaserve.metrics.PREFIX (that module imports the engine, and so torch)
+PREFIX = "swaserve:"  # as swaserve.metrics.PREFIX (that module imports the engine package)
 
 log = logging.getLogger("swaserve.gcache")
 

@@ -75,7 +75,7 @@ class DispatchError(RuntimeError):
 
     @property
     def reason(self) -> str:
-        """The retry reason it counts under (``swaserve.metrics.RETRY_REASONS``)."""
+        """The retry reason it counts under (``swaserve.metrics_router.RETRY_REASONS``)."""
         if self.why is not None:
             return self.why
         if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -41,7 +41,7 @@ from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import RequestOutput, SamplingParams
 from swaserve.kvcache.prefix_cache import CacheStats
 from swaserve.media.placeholders import MediaInputs, MediaSpan
-from swaserve.metrics import DiscoveryStats, RouterStats
+from swaserve.metrics_router import DiscoveryStats, RouterStats
 from swaserve.model.identity import model_identity
 from swaserve.model.multimodal import MultimodalConfig
 from swaserve.routing.dispatch import NoInstanceError

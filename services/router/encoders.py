@@ -23,7 +23,7 @@ from swaserve.encoder.items import EncodeItem
 from swaserve.encoder.placement import choose
 from swaserve.engine.client import Unavailable
 from swaserve.media.placeholders import MediaInputs, MediaSpan
-from swaserve.metrics import EncoderStats
+from swaserve.metrics_router import EncoderStats
 
 log = logging.getLogger("swaserve.router.encoders")
 

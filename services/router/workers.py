@@ -24,7 +24,7 @@ from services.convert import ENGINE_NOT_RUNNING
 from services.router.routing import RouterRouting
 from services.tls import Dialer
 from swaserve.kvcache.stats import PoolStats
-from swaserve.metrics import WorkerStats
+from swaserve.metrics_router import WorkerStats
 from swaserve.model.identity import ModelIdentity
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc

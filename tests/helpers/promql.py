@@ -194,7 +194,8 @@ def exported_names() -> set[str]:
     from swaserve.engine.types import RequestOutput
     from swaserve.kvcache.prefix_cache import CacheStats
     from swaserve.kvcache.stats import PoolStats
-    from swaserve.metrics import DiscoveryStats, RouterStats, ServerMetrics, WorkerStats
+    from swaserve.metrics import ServerMetrics
+    from swaserve.metrics_router import DiscoveryStats, RouterStats, WorkerStats
     from swaserve.model.ep_stats import EPStats
 
     pools = {"full": PoolStats(8, 2, 3, 64, 1, cached_pages=1), "swa": PoolStats(8, 1, 1, 64, 1)}

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from swaserve.launcher import Cluster
-from swaserve.metrics import RETRY_REASONS
+from swaserve.metrics_router import RETRY_REASONS
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 from tests.helpers.cluster import (

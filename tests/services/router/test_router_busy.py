@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from swaserve.launcher import Cluster
-from swaserve.metrics import RETRY_REASONS
+from swaserve.metrics_router import RETRY_REASONS
 from tests.helpers.cluster import (
     CLIENT_TIMEOUT,
     MODEL,
