@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
+from swaserve.config import EngineConfig, ModelConfig
 from swaserve.engine.core_output import CoreOutput
 from swaserve.engine.detokenizer import check_stop_token
 from swaserve.engine.drafter import Drafter
+from swaserve.engine.kv_setup import build_kv_stack
 from swaserve.engine.l3_tier import build_l3
 from swaserve.engine.media_prefills import MediaPrefills
 from swaserve.engine.model_runner import ModelRunner
@@ -33,13 +34,8 @@ from swaserve.engine.speculative import SpeculativeStep
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.structured import StructuredDecoder
 from swaserve.engine.types import EngineLimits, FinishReason, SamplingParams, TokenLogprob
-from swaserve.kvcache.arena import arena_layout
 from swaserve.kvcache.block_events import BlockEvent
-from swaserve.kvcache.host import HostKVStorage
-from swaserve.kvcache.manager import KVCacheManager
-from swaserve.kvcache.sizing import host_plan, page_bytes, plan_pools, spec_lookahead
-from swaserve.kvcache.storage import KVStorage
-from swaserve.kvformat import POOL_NAMES, engine_formats, residual_layers
+from swaserve.kvformat import POOL_NAMES
 from swaserve.media.placeholders import MediaInputs, text_ids
 from swaserve.model.ep import ExpertComm, build_ep_shard
 from swaserve.model.loader import load_model
@@ -115,65 +111,8 @@ class EngineCore:
         if self.ep is not None:
             self.ep.on_device(self.device)
         self.model = load_model(model_dir, cfg, self.dtype, self.device, self.ep)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.kv_formats = engine_formats(config, cfg)
-        # the MTP layers' KV and KIVI's full-precision residuals: extra SWA layers
-        kcfg = kv_config(cfg, K, residual_layers(self.kv_formats, cfg))
-        arena = (
-            arena_layout(kcfg, config.page_size, elem, self.kv_formats)
-            if cfg.full_layers and cfg.swa_layers
-            else None
-        )
-        # with prefix caching and no --swa-full-tokens-ratio: one arena both pools draw from
-        plan = plan_pools(kcfg, config, elem, shared=arena is not None, arena=arena, formats=self.kv_formats)
-        if plan.unit_bytes is not None and arena is not None:
-            full = page_bytes(kcfg, config.page_size, elem, self.kv_formats)[0]
-            if full < 0.8 * arena.unit_bytes:  # a full page is one arena unit: the rest is padding
-                log.warning(
-                    "a %s full page (%d B) fills %.0f%% of a shared KV arena unit (%d B, one SWA layer's "
-                    "page): the rest is padding; --swa-full-tokens-ratio gives the pools arenas of their own",
-                    self.kv_formats[FULL].describe(),
-                    full,
-                    100 * full / arena.unit_bytes,
-                    arena.unit_bytes,
-                )
-        self.storage = KVStorage(kcfg, plan, config.page_size, self.dtype, self.device, self.kv_formats)
-        self.host: HostKVStorage | None = None
-        host_pages = host_bytes = host_units = None
-        if config.enable_prefix_caching and config.host_cache_memory > 0:
-            host_pages = host_plan(plan, config.host_cache_memory)
-            if plan.unit_bytes is not None:
-                host_bytes = config.host_cache_memory
-                host_units = host_bytes // plan.unit_bytes
-            self.host = HostKVStorage(
-                self.storage, {FULL: host_pages[0], SWA: host_pages[1]}, config.page_size, host_units
-            )
-        if config.host_write_policy not in ("on_evict", "second_hit"):
-            raise ValueError(
-                f"host write policy must be on_evict or second_hit, got {config.host_write_policy!r}"
-            )
-        self.kv = KVCacheManager(
-            plan,
-            config.page_size,
-            cfg.window,
-            config.kv_layout,
-            len(kcfg.full_layers),
-            len(kcfg.swa_layers),
-            prefix_caching=config.enable_prefix_caching,
-            host_pages=host_pages,
-            host_bytes=host_bytes,
-            mover=self.host,
-            write_policy=config.host_write_policy,  # type: ignore[arg-type]
-            lookahead=spec_lookahead(config),
-        )
-        self.storage.bind(FULL, self.kv.full.pool)
-        self.storage.bind(SWA, self.kv.swa.pool)
-        if self.host is not None and self.kv.cache is not None and self.kv.cache.host_full is not None:
-            self.host.bind(FULL, self.kv.cache.host_full)
-            if self.kv.cache.host_swa is not None:
-                self.host.bind(SWA, self.kv.cache.host_swa)
-        if config.index_block_tokens is not None:
-            self.kv.enable_cache_events(config.index_block_tokens)
+        stack = build_kv_stack(config, cfg, self.dtype, self.device)
+        self.kv_formats, self.storage, self.host, self.kv = stack.formats, stack.storage, stack.host, stack.kv
         if not self.kv.fits_ever(min(self.max_model_len, config.max_num_batched_tokens)):
             raise ValueError("kv cache budget too small for even one request; raise --kv-cache-memory")
         kv_tokens = self._max_fit_tokens()  # full pages, and with a shared budget the SWA ones too
