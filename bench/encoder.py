@@ -52,37 +52,38 @@ not fail on a miss.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import io
 import os
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from bench.encoder_proc import CpuClock, counter_delta, encoder_process, scrape
+from bench.encoder_video import VIDEO_EFFICIENCY, print_video, run_video_part
+from bench.encoder_workload import (
+    JPEG_SHARE,
+    POPULAR,
+    SIZES,
+    ZIPF_S,
+    Request,
+    Router,
+    poisson_arrivals,
+    random_image,
+    unique_key,
+    workload,
+)
 from bench.targets import target
 from swaserve.encoder.items import EncodeItem
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5  # max abs difference allowed between an optimized and a baseline embedding
-SIZES = ((160, 120), (320, 240), (480, 360), (640, 480), (800, 600), (1024, 768), (1280, 960))
-POPULAR = 24  # popular images (the repeated ones) per phase
-ZIPF_S = 1.0
-JPEG_SHARE = 0.75
 BASELINE_FLAGS = ("--max-batch-items", "1", "--cache-bytes", "1")
-NOT_CACHED_LOG = "is larger than the whole cache: not cached"  # the baseline's per-item warning
 WARMUP_ITEMS = 4
 PROFILE_BATCH = 16  # the in-process breakdown: 2 batches of this many distinct items
 ATTEMPTS = 10  # Submit + Fetch tries of one request (a Fetch may find the item done and gone)
-VIDEO_THREADS = (1, 2, 4)
-VIDEO_FPS_SAMPLED = 2.0
-VIDEO_EFFICIENCY = 0.7  # N threads: speedup >= this x min(N, usable CPUs)
 
 
 @dataclass(frozen=True)
@@ -107,180 +108,6 @@ class Settings:
             requests=24, open_requests=12, concurrency=4, video_seconds=8.0, video_size=(160, 120),
             video_fps=12, video_repeats=1,
         )  # fmt: skip
-
-
-# -- workload ------------------------------------------------------------------------------------
-def make_image(width: int, height: int, seed: int, fmt: str) -> bytes:
-    """A photo-like picture (gradients, a few blocks, mild noise) as JPEG or PNG bytes."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    img = np.empty((height, width, 3), np.float32)
-    for c in range(3):
-        a, b, p = rng.uniform(-1, 1, 3)
-        img[..., c] = 128 + 90 * np.sin(a * x / 37 + b * y / 53 + 6 * p)
-    for _ in range(6):
-        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
-        img[y0 : y0 + height // 5, x0 : x0 + width // 5] = rng.uniform(0, 255, 3)
-    img += rng.normal(0, 6, img.shape)
-    buf = io.BytesIO()
-    pic = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
-    pic.save(buf, fmt, **({"quality": 85} if fmt == "JPEG" else {}))
-    return buf.getvalue()
-
-
-def random_image(rng: np.random.Generator, seed: int) -> bytes:
-    w, h = SIZES[int(rng.integers(len(SIZES)))]
-    jitter = float(rng.uniform(0.8, 1.25))
-    w, h = max(32, int(w * jitter)), max(32, int(h / jitter))
-    return make_image(w, h, seed, "JPEG" if rng.random() < JPEG_SHARE else "PNG")
-
-
-@dataclass
-class Request:
-    """One request: its item (the router's key and count) and whether it is one of the popular."""
-
-    item: EncodeItem
-    popular: bool
-    index: int
-    arrival_s: float = 0.0  # open loop: seconds after the phase's start
-
-
-class Router:
-    """Items as the router builds them (``MediaFront.expand`` over one image marker)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoTokenizer
-
-        from swaserve.api.media import MediaFront
-        from swaserve.model.multimodal import MultimodalConfig
-
-        mm = MultimodalConfig.from_pretrained(model_dir)
-        if mm is None or mm.vision is None:
-            raise ValueError(f"{model_dir}: the checkpoint has no vision tower")
-        self.front = MediaFront(mm, AutoTokenizer.from_pretrained(str(model_dir)))
-        self.pad = mm.tokens.image_pad
-
-    def item(self, data: bytes) -> EncodeItem:
-        prompt = self.front.expand([self.pad], [("image", data)])
-        (item,) = prompt.items
-        return item
-
-
-def workload(router: Router, n: int, repeat_share: float, seed: int) -> list[Request]:
-    """``n`` requests: ``repeat_share`` of them Zipf-drawn from ``POPULAR`` images, the rest unique."""
-    rng = np.random.default_rng(seed)
-    popular = [router.item(random_image(rng, seed * 100_003 + i)) for i in range(POPULAR)]
-    weights = 1.0 / np.arange(1, POPULAR + 1) ** ZIPF_S
-    weights /= weights.sum()
-    out: list[Request] = []
-    for i in range(n):
-        if rng.random() < repeat_share:
-            out.append(Request(popular[int(rng.choice(POPULAR, p=weights))], True, i))
-        else:
-            out.append(Request(router.item(random_image(rng, seed * 100_003 + POPULAR + i)), False, i))
-    return out
-
-
-def unique_key(item: EncodeItem, index: int) -> EncodeItem:
-    """``item`` under a key of its own for request ``index`` (the baseline: nothing shared)."""
-    key = hashlib.blake2b(item.key + index.to_bytes(8, "little"), digest_size=len(item.key)).digest()
-    return replace(item, key=key)
-
-
-def poisson_arrivals(requests: list[Request], rate: float, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    t = 0.0
-    for r in requests:
-        t += float(rng.exponential(1.0 / rate))
-        r.arrival_s = t
-
-
-# -- the encoder process -------------------------------------------------------------------------
-def _process_class() -> Any:
-    from swaserve.procs import ServiceProcess
-
-    class EncoderProcess(ServiceProcess):
-        """The encoder child; its per-item "not cached" warnings (the baseline's 1-byte cache) are
-        counted, not printed."""
-
-        dropped = 0
-
-        def _pump(self) -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                line = line.rstrip("\n")
-                if NOT_CACHED_LOG in line:
-                    self.dropped += 1
-                    continue
-                self.tail.append(line)
-                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
-
-    return EncoderProcess
-
-
-def cpu_seconds(pid: int | None) -> float | None:
-    """CPU seconds (user + system) process ``pid`` has used (None: 0), from /proc; None where
-    there is no /proc."""
-    try:
-        path = f"/proc/{pid}/stat" if pid is not None else "/proc/self/stat"
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-@contextlib.contextmanager
-def encoder_process(
-    name: str, model_dir: Path, flags: Sequence[str], cpu: int | None
-) -> Iterator[tuple[str, str, int]]:
-    """An encoder child (on CPU ``cpu`` when given) with ``flags``; yields (gRPC address, metrics
-    URL, pid: ``setpriv`` and ``taskset`` exec it, so it is the encoder's own)."""
-    from bench.ucx_perftest import pinned
-    from swaserve.procs import free_port, grpc_ready
-
-    port, mport = free_port(), free_port()
-    addr = f"127.0.0.1:{port}"
-    cmd = [*pinned(cpu), sys.executable, "-m", "services.encoder", "--model", str(model_dir)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport)]
-    cmd += ["--num-threads", "1", "--grace-s", "2", *flags]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    proc = _process_class()(f"encoder-{name}", cmd, grpc_ready(addr), env={"PYTHONPATH": path})
-    proc.start()
-    try:
-        proc.wait_ready(120)
-        assert proc.proc is not None
-        yield addr, f"http://127.0.0.1:{mport}/metrics", proc.proc.pid
-    finally:
-        proc.stop(grace_s=5.0)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The encoder's counters this bench reads, from its /metrics."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-        for s in fam.samples:
-            lab = s.labels
-            if s.name == "swaserve:encoder_items_total" and lab.get("modality") == "image":
-                out[f"items_{lab['outcome']}"] = s.value
-            elif s.name == "swaserve:encoder_fetches_total":
-                out[f"fetches_{lab['outcome']}"] = s.value
-            elif s.name in ("swaserve:encoder_batch_items_count", "swaserve:encoder_batch_items_sum"):
-                out["forwards" if s.name.endswith("count") else "forward_items"] = s.value
-            elif s.name == "swaserve:encoder_cache_hits_total" and lab.get("tier") == "memory":
-                out["cache_hits"] = s.value
-    return out
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, Any]:
-    d: dict[str, Any] = {k: int(after.get(k, 0) - before.get(k, 0)) for k in after}
-    d["mean_batch_items"] = round(d["forward_items"] / d["forwards"], 3) if d.get("forwards") else None
-    return d
 
 
 # -- driving it ----------------------------------------------------------------------------------
@@ -408,25 +235,6 @@ def _phase_row(phase: Phase, n: int, metrics: dict[str, Any], cpu: dict[str, flo
     }  # fmt: skip
 
 
-class CpuClock:
-    """CPU seconds of the encoder process and of this one (the client) between ``lap`` calls."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.last = (cpu_seconds(pid), time.process_time())
-
-    def lap(self, wall_s: float) -> dict[str, float | None]:
-        now = (cpu_seconds(self.pid), time.process_time())
-        enc = None if now[0] is None or self.last[0] is None else round(now[0] - self.last[0], 2)
-        client = round(now[1] - self.last[1], 2)
-        self.last = now
-        return {
-            "encoder_cpu_s": enc, "client_cpu_s": client,
-            "encoder_cpu_share": round(enc / wall_s, 3) if enc is not None and wall_s > 0 else None,
-            "client_cpu_share": round(client / wall_s, 3) if wall_s > 0 else None,
-        }  # fmt: skip
-
-
 async def run_config(
     name: str,
     addr: str,
@@ -458,7 +266,7 @@ async def run_config(
         ph = await closed_loop(client, fp, closed, items(closed), s.concurrency, check)
         cpu = clock.lap(ph.wall_s)
         m1 = await asyncio.to_thread(scrape, metrics_url)
-        out: dict[str, Any] = {"closed": _phase_row(ph, len(closed), _delta(m1, m0), cpu)}
+        out: dict[str, Any] = {"closed": _phase_row(ph, len(closed), counter_delta(m1, m0), cpu)}
         if rate is None:
             rate = max(0.1, round(s.open_load * out["closed"]["items_per_s"], 2))
             poisson_arrivals(open_reqs, rate, s.seed + 7)
@@ -466,13 +274,16 @@ async def run_config(
         ph = await open_loop(client, fp, open_reqs, items(open_reqs), check)
         cpu = clock.lap(ph.wall_s)
         m2 = await asyncio.to_thread(scrape, metrics_url)
-        out["open"] = {**_phase_row(ph, len(open_reqs), _delta(m2, m1), cpu), "offered_items_per_s": rate}
+        out["open"] = {
+            **_phase_row(ph, len(open_reqs), counter_delta(m2, m1), cpu),
+            "offered_items_per_s": rate,
+        }
         if name == "optimized":  # the closed loop's requests again: every item cached now
             clock = CpuClock(pid)
             ph = await closed_loop(client, fp, closed, items(closed), s.concurrency, check)
             cpu = clock.lap(ph.wall_s)
             m3 = await asyncio.to_thread(scrape, metrics_url)
-            out["hits"] = _phase_row(ph, len(closed), _delta(m3, m2), cpu)
+            out["hits"] = _phase_row(ph, len(closed), counter_delta(m3, m2), cpu)
         return out
     finally:
         await client.close()
@@ -569,79 +380,6 @@ def profile_items(model_dir: Path, items: Sequence[EncodeItem], batch: int = 16)
     }  # fmt: skip
 
 
-# -- video ---------------------------------------------------------------------------------------
-def make_video(seconds: float, width: int, height: int, fps: int, gop_s: float = 10.0) -> bytes:
-    """An H.264 MP4 (x264 ``veryfast``, a keyframe every ``gop_s`` s): gradients that drift and a
-    moving block, so every frame differs."""
-    import av
-
-    buf = io.BytesIO()
-    gop = max(1, round(gop_s * fps))
-    xs = (np.arange(width) * 255 // width).astype(np.int32)[None, :]
-    ys = (np.arange(height) * 2).astype(np.int32)[:, None]
-    img = np.zeros((height, width, 3), np.uint8)
-    with av.open(buf, "w", format="mp4") as c:
-        st: Any = c.add_stream("libx264", rate=fps)
-        st.width, st.height, st.pix_fmt = width, height, "yuv420p"
-        st.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0", "preset": "veryfast"}
-        bw, bh = max(4, width // 20), max(4, height // 10)
-        for i in range(int(seconds * fps)):
-            img[..., 0] = (xs + i) % 256
-            img[..., 1] = (ys + 3 * i) % 256
-            img[..., 2] = 0
-            x = (i * 4) % (width - bw)
-            img[height // 3 : height // 3 + bh, x : x + bw, 2] = 255
-            f = av.VideoFrame.from_ndarray(img, format="rgb24")
-            f.pts = i
-            for p in st.encode(f):
-                c.mux(p)
-        for p in st.encode():
-            c.mux(p)
-    return buf.getvalue()
-
-
-def run_video_part(s: Settings) -> dict[str, Any]:
-    """Part 2: ``decode_frames`` of one generated video at 1, 2, 4 threads."""
-    from swaserve.media.video import VideoParams, decode_frames, probe_video, sample_times
-
-    t0 = time.perf_counter()
-    w, h = s.video_size
-    data = make_video(s.video_seconds, w, h, s.video_fps)
-    make_s = time.perf_counter() - t0
-    meta = probe_video(data)
-    params = VideoParams(fps=VIDEO_FPS_SAMPLED, max_frames=1_000_000)
-    times = sample_times(meta, params)
-    cpus = len(os.sched_getaffinity(0))
-    ref: torch.Tensor | None = None
-    rows: list[dict[str, Any]] = []
-    for threads in VIDEO_THREADS:
-        runs = []
-        equal = True
-        for _ in range(s.video_repeats):
-            t = time.perf_counter()
-            out = decode_frames(data, times, threads)
-            runs.append(time.perf_counter() - t)
-            if ref is None:
-                ref = out
-            equal = equal and torch.equal(out, ref)
-            del out
-        rows.append({"threads": threads, "best_s": round(min(runs), 4), "runs_s": [round(x, 4) for x in runs],
-                     "equal_to_1_thread": equal})  # fmt: skip
-    one = rows[0]["best_s"]
-    for r in rows:
-        r["speedup"] = round(one / r["best_s"], 3) if r["best_s"] > 0 else None
-        r["cores_usable"] = min(r["threads"], cpus)
-    assert ref is not None
-    return {
-        "video": {
-            "seconds": s.video_seconds, "width": w, "height": h, "fps": s.video_fps, "codec": meta.codec,
-            "frames": meta.num_frames, "bytes": len(data), "keyframe_every_s": 10.0, "make_s": round(make_s, 1),
-        },
-        "sampled_fps": VIDEO_FPS_SAMPLED, "sampled_frames": len(times),
-        "output_shape": list(ref.shape), "cpus": cpus, "repeats": s.video_repeats, "rows": rows,
-    }  # fmt: skip
-
-
 # -- report --------------------------------------------------------------------------------------
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
@@ -712,18 +450,6 @@ def print_service(svc: dict[str, Any], s: Settings) -> None:
         r = svc[name].get(ph)
         if r is not None and r["encoder_cpu_s"] is not None and r["done"]:
             print(f"encoder CPU per request, {name} {ph}: {r['encoder_cpu_s'] / r['done'] * 1e3:.2f} ms")
-
-
-def print_video(v: dict[str, Any]) -> None:
-    m = v["video"]
-    print(f"\nVideo decode: {m['seconds']:g} s {m['width']}x{m['height']} {m['fps']} fps {m['codec']} "
-          f"({m['bytes'] / 1e6:.1f} MB), {v['sampled_frames']} frames at {v['sampled_fps']:g} fps, "
-          f"best of {v['repeats']}, {v['cpus']} usable CPUs")  # fmt: skip
-    print(f"{'threads':>8}{'best s':>9}{'speedup':>9}{'equal':>7}")
-    for r in v["rows"]:
-        print(
-            f"{r['threads']:>8}{r['best_s']:>9.3f}{r['speedup']:>9.2f}{'yes' if r['equal_to_1_thread'] else 'NO':>7}"
-        )
 
 
 def print_targets(ts: list[dict[str, Any]]) -> None:
