@@ -92,7 +92,8 @@ def bench_prefix_cache(
     ] = None,
 ) -> None:
     """Prefix-cache token hit rates of a trace at a memory budget (real cache, no model)."""
-    from bench.prefix_cache import BenchInputError, main
+    from bench.prefix_cache import main
+    from bench.prefix_workload import BenchInputError
     from swaserve.traces import TraceError
 
     try:

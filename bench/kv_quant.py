@@ -39,29 +39,31 @@ from typing import Any
 
 import torch
 
-from bench.prefix_cache import CHUNK, CONVERSATION_TRACE, PAGE, SHAPE, footprint_bytes, load_workload, replay
+from bench.kv_quant_capacity import (
+    BF16,
+    FORMATS,
+    POOL_FORMATS,
+    by_name,
+    capacity,
+    formats_of,
+    is_kivi,
+    layouts,
+    pool_config,
+    r4,
+)
+from bench.prefix_cache import SHAPE, replay
+from bench.prefix_workload import CHUNK, CONVERSATION_TRACE, PAGE, footprint_bytes, load_workload
 from bench.targets import target
-from swaserve.config import FULL, SWA, EngineConfig, ModelConfig, kv_config
+from swaserve.config import FULL, SWA, EngineConfig, ModelConfig
 from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import ScheduledChunk
 from swaserve.engine.types import SamplingParams
-from swaserve.kvcache.manager import KVCacheManager
-from swaserve.kvcache.plan import PoolPlan
 from swaserve.kvcache.sizing import page_bytes, plan_pools
-from swaserve.kvformat import AUTO, KIVI_FORMATS, ROW_FORMATS, KVFormat, engine_formats, residual_layers
-from swaserve.shapes import SHAPES, model_config
+from swaserve.kvformat import AUTO, KIVI_FORMATS, ROW_FORMATS, KVFormat
+from swaserve.shapes import model_config
 
-FORMATS = (AUTO, *ROW_FORMATS, *KIVI_FORMATS)
-# KIVI over an 8-bit SWA pool (``--kv-cache-dtype-swa fp8_e4m3``: SWA layers and the residual at 8
-# bits): capacity and hit-rate rows, "<full>+<swa>"
-KIVI_8BIT_SWA = ("kivi2+fp8_e4m3", "kivi4+fp8_e4m3")
-POOL_FORMATS = (*FORMATS, *KIVI_8BIT_SWA)
-GB80 = 80 * 10**9
-BF16 = 2  # bytes per element of the capacity and hit-rate rows (the real models' KV dtype)
-CAP_CHUNK = 8192
 HIT_BUDGET_SHARE = 0.05
-TARGET_RATIO_32K = 13.0  # hybrid + FP8 vs bf16 full, MiMo-V2.5-Pro at 32K
 TARGET_KL = 1e-3
 
 
@@ -85,165 +87,6 @@ QUICK = Settings(
     ablations=("int8 group 16", "fp8_e4m3 full pool only", "int8 swa pool only", "kivi2 sink 4",
                "kivi2+fp8_e4m3"),
 )  # fmt: skip
-
-
-def split(name: str) -> tuple[str, str | None]:
-    """A row's format name -> (``--kv-cache-dtype``, ``--kv-cache-dtype-swa`` or None)."""
-    full, _, swa = name.partition("+")
-    return full, swa or None
-
-
-def is_kivi(name: str) -> bool:
-    return split(name)[0] in KIVI_FORMATS
-
-
-def formats_of(name: str, cfg: ModelConfig, group: int = 0) -> dict[str, KVFormat]:
-    """Both pools' formats for ``--kv-cache-dtype name`` (or ``full+swa``) at page 16 (KIVI: the
-    engine's defaults)."""
-    full, swa = split(name)
-    if full in KIVI_FORMATS:
-        ecfg = EngineConfig(page_size=PAGE, kv_cache_dtype=full, kv_cache_dtype_swa=swa, kv_quant_group=group)
-        return engine_formats(ecfg, cfg)
-    return {FULL: KVFormat(full, group), SWA: KVFormat(swa or full, group)}
-
-
-def pool_config(cfg: ModelConfig, fmts: dict[str, KVFormat]) -> ModelConfig:
-    """``cfg`` as the pools see it: KIVI adds a residual SWA layer per full layer."""
-    return kv_config(cfg, 0, residual_layers(fmts, cfg))
-
-
-def layouts(fmt: str) -> tuple[str, ...]:
-    return ("hybrid",) if is_kivi(fmt) else ("full", "hybrid")
-
-
-# -- 1. capacity ----------------------------------------------------------------------------------
-def admitted(
-    cfg: ModelConfig, layout: str, context: int, seqs: int, fmt: str, cache: bool = False
-) -> tuple[int, int, PoolPlan]:
-    """Requests of ``context`` tokens admitted, prefilled and stepped once in 80 GB with pools planned
-    for ``seqs`` of them (``cache``: with the prefix cache's SWA reserve, ``swa_full_tokens_ratio``
-    1/9 of the full pages); (how many fit, bytes the first holds, the plan)."""
-    ecfg = EngineConfig(page_size=PAGE, kv_cache_memory=GB80, kv_layout=layout, max_num_seqs=seqs,  # type: ignore[arg-type]
-                        max_num_batched_tokens=CAP_CHUNK, kv_cache_dtype=split(fmt)[0],
-                        kv_cache_dtype_swa=split(fmt)[1], enable_prefix_caching=cache)  # fmt: skip
-    fmts = formats_of(fmt, cfg)
-    kcfg = pool_config(cfg, fmts)
-    plan = plan_pools(kcfg, ecfg, BF16, formats=fmts)
-    kv = KVCacheManager(plan, PAGE, cfg.window, layout, len(kcfg.full_layers), len(kcfg.swa_layers))
-    first = 0
-    for n in range(seqs):
-        rid = str(n)
-        if kv.admit(rid, context + 1) is None:
-            return n, first, plan
-        pos = 0
-        while pos < context:
-            step = kv.max_chunk(rid, pos, min(context, pos + CAP_CHUNK))
-            if step == 0 or not kv.allocate(rid, pos, pos + step):
-                return n, first, plan
-            pos += step
-        kv.allocate(rid, context, context + 1)
-        if n == 0:
-            first = kv.held_bytes(rid)
-            pages = kv.full.held(rid) * plan.full_page_bytes + kv.swa.held(rid) * plan.swa_page_bytes
-            assert first == pages
-    return seqs, first, plan
-
-
-def most_requests(
-    cfg: ModelConfig, layout: str, context: int, fmt: str, cache: bool = False
-) -> tuple[int, int, PoolPlan]:
-    """The largest m such that m requests fit when the pools are planned for m, with its bytes per
-    request and plan: from 80 GB over one request's bytes, galloping, then bisection (a few
-    simulations of about m requests each, not the ~12 of doubling from 1); ``admitted`` is
-    monotone in m, so the answer is the one doubling would find."""
-    fits = {}
-
-    def ok(m: int) -> bool:
-        fits[m] = admitted(cfg, layout, context, m, fmt, cache)
-        return fits[m][0] >= m
-
-    if not ok(1):
-        return fits[1]
-    # candidates: 80 GB over one request's bytes, then how many fit where m did not
-    lo, m = 1, max(2, GB80 // max(1, fits[1][1]))
-    hi: int | None = None
-    while lo < m and (hi is None or m < hi):
-        if ok(m):  # gallop up from m
-            lo, step = m, 1
-            while (hi is None or lo + step < hi) and ok(lo + step):
-                lo, step = lo + step, step * 2
-            hi = lo + step if hi is None else min(hi, lo + step)
-            break
-        hi, m = m, fits[m][0]
-    assert hi is not None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    if lo not in fits:
-        ok(lo)
-    return fits[lo]
-
-
-def token_bytes(cfg: ModelConfig, fmt: KVFormat | dict[str, KVFormat], elem: int = BF16) -> tuple[int, int]:
-    """(full-attention, SWA) KV bytes of one token over all layers of each kind (``fmt``: one for
-    both pools, or each pool's; KIVI's residual layers counted in SWA)."""
-    fmts = fmt if isinstance(fmt, dict) else {FULL: fmt, SWA: fmt}
-    kcfg, f, s = pool_config(cfg, fmts), cfg.full, cfg.swa
-    return (len(kcfg.full_layers) * fmts[FULL].token_bytes(f.num_kv_heads, f.head_dim, f.v_head_dim, elem),
-            len(kcfg.swa_layers) * fmts[SWA].token_bytes(s.num_kv_heads, s.head_dim, s.v_head_dim, elem))  # fmt: skip
-
-
-def scale_overhead(cfg: ModelConfig) -> list[dict[str, Any]]:
-    """Bytes the fp32 scales add to a 1-byte format's token (both kinds), per group size."""
-    out = []
-    for g in (0, 64, 32):
-        fmt = KVFormat("fp8_e4m3", g)
-        f, s = token_bytes(cfg, fmt)
-        data = sum(len(layers) * a.num_kv_heads * (a.head_dim + a.v_head_dim)
-                   for layers, a in ((cfg.full_layers, cfg.full), (cfg.swa_layers, cfg.swa)))  # fmt: skip
-        out.append({"group": g, "token_bytes": f + s, "data_bytes": data, "overhead": _r((f + s) / data - 1)})
-    return out
-
-
-def capacity(settings: Settings) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
-    shapes = {s.name: s for s in SHAPES}
-    for name in settings.shapes:
-        cfg = model_config(shapes[name])
-        base_f, base_s = token_bytes(cfg, KVFormat())
-        for ctx in settings.contexts:
-            base: int | None = None
-            for layout in ("full", "hybrid"):
-                for fmt in (f for f in POOL_FORMATS if layout in layouts(f)):
-                    n, per_req, plan = most_requests(cfg, layout, ctx, fmt)
-                    n_cache, per_req_cache, _ = most_requests(cfg, layout, ctx, fmt, cache=True)
-                    assert per_req_cache == per_req
-                    fmts = formats_of(fmt, cfg)
-                    want = page_bytes(pool_config(cfg, fmts), PAGE, BF16, fmts)
-                    assert (plan.full_page_bytes, plan.swa_page_bytes) == want, "plan ignores the format"
-                    base = per_req if base is None else base  # first row: full layout, auto
-                    f, s = token_bytes(cfg, fmts)
-                    swa_tokens = ctx + 1 if layout == "full" else min(ctx + 1, cfg.window + 1)
-                    theory = (base_f + base_s) * (ctx + 1) / (f * (ctx + 1) + s * swa_tokens)
-                    ratio = base / per_req
-                    rows.append({
-                        "shape": name, "context_tokens": ctx, "layout": layout, "format": fmt,
-                        "full_page_bytes": plan.full_page_bytes, "swa_page_bytes": plan.swa_page_bytes,
-                        "bytes_per_request": per_req, "requests_in_80GB": n,
-                        "requests_in_80GB_cache_plan": n_cache, "ratio_vs_bf16_full": _r(ratio),
-                        "theoretical_ratio": _r(theory), "achieved_vs_theory": _r(ratio / theory),
-                    })  # fmt: skip
-    pro32 = [r for r in rows if r["shape"] == "MiMo-V2.5-Pro" and r["context_tokens"] == 32768
-             and r["layout"] == "hybrid" and r["format"].startswith(("fp8", "kivi"))]  # fmt: skip
-    targets = _by_name(
-        [target(f"{r['format']}: hybrid >= {TARGET_RATIO_32K}x less KV than bf16 full (V2.5-Pro, 32K)",
-                r["ratio_vs_bf16_full"], ">=", TARGET_RATIO_32K) for r in pro32]
-        + [target(f"{r['format']}: achieved >= 0.95x theory (V2.5-Pro, 32K)", r["achieved_vs_theory"], ">=", 0.95)
-           for r in pro32]
-    )  # fmt: skip
-    overhead = {name: scale_overhead(model_config(shapes[name])) for name in settings.shapes}
-    return {"budget_bytes": GB80, "page_size": PAGE, "kv_dtype_bytes": BF16, "rows": rows,
-            "scale_overhead": overhead, "targets": targets}  # fmt: skip
 
 
 # -- 2, 3. quality and decode speed on the model --------------------------------------------------
@@ -363,8 +206,8 @@ def kl_summary(
         flips.append(flip)
     k, f = torch.cat(kls), torch.cat(flips)
     return {"mean_kl": float(k.mean()), "max_kl": float(k.max()), "median_kl": float(k.median()),
-            "rows_with_expert_flip": _r(float(f.double().mean())),
-            "kl_share_at_expert_flips": _r(float(k[f].sum() / k.sum())) if k.sum() > 0 else 0.0,
+            "rows_with_expert_flip": r4(float(f.double().mean())),
+            "kl_share_at_expert_flips": r4(float(k[f].sum() / k.sum())) if k.sum() > 0 else 0.0,
             "mean_kl_without_flips": float(k[~f].mean()) if (~f).any() else 0.0}  # fmt: skip
 
 
@@ -446,7 +289,7 @@ def model_part(model_dir: Path, s: Settings) -> dict[str, Any]:
         for f in FORMATS:
             med = statistics.median(tok_s[b][f])
             speed.append({"batch": b, "format": f, "tok_s": [round(x, 1) for x in tok_s[b][f]],
-                          "median_tok_s": round(med, 1), "vs_auto": _r(med / auto)})  # fmt: skip
+                          "median_tok_s": round(med, 1), "vs_auto": r4(med / auto)})  # fmt: skip
     return {"model_dir": str(model_dir), "kv_dtype": engines[AUTO].config.dtype, "window": cfg.window,
             "prompts": len(prompts), "prompt_tokens": length, "new_tokens": s.new_tokens, "rounds": s.rounds,
             "quality": quality, "ablations": ablations, "reference": reference, "decode": speed, "timed_outputs_equal_greedy": same}  # fmt: skip
@@ -465,7 +308,7 @@ def _replay(job: tuple[str, str, int]) -> dict[str, Any]:
                         max_num_batched_tokens=CHUNK, enable_prefix_caching=layout == "hybrid")  # fmt: skip
     plan = plan_pools(cfg, ecfg, BF16, shared=layout == "hybrid", formats=fmts)
     r = replay(cfg, work, layout, plan)
-    return {"full_pages": r.full_pages, "swa_pages": r.swa_pages, "hit_rate": _r(r.rates()["hit_rate"]),
+    return {"full_pages": r.full_pages, "swa_pages": r.swa_pages, "hit_rate": r4(r.rates()["hit_rate"]),
             "rejected": r.rejected + r.stalled, "seconds": round(r.seconds, 1)}  # fmt: skip
 
 
@@ -497,19 +340,9 @@ def hit_rates(s: Settings, jobs: int) -> dict[str, Any]:
     hyb = {r["format"]: r["hit_rate"] for r in rows if r["layout"] == "hybrid"}
     return {"trace": CONVERSATION_TRACE.name, "requests": work.requests, "shape": SHAPE.name,
             "budget_share_of_bf16_full_footprint": HIT_BUDGET_SHARE, "budget_bytes": budget,
-            "ideal_hit_rate": _r(work.ideal_hit_rate), "rows": rows,
-            "targets": _by_name([target(f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)", hyb[k], ">",
+            "ideal_hit_rate": r4(work.ideal_hit_rate), "rows": rows,
+            "targets": by_name([target(f"{k} hit rate at 5% budget above fp8_e4m3's (hybrid)", hyb[k], ">",
                                         hyb["fp8_e4m3"]) for k in ("kivi2", "kivi2+fp8_e4m3")])}  # fmt: skip
-
-
-# -- output ---------------------------------------------------------------------------------------
-def _r(x: float) -> float:
-    return round(x, 4)
-
-
-def _by_name(targets: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``bench.targets.target`` records keyed by their names (the JSON's ``targets`` maps)."""
-    return {t["name"]: t for t in targets}
 
 
 def print_report(res: dict[str, Any]) -> None:
@@ -588,7 +421,7 @@ def main(json_path: str | None = None, quick: bool = False, model_dir: str | Non
         res["part_wall_s"][part] = round(time.perf_counter() - t, 1)
     if res["model"] is not None:
         ref = ", ".join(f"{r['format']}: {r['mean_kl']:.3g}" for r in res["model"]["reference"])
-        res["model"]["targets"] = _by_name([target(f"{q['format']}: mean KL < {TARGET_KL}", q["mean_kl"], "<", TARGET_KL, ref)
+        res["model"]["targets"] = by_name([target(f"{q['format']}: mean KL < {TARGET_KL}", q["mean_kl"], "<", TARGET_KL, ref)
                                             for q in res["model"]["quality"] if q["format"] in ROW_FORMATS])  # fmt: skip
     # every part's targets, also in one place
     res["targets"] = {

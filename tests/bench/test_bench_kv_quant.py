@@ -10,16 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.kv_quant import (
-    ABLATIONS,
-    FORMATS,
-    KIVI_8BIT_SWA,
-    QUICK,
-    ROUNDINGS,
-    formats_of,
-    is_kivi,
-    pool_config,
-)
+from bench.kv_quant import ABLATIONS, QUICK, ROUNDINGS
+from bench.kv_quant_capacity import FORMATS, KIVI_8BIT_SWA, formats_of, is_kivi, pool_config
 from swaserve.cli import app
 from swaserve.config import FULL, SWA, ModelConfig
 from swaserve.kvformat import KIVI_FORMATS, ROW_FORMATS, KVFormat

@@ -10,18 +10,16 @@ import pytest
 from typer.testing import CliRunner
 
 from bench.kv_capacity import model_config
-from bench.prefix_cache import (
+from bench.prefix_cache import SHAPE, bench_trace, replay
+from bench.prefix_workload import (
     AGENT_TRACE,
     CONVERSATION_TRACE,
-    SHAPE,
     BenchInputError,
-    bench_trace,
     footprint_bytes,
     full_plan,
     hybrid_plan,
     ideal_of,
     load_workload,
-    replay,
 )
 from swaserve.cli import app
 
