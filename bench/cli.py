@@ -145,6 +145,9 @@ def bench_mtp(
     ] = 512,
     output_tokens: Annotated[int, typer.Option(min=2, help="Greedy tokens per request (EOS ignored).")] = 256,
     cluster: Annotated[bool, typer.Option(help="Also through `swaserve up` (batch 1 and 8).")] = False,
+    solo_prompts: Annotated[
+        int, typer.Option(min=1, help="Batch 1: this many prompts, one after another.")
+    ] = 8,
 ) -> None:
     """MTP speculative decoding off vs on, default model: tok/s and ITL by output position, accept length."""
     from bench.mtp import main
@@ -156,6 +159,7 @@ def bench_mtp(
         prompt_tokens,
         output_tokens,
         cluster,
+        solo_prompts,
     )
 
 

@@ -3,11 +3,12 @@
 Workload: the first calls of the bundled agent-session trace (real coding-agent prompts, ChatML,
 cut to their last ``--prompt-tokens`` tokens), ``--output-tokens`` greedy tokens each, EOS
 ignored, at batch 1, 8 and 32 (all requests of a batch added at once, prefix caching off so the
-two runs compute the same prompts). For each batch and each of MTP off / on (same engine
-settings, ``--speculative-num-steps K`` the only difference):
+two runs compute the same prompts). Batch 1 runs the first ``--solo-prompts`` prompts (default 8)
+one after another, so its accept length is not one prompt's. For each batch and each of MTP off /
+on (same engine settings, ``--speculative-num-steps K`` the only difference):
 - decode tokens/s by output position (0-128, 128-256): the tokens emitted at those positions
-  over the time from the first to the last of them across the batch, and mean ITL (per request,
-  the bucket's time / its tokens);
+  over the time from the first to the last of them across the batch (batch 1: over the sum of
+  each request's own time for them), and mean ITL (per request, the bucket's time / its tokens);
 - the accept length (mean, and the fraction of verify steps accepting each draft position);
 - whether the greedy outputs are equal (they must be).
 Ratios are MTP on / MTP off in the same run. ``--cluster``: the same through ``swaserve up``
@@ -60,8 +61,12 @@ def prompts(model_dir: Path, n: int, tokens: int) -> list[list[int]]:
     raise ValueError(f"the agent trace has fewer than {n} distinct prompts")
 
 
-def by_position(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """Decode figures per output-position bucket from each request's token times (s)."""
+def by_position(times: dict[str, list[float]], sequential: bool = False) -> dict[str, dict[str, float]]:
+    """Decode figures per output-position bucket from each request's token times (s).
+
+    ``sequential``: the requests ran one after another, each timed from its own start; tokens/s
+    is then over the sum of their times in the bucket (else from the first start to the last end).
+    """
     out: dict[str, dict[str, float]] = {}
     for lo, hi in BUCKETS:
         tokens = 0
@@ -76,14 +81,23 @@ def by_position(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
             ends.append(b)
             itl.append((b - a) / n)
         if tokens:
+            span = (
+                sum(e - a for a, e in zip(starts, ends, strict=True))
+                if sequential
+                else max(ends) - min(starts)
+            )
             out[f"{lo}-{hi}"] = {
-                "tokens_per_s": tokens / (max(ends) - min(starts)),
+                "tokens_per_s": tokens / span,
                 "itl_mean_s": float(np.mean(itl)),
             }
     return out
 
 
-def run_engine(model_dir: Path, work: list[list[int]], new: int, k: int, batch: int) -> dict[str, Any]:
+def run_engine(
+    model_dir: Path, work: list[list[int]], new: int, k: int, batch: int, solo: int = 1
+) -> dict[str, Any]:
+    """MTP with ``k`` drafts (0: off) over ``work[:batch]`` added at once; batch 1: ``work[:solo]``
+    one after another, each timed from its own start."""
     ecfg = EngineConfig(
         max_num_seqs=max(batch, 1),
         max_num_batched_tokens=2048,
@@ -97,17 +111,24 @@ def run_engine(model_dir: Path, work: list[list[int]], new: int, k: int, batch: 
     eng.generate([work[0][:32]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     spec = eng.core.spec
     base = (spec.stats.drafts, spec.stats.accepted, list(spec.stats.accepted_per_pos)) if spec else None
-    t0 = time.monotonic()
-    for i, ids in enumerate(work[:batch]):
-        eng.add_request(f"r{i}", ids, params, arrival_time=t0)
-    times: dict[str, list[float]] = {f"r{i}": [] for i in range(batch)}
-    outs: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
-    while eng.has_unfinished():
-        for o in eng.step():
-            now = time.monotonic() - t0
-            times[o.request_id] += [now] * len(o.new_token_ids)
-            outs[o.request_id] += o.new_token_ids
-    res: dict[str, Any] = {"wall_s": time.monotonic() - t0, "by_position": by_position(times)}
+    rounds = (
+        [list(enumerate(work[:batch]))] if batch > 1 else [[(i, ids)] for i, ids in enumerate(work[:solo])]
+    )
+    n = sum(len(r) for r in rounds)
+    times: dict[str, list[float]] = {f"r{i}": [] for i in range(n)}
+    outs: dict[str, list[int]] = {f"r{i}": [] for i in range(n)}
+    wall = 0.0
+    for group in rounds:
+        t0 = time.monotonic()
+        for i, ids in group:
+            eng.add_request(f"r{i}", ids, params, arrival_time=t0)
+        while eng.has_unfinished():
+            for o in eng.step():
+                now = time.monotonic() - t0
+                times[o.request_id] += [now] * len(o.new_token_ids)
+                outs[o.request_id] += o.new_token_ids
+        wall += time.monotonic() - t0
+    res: dict[str, Any] = {"wall_s": wall, "by_position": by_position(times, sequential=batch == 1)}
     res["ttft_mean_s"] = float(np.mean([ts[0] for ts in times.values()]))
     if spec is not None and base is not None:
         d = spec.stats.drafts - base[0]
@@ -115,7 +136,7 @@ def run_engine(model_dir: Path, work: list[list[int]], new: int, k: int, batch: 
         per = [a - (base[2][i] if i < len(base[2]) else 0) for i, a in enumerate(spec.stats.accepted_per_pos)]
         res["accept_length"] = 1 + acc / d if d else 1.0
         res["accepted_per_pos"] = [p / d if d else 0.0 for p in per]
-    res["outputs"] = [outs[f"r{i}"] for i in range(batch)]
+    res["outputs"] = [outs[f"r{i}"] for i in range(n)]
     return res
 
 
@@ -126,13 +147,14 @@ def main(
     prompt_tokens: int = 512,
     output_tokens: int = 256,
     cluster: bool = False,
+    solo_prompts: int = 8,
 ) -> dict[str, Any]:
     from swaserve.model.checkpoint import default_model_dir
 
     model_dir = default_model_dir()
-    work = prompts(model_dir, max(batches), prompt_tokens)
+    work = prompts(model_dir, max(*batches, solo_prompts), prompt_tokens)
     report: dict[str, Any] = {"model_dir": str(model_dir), "k": k, "prompt_tokens": prompt_tokens,
-                              "output_tokens": output_tokens, "batches": {},
+                              "output_tokens": output_tokens, "solo_prompts": solo_prompts, "batches": {},
                               "targets": {"accept_length": TARGET_ACCEPT, "speedup_batch_1": TARGET_SPEEDUP_B1,
                                           "speedup_batch_8": "> 1"}}  # fmt: skip
     training = model_dir / "training.json"
@@ -146,8 +168,8 @@ def main(
     print(f"{'batch':>5} {'positions':>9} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} "
           f"{'off ITL ms':>10} {'on ITL ms':>10} {'accept':>7} {'targets':>8}")  # fmt: skip
     for b in batches:
-        off = run_engine(model_dir, work, output_tokens, 0, b)
-        on = run_engine(model_dir, work, output_tokens, k, b)
+        off = run_engine(model_dir, work, output_tokens, 0, b, solo_prompts)
+        on = run_engine(model_dir, work, output_tokens, k, b, solo_prompts)
         equal = off.pop("outputs") == on.pop("outputs")
         row: dict[str, Any] = {"off": off, "on": on, "outputs_equal": equal, "speedup": {}}
         for pos, f_on in on["by_position"].items():
@@ -162,7 +184,7 @@ def main(
         row["targets_met"] = {pos: _met(b, sp, on["accept_length"]) for pos, sp in row["speedup"].items()}
         report["batches"][str(b)] = row
     if cluster:
-        report["cluster"] = run_cluster(model_dir, work, output_tokens, k)
+        report["cluster"] = run_cluster(model_dir, work, output_tokens, k, solo_prompts)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
@@ -189,11 +211,14 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, ids: list[int
 
 
 async def _batch(
-    url: str, model: str, work: list[list[int]], new: int
+    url: str, model: str, work: list[list[int]], new: int, sequential: bool = False
 ) -> list[tuple[list[float], list[int]]]:
-    """One warm-up request, then ``work`` all at once; each request's token times and tokens."""
+    """One warm-up request, then ``work`` all at once (``sequential``: one after another); each
+    request's token times (from its own start) and tokens."""
     async with httpx.AsyncClient() as c:
         await _stream(c, url, model, work[0][:32], 8)
+        if sequential:
+            return [await _stream(c, url, model, ids, new) for ids in work]
         return list(await asyncio.gather(*(_stream(c, url, model, ids, new) for ids in work)))
 
 
@@ -213,7 +238,7 @@ def _accept(metrics_url: str) -> tuple[float, float]:
     return got["swaserve:spec_decode_num_drafts_total"], got["swaserve:spec_decode_num_accepted_tokens_total"]
 
 
-def run_cluster(model_dir: Path, work: list[list[int]], new: int, k: int) -> dict[str, Any]:
+def run_cluster(model_dir: Path, work: list[list[int]], new: int, k: int, solo: int = 1) -> dict[str, Any]:
     from swaserve.launcher import Cluster
 
     model = model_dir.name
@@ -225,9 +250,9 @@ def run_cluster(model_dir: Path, work: list[list[int]], new: int, k: int) -> dic
             args = ["--speculative-num-steps", str(kk)] if kk else []
             with Cluster(model_dir, 1, 1, worker_args=args, redis=False) as cluster:
                 url = cluster.start()
-                res = asyncio.run(_batch(url, model, work[:b], new))
+                res = asyncio.run(_batch(url, model, work[: b if b > 1 else solo], new, sequential=b == 1))
                 times = {f"r{i}": t for i, (t, _) in enumerate(res)}
-                row[name] = {"by_position": by_position(times)}
+                row[name] = {"by_position": by_position(times, sequential=b == 1)}
                 if kk:
                     dec = [u for role, u in cluster.metrics_urls.items() if "decode" in role]
                     d, a = (sum(x) for x in zip(*(_accept(u) for u in dec), strict=True)) if dec else (0, 0)
