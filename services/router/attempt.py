@@ -329,14 +329,16 @@ class Progress:
       logprobs are the resumed workers' (computed over the same context).
 
     Exactness: greedy output is token-for-token that of an uninterrupted run (up to float
-    rounding of recomputed KV against incrementally built KV: argmax near-ties). A seeded sampled
-    request restarts its random stream from the seed on the new prefill worker, so its tokens
-    after the resume generally differ from an uninterrupted run's (still reproducible for the
-    same interruption point); ``presence_penalty``/``frequency_penalty`` count only the tokens
-    generated after the last resume (the earlier ones are prompt to the new workers;
-    ``repetition_penalty`` covers prompt + output, so it is unaffected). There is no
-    ``min_tokens`` and ``n`` is 1 (the API refuses others). A structured-output request is not
-    resumed (``resume`` raises ``Interrupted``); before decode output it is retried like any other.
+    rounding of recomputed KV against incrementally built KV: argmax near-ties);
+    ``repetition_penalty`` covers prompt + output, so it is unaffected; an unseeded sampled
+    request goes on with the same distribution. There is no ``min_tokens`` and ``n`` is 1 (the API
+    refuses others). Not resumed (``resume`` raises ``Interrupted``: a clean error, never other
+    tokens), though retried like any other before decode output:
+    - structured output (its grammar's state over the tokens sent died with the worker);
+    - a seeded sampled request (its random stream would restart from the seed on the new workers,
+      giving other tokens than an uninterrupted run);
+    - ``presence_penalty``/``frequency_penalty`` (the new workers would count only the tokens
+      they generate: the earlier ones are prompt to them).
 
     Args:
         tokenizer: the model's tokenizer (the workers', from the same checkpoint).
@@ -365,14 +367,15 @@ class Progress:
 
         Raises:
             Interrupted: nothing is left to generate (the last token was sent without its finish
-                reason: a worker that broke the protocol), or the request is constrained
-                (``params.structured``: its grammar's state over the tokens sent died with the
-                worker, and a new one would start over).
+                reason: a worker that broke the protocol), or the request's continuation on new
+                workers would differ from an uninterrupted run's (structured output, a seeded
+                sampled request, presence or frequency penalties: class docstring).
         """
-        if self.params.structured is not None:
+        why = self._not_resumable()
+        if why:
             raise Interrupted(
-                f"request interrupted after {len(self.tokens)} generated tokens: structured output "
-                "is not resumed on another worker"
+                f"request interrupted after {len(self.tokens)} generated tokens: {why} is not resumed "
+                "on another worker"
             )
         left = self.params.max_tokens - len(self.tokens)
         if left < 1:
@@ -389,6 +392,17 @@ class Progress:
         # prompt logprobs went out with the first token: the longer prompt must not send them again
         params = dataclasses.replace(self.params, max_tokens=left, stop=(), prompt_logprobs=None)
         return self.prompt + self.tokens, params
+
+    def _not_resumable(self) -> str:
+        """What keeps the request from resuming exactly ("" when nothing does)."""
+        p = self.params
+        if p.structured is not None:
+            return "structured output"
+        if p.seed is not None and not p.greedy:
+            return "a seeded sampled request (its random stream would restart)"
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            return "a request with presence_penalty or frequency_penalty (the tokens sent would not count)"
+        return ""
 
     def relay(self, out: RequestOutput) -> RequestOutput:
         """Record an attempt's output and return it as the client's delta (rewritten after a

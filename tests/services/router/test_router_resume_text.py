@@ -157,3 +157,35 @@ def test_nothing_left_to_resume_is_an_interruption(tok: Any) -> None:
     progress.relay(RequestOutput("r", [7, 8], "ab"))
     with pytest.raises(Interrupted, match="without a finish reason"):
         progress.resume()
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        (SamplingParams(max_tokens=9, temperature=0.8, seed=77), "seeded sampled"),
+        (SamplingParams(max_tokens=9, frequency_penalty=1.5), "frequency_penalty"),
+        (SamplingParams(max_tokens=9, presence_penalty=-0.5), "presence_penalty"),
+    ],
+)
+def test_requests_whose_continuation_would_differ_are_not_resumed(
+    tok: Any, params: SamplingParams, why: str
+) -> None:
+    progress = Progress(tok, [5, 6], params)
+    progress.relay(RequestOutput("r", [7, 8], "ab"))
+    with pytest.raises(Interrupted, match=f"after 2 generated tokens: .*{why}.* is not resumed"):
+        progress.resume()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=9, seed=77, temperature=0.0),  # greedy: the seed draws nothing
+        SamplingParams(max_tokens=9, temperature=0.8),  # unseeded: the same distribution goes on
+        SamplingParams(max_tokens=9, repetition_penalty=1.3),  # over prompt + output
+    ],
+)
+def test_requests_that_continue_exactly_are_resumed(tok: Any, params: SamplingParams) -> None:
+    progress = Progress(tok, [5, 6], params)
+    progress.relay(RequestOutput("r", [7, 8], "ab"))
+    prompt, resumed = progress.resume()
+    assert prompt == [5, 6, 7, 8] and resumed.max_tokens == 7
