@@ -284,6 +284,7 @@ class WorkerService(wgrpc.WorkerServicer):
             computed_tokens=st.computed_tokens_total,
             draining=self.draining,
             kv_format=self.kv_format,
+            max_model_len=self.engine.max_model_len,
         )
 
     async def expire_staging(self) -> None:

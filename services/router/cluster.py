@@ -109,7 +109,6 @@ class ClusterEngine(EngineClient):
         self.model_name = model_name or self.model_dir.name
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.max_model_len = self.model_config.max_position_embeddings
         self.request_timeout_s, self.max_retries, self.poll_s = request_timeout_s, max_retries, poll_s
         self.routing = RouterRouting(routing or RoutingOptions())
         self.media_config = MultimodalConfig.from_pretrained(self.model_dir)
@@ -136,6 +135,12 @@ class ClusterEngine(EngineClient):
         self.cached_l3_tokens_total = 0  # of those, fetched from L3 (GCache)
         self.requests_by_status: collections.Counter[str] = collections.Counter()
         self.retries: collections.Counter[str] = collections.Counter()
+
+    @property
+    def max_model_len(self) -> int:  # type: ignore[override]  # an attribute on the engines: read-only here
+        """The longest prompt + output a request may have: the least of the workers' reports
+        (each lowers its own to what its KV cache holds), the model's before any reported."""
+        return self.pool.max_model_len(self.model_config.max_position_embeddings)
 
     @property
     def workers(self) -> list[WorkerHandle]:

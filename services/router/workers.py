@@ -301,6 +301,17 @@ class WorkerPool:
             for w in self.handles.values()
         )
 
+    def max_model_len(self, default: int) -> int:
+        """The longest prompt + output every worker in use takes (``Load.max_model_len``, the
+        least of theirs; a worker lowers it to what its KV cache holds); ``default`` (the model's)
+        before any has reported one."""
+        lens = [
+            w.load.max_model_len
+            for w in self.handles.values()
+            if not w.draining and w.refusal is None and w.load is not None and w.load.max_model_len
+        ]
+        return min([default, *lens])
+
     def missing(self, role: str) -> str | None:
         """Why no worker of ``role`` can take requests now, for the client (None: one can)."""
         if self.up(role):

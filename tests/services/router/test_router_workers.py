@@ -7,7 +7,8 @@ a request that completes completed before the request timeout.
 In file order on one cluster: a SIGSTOPped prefill worker (its requests finish on the other one,
 token-identical); the SIGSTOPped only decode worker mid-stream (not resumed on it: an error event
 at once, not a hang); bad ``/workers`` input; a prefill worker added on router A that router B routes to, removed on B and
-left alone by A (its index entries gone); a decode worker removed while a stream runs on it (the
+left alone by A (its index entries gone); a decode worker with a shorter --max-model-len lowering
+the router's (/v1/models, default max_tokens, the context check); a decode worker removed while a stream runs on it (the
 stream finishes: a drain); a worker of another model (a copy of the checkpoint with another RoPE
 base) and a worker already registered under another name (``localhost:P``) refused; a third
 router started with those as flag workers, keeping them out, then left without a usable prefill
@@ -304,6 +305,40 @@ def test_worker_added_on_one_router_and_removed_on_the_other(cluster: Cluster) -
         assert sorted(up) == sorted(cluster.worker_addresses["prefill"] + cluster.worker_addresses["decode"])
         r = httpx.delete(f"{a}/workers", params={"url": addr}, timeout=10)
         assert r.status_code == 404  # already removed
+    finally:
+        svc.stop()
+    wait_idle(cluster)
+
+
+def model_len(url: str) -> int:
+    return int(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"])
+
+
+def test_the_router_takes_the_least_max_model_len_of_its_workers(cluster: Cluster) -> None:
+    """A worker whose context is shorter (its --max-model-len, or what its KV cache holds) lowers
+    the router's: /v1/models, the default max_tokens and the up-front context check follow it."""
+    a, _ = cluster.urls
+    before = model_len(a)
+    assert before > 160
+    addr, svc = extra_worker(cluster, "decode", "decode-short", "--max-model-len", "160")
+    try:
+        r = httpx.post(f"{a}/workers", json={"url": addr, "role": "decode"}, timeout=30)
+        assert r.status_code == 200, r.text
+        wait_for("the router's max_model_len lowered", lambda: model_len(a) == 160)
+        tokens = metric(a, "swaserve:prompt_tokens_total")
+        r = httpx.post(f"{a}/v1/completions", json=body(prompt(7, 150), 20), timeout=CLIENT_TIMEOUT)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+        assert "160" in err["message"], err
+        assert metric(a, "swaserve:prompt_tokens_total") == tokens  # refused before any worker ran it
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        for _ in range(3):  # no max_tokens: the rest of 160, on either decode worker
+            r = httpx.post(f"{a}/v1/chat/completions", json=chat, timeout=CLIENT_TIMEOUT)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["total_tokens"] <= 160
+        r = httpx.delete(f"{a}/workers", params={"url": addr}, timeout=30)
+        assert r.status_code == 200, r.text
+        wait_for("the router's max_model_len back", lambda: model_len(a) == before)
     finally:
         svc.stop()
     wait_idle(cluster)
