@@ -9,6 +9,7 @@ Exact semantics: docs/DESIGN.md#enginesamplerpy"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,17 @@ _TOP_P_CANDIDATES = 1024
 _LOG_TINY = 87.0
 # Smaller positive temperatures are raised to this, so that scaled logits stay finite.
 _MIN_TEMPERATURE = 1e-5
+
+
+def generator_seed(seed: int) -> int:
+    """The seed a request's generator gets for its ``seed`` (in [-2^63, 2^64)): ``seed`` itself in
+    [0, 2^32), else a 32-bit hash of it. torch's CPU generator (mt19937) keeps only the low 32 bits
+    of its seed, so 5 and 5 + 2^32 would draw the same stream; hashed, they do not (seeds still
+    share 2^32 streams)."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class SamplingState:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
+            generator.manual_seed(generator_seed(params.seed))
         return cls(params, prompt_token_ids, [], generator)
 
     @property

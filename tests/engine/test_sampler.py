@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from swaserve.engine.sampler import Sampler, SamplingState, apply_penalties
+from swaserve.engine.sampler import Sampler, SamplingState, apply_penalties, generator_seed
 from swaserve.engine.types import SamplingParams
 
 
@@ -272,3 +272,28 @@ def test_seed_creates_generator_on_device() -> None:
     state = SamplingState.create(SamplingParams(seed=7), [1, 2], torch.device("cpu"))
     assert state.generator is not None and state.generator.device.type == "cpu"
     assert SamplingState.create(SamplingParams(), [1], "cpu").generator is None
+
+
+def test_seeds_that_differ_only_in_high_bits_draw_different_tokens() -> None:
+    """torch's CPU generator keeps 32 bits of its seed: 5 and 5 + 2^32 would draw alike."""
+    torch.manual_seed(0)
+    logits = [torch.randn(4096) for _ in range(8)]
+    sampler = Sampler()
+
+    def draws(seed: int) -> list[int]:
+        state = _state(SamplingParams(temperature=1.0, seed=seed))
+        return [sampler.sample(lg.unsqueeze(0), [state])[0].token_id for lg in logits]
+
+    for a, b in (
+        (5, 5 + 2**32),
+        (7, 7 + 2**40),
+        (-1, 2**63 - 1),
+        (123, 123 + 2**63),
+        (0, -(2**63)),
+        (-1, 2**64 - 1),
+    ):
+        assert draws(a) != draws(b), (a, b)
+        assert draws(b) == draws(b)  # still reproducible
+    # seeds in [0, 2^32) seed the generator as they are (their streams are unchanged)
+    assert [generator_seed(s) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
+    assert all(0 <= generator_seed(s) < 2**32 for s in (-(2**63), -1, 2**32, 2**64 - 1))
