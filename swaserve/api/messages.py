@@ -96,6 +96,8 @@ class ChatMessage(StrictModel):
     def _fields_fit_the_role(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if isinstance(self.content, list) and not self.content:
+            raise ValueError("content must be a string or a non-empty list of parts")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.reasoning_content is not None and self.role != "assistant":

@@ -292,6 +292,8 @@ def test_chat_messages_render_for_templates() -> None:
         [{"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": "x"}}]}],
         [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
         [{"role": "user", "content": 5}],
+        [{"role": "user", "content": []}],  # a null user content is refused; an empty list too
+        [{"role": "assistant", "content": []}],
         "hello",
     ],
 )
