@@ -2,7 +2,7 @@
 ``--served-model-name``, ``--chat-template``, ``--max-logprobs``, the media limits,
 ``--ssl-certfile``/``--ssl-keyfile``; the router's ``--admin-token``) and the gRPC TLS flags of the
 router, the workers and the encoders (``--grpc-tls-*``), as typer annotations.
-Light to import: typer and ``swaserve.engine.types`` only.
+Light to import: typer, ``swaserve.engine.types`` and ``swaserve.media`` (numpy) only.
 """
 
 from __future__ import annotations

@@ -372,6 +372,7 @@ class ClusterEngine(EngineClient):
                         log.warning("retrying %s (attempt %d): %s", request_id, attempt + 1, e)
                         self.retries[e.reason] += 1
                         continue
+                    prompt, wparams = progress.resume()  # Interrupted: not resumable (counted as not resumed)
                     log.warning(
                         "resuming %s after %d tokens (attempt %d): %s",
                         request_id,
@@ -380,7 +381,6 @@ class ClusterEngine(EngineClient):
                         e,
                     )
                     self.retries["resumed"] += 1
-                    prompt, wparams = progress.resume()
                     hashes = self.routing.hashes(prompt)
                 except ValueError as e:
                     if not progress.resumed:

@@ -308,7 +308,11 @@ class WorkerPool:
         lens = [
             w.load.max_model_len
             for w in self.handles.values()
-            if not w.draining and w.refusal is None and w.load is not None and w.load.max_model_len
+            if not w.draining
+            and not w.shutting_down
+            and w.refusal is None
+            and w.load is not None
+            and w.load.max_model_len
         ]
         return min([default, *lens])
 

@@ -3,8 +3,8 @@ request whose ``json()`` decodes a body of ``OFF_LOOP_BYTES`` or more in a worke
 (``asyncio.to_thread``), so a multi-MB body (~15-30 ms of ``json.loads`` per 10 MB on this
 machine) never holds ``/health`` or other streams. Smaller bodies decode inline: a thread hop
 costs more than they do. Errors are the ones ``json.loads`` raises, handled as before. The route
-also makes the app's ``state.max_model_len`` visible to the request models' size checks
-(``api.protocol.check_sizes``)."""
+also makes the engine's ``max_model_len`` now (a router's: its workers' least) visible to the
+request models' size checks (``api.protocol.check_sizes``)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ class OffLoopJSONRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def offloop(request: Request) -> Response:
-            MAX_MODEL_LEN.set(getattr(request.app.state, "max_model_len", None))  # this task only
+            server = getattr(request.app.state, "server", None)  # the engine's limit now (a router's
+            # follows its workers'), for this task only
+            MAX_MODEL_LEN.set(server.engine.max_model_len if server is not None else None)
             return await handler(OffLoopJSONRequest(request.scope, request.receive))
 
         return offloop

@@ -218,7 +218,6 @@ def build_app(
     app = FastAPI(title="swaserve", version="0.1.0", lifespan=lifespan)
     app.router.route_class = OffLoopJSONRoute  # a large body's JSON decodes in a thread
     app.state.server = server
-    app.state.max_model_len = engine.max_model_len  # for api.protocol.check_sizes
     app.state.metrics = metrics
     _install_error_handlers(app)
     _document_errors(app)
