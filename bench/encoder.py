@@ -473,7 +473,7 @@ def main(
     cpus = pin_cpus()
     svc = run_service_part(model_dir, s, cpus)
     print_service(svc, s)
-    video = run_video_part(s)
+    video = run_video_part(s.video_seconds, s.video_size, s.video_fps, s.video_repeats)
     print_video(video)
     ts = targets(svc, video)
     print_targets(ts)

@@ -6,13 +6,10 @@ from __future__ import annotations
 import io
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from bench.encoder import Settings
 
 VIDEO_THREADS = (1, 2, 4)
 VIDEO_FPS_SAMPLED = 2.0
@@ -49,13 +46,14 @@ def make_video(seconds: float, width: int, height: int, fps: int, gop_s: float =
     return buf.getvalue()
 
 
-def run_video_part(s: Settings) -> dict[str, Any]:
-    """Part 2: ``decode_frames`` of one generated video at 1, 2, 4 threads."""
+def run_video_part(seconds: float, size: tuple[int, int], fps: int, repeats: int) -> dict[str, Any]:
+    """Part 2: ``decode_frames`` of one generated video (``seconds`` long, ``size`` pixels, ``fps``)
+    at 1, 2, 4 threads, the best of ``repeats`` each."""
     from swaserve.media.video import VideoParams, decode_frames, probe_video, sample_times
 
     t0 = time.perf_counter()
-    w, h = s.video_size
-    data = make_video(s.video_seconds, w, h, s.video_fps)
+    w, h = size
+    data = make_video(seconds, w, h, fps)
     make_s = time.perf_counter() - t0
     meta = probe_video(data)
     params = VideoParams(fps=VIDEO_FPS_SAMPLED, max_frames=1_000_000)
@@ -66,7 +64,7 @@ def run_video_part(s: Settings) -> dict[str, Any]:
     for threads in VIDEO_THREADS:
         runs = []
         equal = True
-        for _ in range(s.video_repeats):
+        for _ in range(repeats):
             t = time.perf_counter()
             out = decode_frames(data, times, threads)
             runs.append(time.perf_counter() - t)
@@ -83,11 +81,11 @@ def run_video_part(s: Settings) -> dict[str, Any]:
     assert ref is not None
     return {
         "video": {
-            "seconds": s.video_seconds, "width": w, "height": h, "fps": s.video_fps, "codec": meta.codec,
+            "seconds": seconds, "width": w, "height": h, "fps": fps, "codec": meta.codec,
             "frames": meta.num_frames, "bytes": len(data), "keyframe_every_s": 10.0, "make_s": round(make_s, 1),
         },
         "sampled_fps": VIDEO_FPS_SAMPLED, "sampled_frames": len(times),
-        "output_shape": list(ref.shape), "cpus": cpus, "repeats": s.video_repeats, "rows": rows,
+        "output_shape": list(ref.shape), "cpus": cpus, "repeats": repeats, "rows": rows,
     }  # fmt: skip
 
 

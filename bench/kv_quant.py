@@ -414,7 +414,7 @@ def main(json_path: str | None = None, quick: bool = False, model_dir: str | Non
     t0 = time.perf_counter()
     mdir = Path(model_dir) if model_dir else tiny_model_dir() if quick else default_model_dir()
     res: dict[str, Any] = {"quick": quick, "settings": s.__dict__, "part_wall_s": {}}
-    for part, run in (("capacity", lambda: capacity(s)), ("model", lambda: model_part(mdir, s) if model else None),
+    for part, run in (("capacity", lambda: capacity(s.shapes, s.contexts)), ("model", lambda: model_part(mdir, s) if model else None),
                       ("hit_rate", lambda: hit_rates(s, jobs))):  # fmt: skip
         t = time.perf_counter()
         res[part] = run()

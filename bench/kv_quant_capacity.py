@@ -4,7 +4,7 @@ format names of the rows (``full+swa`` for two pool formats)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.prefix_workload import PAGE
 from bench.targets import target
@@ -14,9 +14,6 @@ from swaserve.kvcache.plan import PoolPlan
 from swaserve.kvcache.sizing import page_bytes, plan_pools
 from swaserve.kvformat import AUTO, KIVI_FORMATS, ROW_FORMATS, KVFormat, engine_formats, residual_layers
 from swaserve.shapes import SHAPES, model_config
-
-if TYPE_CHECKING:
-    from bench.kv_quant import Settings
 
 FORMATS = (AUTO, *ROW_FORMATS, *KIVI_FORMATS)
 # KIVI over an 8-bit SWA pool (``--kv-cache-dtype-swa fp8_e4m3``: SWA layers and the residual at 8
@@ -147,13 +144,14 @@ def scale_overhead(cfg: ModelConfig) -> list[dict[str, Any]]:
     return out
 
 
-def capacity(settings: Settings) -> dict[str, Any]:
+def capacity(shape_names: tuple[str, ...], contexts: tuple[int, ...]) -> dict[str, Any]:
+    """Part 1 over the model shapes named ``shape_names`` at each of ``contexts`` (tokens)."""
     rows: list[dict[str, Any]] = []
     shapes = {s.name: s for s in SHAPES}
-    for name in settings.shapes:
+    for name in shape_names:
         cfg = model_config(shapes[name])
         base_f, base_s = token_bytes(cfg, KVFormat())
-        for ctx in settings.contexts:
+        for ctx in contexts:
             base: int | None = None
             for layout in ("full", "hybrid"):
                 for fmt in (f for f in POOL_FORMATS if layout in layouts(f)):
@@ -183,7 +181,7 @@ def capacity(settings: Settings) -> dict[str, Any]:
         + [target(f"{r['format']}: achieved >= 0.95x theory (V2.5-Pro, 32K)", r["achieved_vs_theory"], ">=", 0.95)
            for r in pro32]
     )  # fmt: skip
-    overhead = {name: scale_overhead(model_config(shapes[name])) for name in settings.shapes}
+    overhead = {name: scale_overhead(model_config(shapes[name])) for name in shape_names}
     return {"budget_bytes": GB80, "page_size": PAGE, "kv_dtype_bytes": BF16, "rows": rows,
             "scale_overhead": overhead, "targets": targets}  # fmt: skip
 
