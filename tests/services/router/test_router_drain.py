@@ -47,7 +47,7 @@ from tests.helpers.cluster import (
 
 pytestmark = pytest.mark.cluster  # starts a router and workers as child processes
 
-N = 1200  # tokens of the long stream: about 4 s of decoding here (one thread, ~3.5 ms a token)
+N = 1200  # tokens of the long stream: about 13 s of decoding here alone (one thread, ~11 ms a token)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,6 @@ def test_sigterm_drains_a_decode_worker_and_its_stream_completes(
     got: list[int] = []
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         fut = start_on_decode_0(cluster, ex, body(prompt(21, 30)), got)
-        t0 = time.monotonic()
         os.kill(svc.proc.pid, signal.SIGTERM)  # as the kubelet does: the main process only
         wait_for("draining in GET /workers", lambda: workers(url)[d0]["state"] == "draining", 10)
         w = workers(url)[d0]
@@ -193,8 +192,9 @@ def test_sigterm_drains_a_decode_worker_and_its_stream_completes(
         out = fut.result(timeout=CLIENT_TIMEOUT)
     assert not out["errors"] and out["finish"] == "length" and len(got) == N, out
     outputs["21"] = got
-    assert svc.proc.wait(timeout=30) == 0
-    assert time.monotonic() - t0 < 30  # its --shutdown-timeout (default 30 s): drained before
+    assert svc.proc.wait(timeout=60) == 0
+    # drained, not cut at its --shutdown-timeout (30 s): a cut stream is resumed on decode-1 (no
+    # wall-clock bound here: on 2 busy cores the stream alone takes 13-40 s)
     assert retried(url, "resumed") == resumed and retried(url, "unavailable") == unavailable
     wait_for("marked down once gone", lambda: workers(url)[d0]["state"] == "down", 10)
 
@@ -224,7 +224,7 @@ def test_a_stream_longer_than_the_shutdown_timeout_is_resumed_elsewhere(
         assert svc.proc.wait(timeout=30) == 0
         took = time.monotonic() - t0
         out = fut.result(timeout=CLIENT_TIMEOUT)
-    assert 1.0 <= took < 10, took  # cut at its 1 s timeout
+    assert took >= 1.0, took  # it waited its 1 s timeout; cut then (resumed below), not drained
     assert not out["errors"] and out["finish"] == "length" and got == want, out
     assert retried(url, "resumed") - resumed == 1  # it was cut before its end
     wait_for("marked down once gone", lambda: workers(url)[d0]["state"] == "down", 10)
