@@ -32,6 +32,7 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
         logit_bias=dict(p.logit_bias),
+        prior_output_tokens=p.prior_output_tokens,
     )
     if p.prompt_logprobs is not None:
         m.prompt_logprobs = p.prompt_logprobs
@@ -68,6 +69,7 @@ def params_from_proto(m: pb.SamplingParams) -> SamplingParams:
             if m.HasField("structured")
             else None
         ),
+        prior_output_tokens=m.prior_output_tokens,
     )
     p.validate()
     return p

@@ -329,16 +329,16 @@ class Progress:
       logprobs are the resumed workers' (computed over the same context).
 
     Exactness: greedy output is token-for-token that of an uninterrupted run (up to float
-    rounding of recomputed KV against incrementally built KV: argmax near-ties);
-    ``repetition_penalty`` covers prompt + output, so it is unaffected; an unseeded sampled
-    request goes on with the same distribution. There is no ``min_tokens`` and ``n`` is 1 (the API
-    refuses others). Not resumed (``resume`` raises ``Interrupted``: a clean error, never other
-    tokens), though retried like any other before decode output:
-    - structured output (its grammar's state over the tokens sent died with the worker);
-    - a seeded sampled request (its random stream would restart from the seed on the new workers,
-      giving other tokens than an uninterrupted run);
-    - ``presence_penalty``/``frequency_penalty`` (the new workers would count only the tokens
-      they generate: the earlier ones are prompt to them).
+    rounding of recomputed KV against incrementally built KV: argmax near-ties). The resumed
+    request says how many of its prompt's tokens are output already (``prior_output_tokens``):
+    ``presence_penalty``/``frequency_penalty`` count them as output, and a seeded generator starts
+    that many draws in (the engine draws once per token sampled, with MTP too), so a seeded
+    sampled request goes on with the tokens an uninterrupted run would give (same float caveat);
+    ``repetition_penalty`` covers prompt + output anyway; an unseeded sampled request goes on
+    with the same distribution. There is no ``min_tokens`` and ``n`` is 1 (the API refuses
+    others). Structured output is not resumed (``resume`` raises ``Interrupted``: a clean error,
+    never other tokens; its grammar's state over the tokens sent died with the worker), though
+    retried like any other request before decode output.
 
     Args:
         tokenizer: the model's tokenizer (the workers', from the same checkpoint).
@@ -368,8 +368,8 @@ class Progress:
         Raises:
             Interrupted: nothing is left to generate (the last token was sent without its finish
                 reason: a worker that broke the protocol), or the request's continuation on new
-                workers would differ from an uninterrupted run's (structured output, a seeded
-                sampled request, presence or frequency penalties: class docstring).
+                workers would differ from an uninterrupted run's (structured output: class
+                docstring).
         """
         why = self._not_resumable()
         if why:
@@ -390,7 +390,9 @@ class Progress:
             self._pending = replay[self.text_len :]
         self.resumes += 1
         # prompt logprobs went out with the first token: the longer prompt must not send them again
-        params = dataclasses.replace(self.params, max_tokens=left, stop=(), prompt_logprobs=None)
+        params = dataclasses.replace(
+            self.params, max_tokens=left, stop=(), prompt_logprobs=None, prior_output_tokens=len(self.tokens)
+        )
         return self.prompt + self.tokens, params
 
     def _not_resumable(self) -> str:
@@ -398,10 +400,6 @@ class Progress:
         p = self.params
         if p.structured is not None:
             return "structured output"
-        if p.seed is not None and not p.greedy:
-            return "a seeded sampled request (its random stream would restart)"
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            return "a request with presence_penalty or frequency_penalty (the tokens sent would not count)"
         return ""
 
     def relay(self, out: RequestOutput) -> RequestOutput:

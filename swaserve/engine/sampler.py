@@ -67,12 +67,16 @@ class SamplingState:
         output_token_ids: Tokens generated so far.
         generator: Per-request RNG on the logits' device when ``params.seed`` is set, else None
             (the global RNG is used).
+        prior_output_ids: Output of this request from before a resume (the prompt's last
+            ``params.prior_output_tokens``): presence and frequency penalties count it as output.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    prior_output_ids: list[int] = field(default_factory=list)
+    _prior_t: torch.Tensor | None = field(default=None, init=False, repr=False)
     _prompt_t: torch.Tensor | None = field(default=None, init=False, repr=False)
     _prompt_max: int | None = field(default=None, init=False, repr=False)
     _out_buf: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -86,14 +90,22 @@ class SamplingState:
 
         Args:
             params: Sampling settings (already validated).
-            prompt_token_ids: The prompt; kept by reference.
-            device: Device the logits will live on; a seeded generator is created there.
+            prompt_token_ids: The prompt; kept by reference. Its last ``params.prior_output_tokens``
+                are the request's output before a resume (``prior_output_ids``).
+            device: Device the logits will live on; a seeded generator is created there, and
+                moved on by one draw per prior output token (``_draw`` takes one per token).
         """
+        prior = params.prior_output_tokens
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(generator_seed(params.seed))
-        return cls(params, prompt_token_ids, [], generator)
+            u = torch.empty(1, dtype=torch.float32, device=device)
+            for _ in range(prior):  # one call per draw: what a draw consumes is per call on CUDA
+                u.uniform_(generator=generator)
+        return cls(
+            params, prompt_token_ids, [], generator, list(prompt_token_ids[len(prompt_token_ids) - prior :])
+        )
 
     @property
     def needs_penalties(self) -> bool:
@@ -111,6 +123,15 @@ class SamplingState:
         if self._prompt_max is None:
             self._prompt_max = max(self.prompt_token_ids, default=-1)
         return self._prompt_max
+
+    def penalized_output(self, device: torch.device) -> torch.Tensor:
+        """What presence and frequency penalties count: prior output + output, int64 on ``device``."""
+        out = self.output_tensor(device)
+        if not self.prior_output_ids:
+            return out
+        if self._prior_t is None or self._prior_t.device != device:
+            self._prior_t = torch.tensor(self.prior_output_ids, dtype=torch.long, device=device)
+        return torch.cat([self._prior_t, out])
 
     def output_tensor(self, device: torch.device) -> torch.Tensor:
         """Output ids as an int64 tensor on ``device``; only newly appended ids are copied."""
@@ -455,10 +476,11 @@ def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
     freq_rows = [
         i
         for i, s in enumerate(states)
-        if (s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0) and s.output_token_ids
+        if (s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0)
+        and (s.output_token_ids or s.prior_output_ids)
     ]
     if freq_rows:
-        ids, counts = _padded_ids([states[i].output_tensor(device) for i in freq_rows], vocab)
+        ids, counts = _padded_ids([states[i].penalized_output(device) for i in freq_rows], vocab)
         f = torch.tensor([states[i].params.frequency_penalty for i in freq_rows], dtype=torch.float32)
         p = torch.tensor([states[i].params.presence_penalty for i in freq_rows], dtype=torch.float32)
         penalty = f.to(device).unsqueeze(1) * counts + p.to(device).unsqueeze(1) * (counts > 0).float()

@@ -83,6 +83,11 @@ class SamplingParams:
             prompt position must be computed).
         structured: Constrain the output to a JSON schema, regex, choice or grammar; the request
             ends (``STOP``) when the constraint is complete. None = unconstrained.
+        prior_output_tokens: The last this-many prompt tokens are this request's own output so far
+            (a router's resume on new workers, ``services.router.attempt.Progress``): presence and
+            frequency penalties count them as output, and a seeded generator starts this many
+            draws in (one per token sampled: ``engine.sampler``), so the request goes on as an
+            uninterrupted one would. Internal: not an API parameter.
     """
 
     max_tokens: int = 16
@@ -102,6 +107,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    prior_output_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +117,8 @@ class SamplingParams:
         """Raise ValueError with a user-facing message for any out-of-range value."""
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
+        if self.prior_output_tokens < 0:
+            raise ValueError(f"prior_output_tokens must be at least 0, got {self.prior_output_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -217,6 +225,14 @@ class EngineLimits:
         bad = [t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} out of range [0, {self.vocab_size})")
+        prior = params.prior_output_tokens
+        if prior and (prior >= len(prompt_token_ids) or (media is not None and any(
+            sp.start + sp.length > len(prompt_token_ids) - prior for sp in media.spans
+        ))):  # fmt: skip
+            raise ValueError(
+                f"prior_output_tokens {prior} must leave the original prompt (and its media) in the "
+                f"{len(prompt_token_ids)}-token prompt"
+            )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.convert import params_from_proto, params_to_proto
 from swaserve.config import FULL, EngineConfig
 from swaserve.engine.drafter import Drafter, DraftItem
 from swaserve.engine.llm_engine import LLMEngine
@@ -141,6 +142,34 @@ def test_seeded_sampling_gives_the_same_tokens_with_mtp(
     eng = _engine(mtp_dir, K)
     assert eng.generate(prompts, params) == off
     assert eng.core.spec.stats.accepted > 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("k_after", [0, K], ids=["resumed-without-mtp", "resumed-with-mtp"])
+def test_a_resumed_request_goes_on_as_the_uninterrupted_one(mtp_dir: Path, refs, k_after: int) -> None:  # type: ignore[no-untyped-def]
+    """A router's resume (``prior_output_tokens``): prompt + the first n output tokens, the rest
+    of the budget, gives the uninterrupted run's remaining tokens for a seeded sampled request
+    with presence and frequency penalties (the generator n draws in, the n tokens counted as
+    output), with or without MTP on either side, through the worker protocol's conversion.
+    Without ``prior_output_tokens`` it differs."""
+    import dataclasses
+
+    params = SamplingParams(max_tokens=NEW, temperature=0.75, seed=2**40 + 3, presence_penalty=0.5,
+                            frequency_penalty=0.25)  # fmt: skip (float32-exact: the proto)
+    prompts = [p for p, _ in refs[:2]]
+    whole = _engine(mtp_dir, K).generate(prompts, params)
+    assert _engine(mtp_dir, 0).generate(prompts, params) == whole
+    eng = _engine(mtp_dir, k_after)
+    naive_differs = False
+    for prompt, out in zip(prompts, whole, strict=True):
+        for n in (1, 17, len(out) - 2):  # out may end with EOS before NEW
+            rest = dataclasses.replace(params, max_tokens=NEW - n, prior_output_tokens=n)
+            assert params_from_proto(params_to_proto(rest)) == rest  # as the router sends it
+            assert eng.generate([prompt + out[:n]], rest) == [out[n:]], n
+            naive = eng.generate([prompt + out[:n]], dataclasses.replace(rest, prior_output_tokens=0))
+            naive_differs |= naive != [out[n:]]
+    assert naive_differs
+    with pytest.raises(ValueError, match="prior_output_tokens 5 must leave the original prompt"):
+        eng.generate([[3, 4, 5, 6, 7]], dataclasses.replace(params, prior_output_tokens=5))
 
 
 def test_drafts_from_cached_mtp_kv_equal_a_dense_recompute(

@@ -6,8 +6,8 @@ decode workers on the tiny checkpoint, Redis for the leases, a short poll deadli
 In file order: a streamed greedy request whose decode worker is SIGKILLed after some tokens (with
 a stop string that the resumed part must match) streams exactly an uninterrupted run's tokens, text
 and logprobs, one final chunk and the original usage (the killed worker is restarted); a
-non-streaming one whose decode worker is SIGSTOPped (marked down) answers exactly the
-uninterrupted response; one with both decode workers stopped cannot be resumed and gets a 503 that
+non-streaming seeded sampled one with presence and frequency penalties whose decode worker is
+SIGSTOPped (marked down) answers exactly the uninterrupted response; one with both decode workers stopped cannot be resumed and gets a 503 that
 says so. Each test checks that no lease, request or staged KV is left; stopped workers are
 continued and every process is stopped at the end.
 """
@@ -145,10 +145,20 @@ def test_a_stream_survives_a_killed_decode_worker(cluster: Cluster) -> None:
     settled(cluster)
 
 
+# a seeded sampled request with presence and frequency penalties: the resumed workers count the
+# tokens sent as output and start the generator that many draws in (``prior_output_tokens``)
+SAMPLED: dict[str, Any] = {
+    "temperature": 0.75,
+    "seed": 2**40 + 3,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.25,
+}
+
+
 def test_a_non_streaming_request_survives_a_stopped_decode_worker(cluster: Cluster) -> None:
     url = cluster.url
     p = prompt(12, 30)
-    want = complete(url, body(p))
+    want = complete(url, body(p, **SAMPLED))
     settled(cluster)
     resumed, down = retried(url, "resumed"), retried(url, "worker_down")
     tokens = metric(url, "swaserve:generation_tokens_total")
@@ -156,7 +166,7 @@ def test_a_non_streaming_request_survives_a_stopped_decode_worker(cluster: Clust
     name = ""
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(complete, url, body(p))
+            fut = ex.submit(complete, url, body(p, **SAMPLED))
             wait_for("tokens relayed", lambda: metric(url, "swaserve:generation_tokens_total") - tokens >= 20)
             name = serving_decode(cluster)
             cluster.services[name].kill(signal.SIGSTOP)  # marked down after its missed polls

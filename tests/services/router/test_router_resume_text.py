@@ -16,7 +16,7 @@ import pytest
 
 from services.router.attempt import Interrupted, Progress
 from swaserve.engine.detokenizer import IncrementalDetokenizer
-from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams, StructuredOutput, TokenLogprob
 
 TEXT = "Hello wörld, naïve café — 日本語のテキスト 🙂 done. STOP here and then some more"
 
@@ -159,33 +159,31 @@ def test_nothing_left_to_resume_is_an_interruption(tok: Any) -> None:
         progress.resume()
 
 
-@pytest.mark.parametrize(
-    ("params", "why"),
-    [
-        (SamplingParams(max_tokens=9, temperature=0.8, seed=77), "seeded sampled"),
-        (SamplingParams(max_tokens=9, frequency_penalty=1.5), "frequency_penalty"),
-        (SamplingParams(max_tokens=9, presence_penalty=-0.5), "presence_penalty"),
-    ],
-)
-def test_requests_whose_continuation_would_differ_are_not_resumed(
-    tok: Any, params: SamplingParams, why: str
-) -> None:
+def test_structured_output_is_not_resumed(tok: Any) -> None:
+    params = SamplingParams(max_tokens=9, structured=StructuredOutput("regex", "[a-z]+"))
     progress = Progress(tok, [5, 6], params)
     progress.relay(RequestOutput("r", [7, 8], "ab"))
-    with pytest.raises(Interrupted, match=f"after 2 generated tokens: .*{why}.* is not resumed"):
+    with pytest.raises(Interrupted, match="after 2 generated tokens: structured output is not resumed"):
         progress.resume()
 
 
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(max_tokens=9, seed=77, temperature=0.0),  # greedy: the seed draws nothing
+        SamplingParams(max_tokens=9, seed=77, temperature=0.0),
         SamplingParams(max_tokens=9, temperature=0.8),  # unseeded: the same distribution goes on
         SamplingParams(max_tokens=9, repetition_penalty=1.3),  # over prompt + output
+        # the workers count the tokens sent as output and move a seeded generator on by them
+        SamplingParams(max_tokens=9, temperature=0.8, seed=77),
+        SamplingParams(max_tokens=9, frequency_penalty=1.5),
+        SamplingParams(max_tokens=9, presence_penalty=-0.5),
     ],
 )
 def test_requests_that_continue_exactly_are_resumed(tok: Any, params: SamplingParams) -> None:
     progress = Progress(tok, [5, 6], params)
     progress.relay(RequestOutput("r", [7, 8], "ab"))
     prompt, resumed = progress.resume()
-    assert prompt == [5, 6, 7, 8] and resumed.max_tokens == 7
+    assert prompt == [5, 6, 7, 8] and resumed.max_tokens == 7 and resumed.prior_output_tokens == 2
+    progress.relay(RequestOutput("r", [9], "c"))
+    prompt, resumed = progress.resume()  # a second resume counts every token sent
+    assert prompt == [5, 6, 7, 8, 9] and resumed.max_tokens == 6 and resumed.prior_output_tokens == 3
