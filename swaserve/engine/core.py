@@ -28,7 +28,8 @@ from swaserve.engine.l3_tier import build_l3
 from swaserve.engine.media_prefills import MediaPrefills
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request, RequestStatus
-from swaserve.engine.sampler import Sampler, SamplingState
+from swaserve.engine.sampler import Sampler
+from swaserve.engine.sampling_state import SamplingState
 from swaserve.engine.scheduler import Scheduler
 from swaserve.engine.speculative import SpeculativeStep
 from swaserve.engine.stats import EngineStats

@@ -13,7 +13,7 @@ from swaserve.engine.types import FinishReason, SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     from swaserve.engine.grammar import Grammar
     from swaserve.engine.mtp_state import MTPState
-    from swaserve.engine.sampler import SamplingState
+    from swaserve.engine.sampling_state import SamplingState
     from swaserve.media.placeholders import MediaInputs
     from swaserve.transfer.kv_transfer import KVPayload
 

@@ -9,15 +9,15 @@ Exact semantics: docs/DESIGN.md#enginesamplerpy"""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
-from swaserve.engine.types import SamplingParams, TokenLogprob
+from swaserve.engine.penalties import apply_logit_bias, apply_penalties, row_index
+from swaserve.engine.sampling_state import SamplingState
+from swaserve.engine.types import TokenLogprob
 
 # Candidates examined first by the top-p search before it looks at more of the row.
 _TOP_P_CANDIDATES = 1024
@@ -26,17 +26,6 @@ _TOP_P_CANDIDATES = 1024
 _LOG_TINY = 87.0
 # Smaller positive temperatures are raised to this, so that scaled logits stay finite.
 _MIN_TEMPERATURE = 1e-5
-
-
-def generator_seed(seed: int) -> int:
-    """The seed a request's generator gets for its ``seed`` (in [-2^63, 2^64)): ``seed`` itself in
-    [0, 2^32), else a 32-bit hash of it. torch's CPU generator (mt19937) keeps only the low 32 bits
-    of its seed, so 5 and 5 + 2^32 would draw the same stream; hashed, they do not (seeds still
-    share 2^32 streams)."""
-    if 0 <= seed < 1 << 32:
-        return seed
-    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
 
 
 @dataclass(frozen=True)
@@ -51,105 +40,6 @@ class SampledToken:
 
     token_id: int
     logprob: TokenLogprob | None
-
-
-@dataclass
-class SamplingState:
-    """Per-request sampling inputs that persist across engine steps.
-
-    The engine appends each accepted token to ``output_token_ids`` after :meth:`Sampler.sample`
-    returns; the list must only grow by appending (a shorter list is detected and re-read, but an
-    in-place edit of an existing element is not).
-
-    Attributes:
-        params: The request's sampling settings.
-        prompt_token_ids: Prompt tokens (used by the repetition penalty).
-        output_token_ids: Tokens generated so far.
-        generator: Per-request RNG on the logits' device when ``params.seed`` is set, else None
-            (the global RNG is used).
-        prior_output_ids: Output of this request from before a resume (the prompt's last
-            ``params.prior_output_tokens``): presence and frequency penalties count it as output.
-    """
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
-    prior_output_ids: list[int] = field(default_factory=list)
-    _prior_t: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _prompt_t: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _prompt_max: int | None = field(default=None, init=False, repr=False)
-    _out_buf: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _out_len: int = field(default=0, init=False, repr=False)
-
-    @classmethod
-    def create(
-        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str
-    ) -> SamplingState:
-        """Build the state of a new request.
-
-        Args:
-            params: Sampling settings (already validated).
-            prompt_token_ids: The prompt; kept by reference. Its last ``params.prior_output_tokens``
-                are the request's output before a resume (``prior_output_ids``).
-            device: Device the logits will live on; a seeded generator is created there, and
-                moved on by one draw per prior output token (``_draw`` takes one per token).
-        """
-        prior = params.prior_output_tokens
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(generator_seed(params.seed))
-            u = torch.empty(1, dtype=torch.float32, device=device)
-            for _ in range(prior):  # one call per draw: what a draw consumes is per call on CUDA
-                u.uniform_(generator=generator)
-        return cls(
-            params, prompt_token_ids, [], generator, list(prompt_token_ids[len(prompt_token_ids) - prior :])
-        )
-
-    @property
-    def needs_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
-        """Prompt ids as an int64 tensor on ``device`` (built once, then cached)."""
-        if self._prompt_t is None or self._prompt_t.device != device:
-            self._prompt_t = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
-        return self._prompt_t
-
-    def max_prompt_id(self) -> int:
-        """Largest prompt token id (-1 for an empty prompt); computed once."""
-        if self._prompt_max is None:
-            self._prompt_max = max(self.prompt_token_ids, default=-1)
-        return self._prompt_max
-
-    def penalized_output(self, device: torch.device) -> torch.Tensor:
-        """What presence and frequency penalties count: prior output + output, int64 on ``device``."""
-        out = self.output_tensor(device)
-        if not self.prior_output_ids:
-            return out
-        if self._prior_t is None or self._prior_t.device != device:
-            self._prior_t = torch.tensor(self.prior_output_ids, dtype=torch.long, device=device)
-        return torch.cat([self._prior_t, out])
-
-    def output_tensor(self, device: torch.device) -> torch.Tensor:
-        """Output ids as an int64 tensor on ``device``; only newly appended ids are copied."""
-        n = len(self.output_token_ids)
-        buf = self._out_buf
-        if buf is None or buf.device != device or n < self._out_len:
-            buf, self._out_len = None, 0
-        if buf is None or n > buf.numel():
-            new_buf = torch.empty(max(16, 2 * n), dtype=torch.long, device=device)
-            if buf is not None:
-                new_buf[: self._out_len] = buf[: self._out_len]
-            buf = new_buf
-        if n > self._out_len:
-            new = self.output_token_ids[self._out_len : n]
-            buf[self._out_len : n] = torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)
-            self._out_len = n
-        self._out_buf = buf
-        return buf[:n]
 
 
 class Sampler:
@@ -222,9 +112,9 @@ class Sampler:
         sample_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         out = torch.empty(len(states), dtype=torch.long, device=device)
         if greedy_rows:
-            g_idx = _index(greedy_rows, device)
+            g_idx = row_index(greedy_rows, device)
             out.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
-        s_idx = _index(sample_rows, device)
+        s_idx = row_index(sample_rows, device)
         s_states = [states[i] for i in sample_rows]
         temps = _column([max(s.params.temperature, _MIN_TEMPERATURE) for s in s_states], device)
         scaled = (x.index_select(0, s_idx) if greedy_rows else x) / temps
@@ -290,12 +180,12 @@ class Sampler:
         with_k = [i for i in p_rows if ks[i]]
         if with_k:
             assert top_vals is not None
-            idx = _index(with_k, device)
+            idx = row_index(with_k, device)
             k_cut, _ = _nucleus_cut(top_vals.index_select(0, idx), None, _top_p(states, with_k, device))
             cut.index_copy_(0, idx, k_cut)
         pending_rows = [i for i in p_rows if not ks[i]]
         if pending_rows:
-            pending = _index(pending_rows, device)
+            pending = row_index(pending_rows, device)
             top_p = _top_p(states, pending_rows, device)
             full = x.index_select(0, pending)
             lse = _logsumexp(full)
@@ -314,10 +204,6 @@ class Sampler:
                 pending, full, lse, top_p = (t.index_select(0, rest) for t in (pending, full, lse, top_p))
                 n = min(vocab, n * 16)
         return thresh.maximum(cut)
-
-
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _column(
@@ -394,20 +280,6 @@ def _draw(x: torch.Tensor, thresh: torch.Tensor, states: Sequence[SamplingState]
     return torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
 
 
-def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """``logits`` plus each request's ``logit_bias`` (a copy; ``logits`` itself when no request
-    has one). Args: logits [B, V] float32; states: the B requests (bias token ids < V)."""
-    rows = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias]
-    if not rows:
-        return logits
-    vocab = logits.shape[1]
-    pos = torch.tensor([i * vocab + t for i, t, _ in rows], dtype=torch.long).to(logits.device)
-    bias = torch.tensor([b for _, _, b in rows], dtype=torch.float32).to(logits.device)
-    x = logits.clone(memory_format=torch.contiguous_format)
-    x.view(-1).index_add_(0, pos, bias)  # a token listed twice gets both biases (a JSON object cannot)
-    return x
-
-
 def fill_logprobs(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
@@ -427,7 +299,7 @@ def fill_logprobs(
     if len(rows) == logits.shape[0]:
         raw, chosen_ids = logits, token_ids
     else:
-        idx = _index(rows, logits.device)
+        idx = row_index(rows, logits.device)
         raw, chosen_ids = logits.index_select(0, idx), token_ids.index_select(0, idx)
     lse = _logsumexp(raw)
     chosen_raw = raw.gather(1, chosen_ids.unsqueeze(1))
@@ -443,69 +315,3 @@ def fill_logprobs(
         n = top_ns[j]
         top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
         out[row] = TokenLogprob(token, chosen[j], top, int(ranks[j]))
-
-
-def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """Apply repetition, then frequency and presence penalties to logits in place.
-
-    Only the entries of seen token ids are read and written (flat gather / scatter), so the cost
-    is proportional to the number of prompt + output tokens, not to B * V.
-
-    Args:
-        x: [B, V] contiguous float32 logits, one row per state; modified in place.
-        states: The B requests; every prompt and output token id must be < V.
-    """
-    device, vocab = x.device, x.shape[1]
-    flat = x.view(-1)
-    rep_rows = [
-        i
-        for i, s in enumerate(states)
-        if s.params.repetition_penalty != 1.0 and (s.prompt_token_ids or s.output_token_ids)
-    ]
-    if rep_rows:
-        seen = [
-            torch.cat([states[i].prompt_tensor(device), states[i].output_tensor(device)]) for i in rep_rows
-        ]
-        ids, _ = _padded_ids(seen, vocab)
-        pos = _index(rep_rows, device).unsqueeze(1) * vocab + ids
-        r = torch.tensor([states[i].params.repetition_penalty for i in rep_rows], dtype=torch.float32)
-        r = r.to(device).unsqueeze(1)
-        v = flat[pos]
-        # Repeated ids (and the padding, which repeats a row's first id) write identical values.
-        flat[pos] = torch.where(v > 0, v / r, v * r)
-    freq_rows = [
-        i
-        for i, s in enumerate(states)
-        if (s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0)
-        and (s.output_token_ids or s.prior_output_ids)
-    ]
-    if freq_rows:
-        ids, counts = _padded_ids([states[i].penalized_output(device) for i in freq_rows], vocab)
-        f = torch.tensor([states[i].params.frequency_penalty for i in freq_rows], dtype=torch.float32)
-        p = torch.tensor([states[i].params.presence_penalty for i in freq_rows], dtype=torch.float32)
-        penalty = f.to(device).unsqueeze(1) * counts + p.to(device).unsqueeze(1) * (counts > 0).float()
-        pos = _index(freq_rows, device).unsqueeze(1) * vocab + ids
-        flat[pos] = flat[pos] - penalty
-
-
-def _padded_ids(ids: list[torch.Tensor], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad non-empty id rows to one [R, L] tensor and count each id's occurrences in its row.
-
-    Args:
-        ids: R non-empty int64 tensors of token ids < vocab.
-        vocab: Vocabulary size (used as the sort-last padding value while counting).
-
-    Returns:
-        (padded ids, counts): [R, L] ids where padding repeats the row's first id, and [R, L]
-        float32 occurrence counts of the id at each position within its row (padding gets the
-        first id's count, so scattering per-position values stays consistent).
-    """
-    padded = pad_sequence(ids, batch_first=True, padding_value=vocab)
-    ordered = padded.sort(dim=-1).values
-    counts = (
-        torch.searchsorted(ordered, padded, right=True) - torch.searchsorted(ordered, padded, right=False)
-    ).float()
-    is_pad = padded == vocab
-    padded = torch.where(is_pad, padded[:, :1], padded)
-    counts = torch.where(is_pad, counts[:, :1], counts)
-    return padded, counts

@@ -8,7 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from swaserve.engine.sampler import Sampler, SamplingState, apply_penalties, generator_seed
+from swaserve.engine.penalties import apply_penalties
+from swaserve.engine.sampler import Sampler
+from swaserve.engine.sampling_state import SamplingState, generator_seed
 from swaserve.engine.types import SamplingParams
 
 

@@ -153,8 +153,9 @@ def test_a_resumed_request_goes_on_as_the_uninterrupted_one(mtp_dir: Path, refs,
     Without ``prior_output_tokens`` it differs."""
     import dataclasses
 
-    params = SamplingParams(max_tokens=NEW, temperature=0.75, seed=2**40 + 3, presence_penalty=0.5,
-                            frequency_penalty=0.25)  # fmt: skip (float32-exact: the proto)
+    params = SamplingParams(
+        max_tokens=NEW, temperature=0.75, seed=2**40 + 3, presence_penalty=0.5, frequency_penalty=0.25
+    )  # float32-exact values: the worker protocol carries float32
     prompts = [p for p, _ in refs[:2]]
     whole = _engine(mtp_dir, K).generate(prompts, params)
     assert _engine(mtp_dir, 0).generate(prompts, params) == whole

@@ -21,7 +21,8 @@ from swaserve.config import EngineConfig
 from swaserve.engine.grammar import grammar_of, validate
 from swaserve.engine.ipc import AddRequest, Decoder, ToCore, encode
 from swaserve.engine.llm_engine import LLMEngine
-from swaserve.engine.sampler import Sampler, SamplingState
+from swaserve.engine.sampler import Sampler
+from swaserve.engine.sampling_state import SamplingState
 from swaserve.engine.structured import StructuredDecoder
 from swaserve.engine.types import FinishReason, SamplingParams, StructuredOutput
 from tests.transfer.test_pd_inprocess import run_pd, run_single
