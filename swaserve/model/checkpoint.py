@@ -155,7 +155,7 @@ PRESETS: dict[str, Preset] = {
         # a tiny language model (repetitive, text-like greedy output) with 3 self-distilled MTP
         # layers: what speculative decoding needs to be worth it (docs/BENCHMARKS.md#mtp-speculative-decoding-swaserve-bench-mtp)
         train=TrainPlan(),
-        version=3,
+        version=4,
     ),
 }
 

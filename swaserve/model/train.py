@@ -59,9 +59,11 @@ class DistillConfig:
 
     sequences: int = 56
     heldout: int = 8
-    prompt_tokens: int = 64
-    new_tokens: int = 192
-    steps: int = 200
+    prompt_tokens: int = 512
+    new_tokens: int = 256
+    crop_tokens: int = 256
+    start_share: float = 0.25
+    steps: int = 300
     batch: int = 8
     lr: float = 3e-3
     seed: int = 0
@@ -225,9 +227,26 @@ def target_states(model: MiMoV2ForCausalLM, seqs: torch.Tensor) -> tuple[torch.T
     return h, model.logits(model.norm(h)).argmax(-1)
 
 
-def mtp_logits(model: MiMoV2ForCausalLM, k: int, seqs: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """MTP layer ``k`` over whole sequences with teacher forcing (module docstring): [B, T, vocab]
-    logits (differentiable in the MTP layer's weights)."""
+def shift_hidden(hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T, H] target hidden states -> [B, T, H] what MTP layer ``k``'s rows read: row j holds
+    row j - 1 - k (zeros before 0; module docstring)."""
+    shifted = torch.zeros_like(hidden)
+    t = hidden.shape[1]
+    if t > k + 1:
+        shifted[:, k + 1 :] = hidden[:, : t - k - 1]
+    return shifted
+
+
+def mtp_logits(
+    model: MiMoV2ForCausalLM,
+    k: int,
+    seqs: torch.Tensor,
+    shifted: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """MTP layer ``k`` with teacher forcing over ``seqs`` [B, T] (RoPE positions 0..T-1), reading
+    ``shifted`` [B, T, H] (``shift_hidden``): logits [B, T, vocab], or [R, vocab] for the R rows
+    where ``keep`` [B, T] (bool) is set; differentiable in the MTP layer's weights."""
     from typing import cast
 
     from swaserve.model.layers import PartialRope
@@ -235,11 +254,8 @@ def mtp_logits(model: MiMoV2ForCausalLM, k: int, seqs: torch.Tensor, hidden: tor
 
     b, t = seqs.shape
     cfg = model.cfg
-    shifted = torch.zeros_like(hidden)
-    if t > k + 1:
-        shifted[:, k + 1 :] = hidden[:, : t - k - 1]
     shape = cfg.swa
-    dev, dtype = hidden.device, hidden.dtype
+    dev, dtype = shifted.device, shifted.dtype
     kc = torch.zeros(b * t, 1, shape.num_kv_heads, shape.head_dim, device=dev, dtype=dtype)
     vc = torch.zeros(b * t, 1, shape.num_kv_heads, shape.v_head_dim, device=dev, dtype=dtype)
     meta = _dense_meta(b, t, 0, t, cfg.window, dev)
@@ -249,34 +265,77 @@ def mtp_logits(model: MiMoV2ForCausalLM, k: int, seqs: torch.Tensor, hidden: tor
     with torch.no_grad():
         emb = model.embed_tokens(seqs.reshape(-1))
     out = layer(emb, shifted.reshape(b * t, -1), cos_sin, kc, vc, meta, model.backend)
+    if keep is not None:
+        return model.lm_head(out[keep.reshape(-1)]).float()
     return model.lm_head(out).float().view(b, t, -1)
 
 
 def evaluate(
     model: MiMoV2ForCausalLM, seqs: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, first: int
 ) -> tuple[list[float], float, list[float]]:
-    """(per-layer top-1 accuracy, mean greedy accept length, fraction accepting each draft) over
-    steps whose newest token is at ``first .. T - K`` (module docstring)."""
+    """(per-layer top-1 accuracy over rows ``first..``, mean greedy accept length, fraction of
+    steps accepting each draft) of ``seqs`` [B, T] decoded as the engine decodes them: the first
+    step's newest token at ``first``, each step then ``1 + accepted`` tokens on (module
+    docstring), until fewer than K drafts would fit. Steps land more often where drafts fail, so
+    this is below the mean over every position."""
     K = len(model.mtp)
-    t = seqs.shape[1]
     with torch.no_grad():
-        right = [mtp_logits(model, k, seqs, hidden).argmax(-1) == labels for k in range(K)]
+        right = [mtp_logits(model, k, seqs, shift_hidden(hidden, k)).argmax(-1) == labels for k in range(K)]
     acc = [float(r[:, first:].float().mean()) for r in right]
-    steps = range(first, t - K + 1)  # newest token at L - 1 = s
-    run = torch.ones(seqs.shape[0], len(steps), dtype=torch.bool)
-    per_pos: list[float] = []
-    total = torch.ones(seqs.shape[0], len(steps))
-    for k in range(K):
-        ok = torch.stack([right[k][:, s + k] for s in steps], dim=1)
-        run &= ok
-        per_pos.append(float(run.float().mean()))
-        total += run.float()
-    return acc, float(total.mean()), per_pos
+    return acc, *engine_walk(torch.stack(right, dim=-1).tolist(), first)
+
+
+def engine_walk(ok: list[list[list[bool]]], first: int) -> tuple[float, list[float]]:
+    """(mean accept length, fraction of steps accepting each draft) of the engine's greedy steps
+    over ``ok`` [B][T][K]: ``ok[b][s + k][k]`` says whether draft k of the step whose newest token
+    is at s is right (earlier drafts right). Each sequence's first step is at ``first``; a step
+    accepts the leading right drafts and moves ``1 + accepted`` tokens on, while K drafts fit.
+
+    Raises:
+        ValueError: no step fits."""
+    steps = 0
+    per_pos = [0] * (len(ok[0][0]) if ok and ok[0] else 0)
+    K = len(per_pos)
+    for row in ok:
+        s = first
+        while s <= len(row) - K:
+            a = 0
+            while a < K and row[s + a][a]:
+                a += 1
+            steps += 1
+            for k in range(a):
+                per_pos[k] += 1
+            s += a + 1
+    if steps == 0:
+        raise ValueError(f"no step with {K} drafts fits from token {first} on")
+    return 1 + sum(per_pos) / steps, [n / steps for n in per_pos]
+
+
+def _crops(
+    rng: random.Random, n_seq: int, t: int, cfg: DistillConfig, window: int, batch: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A training batch: ``batch`` crops of ``cfg.crop_tokens`` rows plus ``window`` rows of
+    attention context before them (a row at q reads keys from q - ``window`` on) (the whole sequence when shorter), cut from sequences of ``t``
+    tokens. Returns (sequence index [batch, 1], positions [batch, L], loss rows [batch, L] bool):
+    the crop's rows, and its context rows too for a crop at the sequence start (a share
+    ``cfg.start_share``), whose context is the sequence start itself. MTP layers are SWA layers, so
+    a crop's rows see what they see in the whole sequence."""
+    length = min(t, cfg.crop_tokens + window)
+    idx = torch.tensor(rng.sample(range(n_seq), min(batch, n_seq)))
+    starts = [
+        0 if length == t or rng.random() < cfg.start_share else rng.randint(1, t - length)
+        for _ in range(len(idx))
+    ]
+    pos = torch.stack([torch.arange(s, s + length) for s in starts])
+    loss = torch.zeros(len(idx), length, dtype=torch.bool)
+    loss[:, min(window, length) :] = True
+    loss[torch.tensor(starts) == 0] = True
+    return idx[:, None], pos, loss
 
 
 def distill(model: MiMoV2ForCausalLM, prompts: torch.Tensor, cfg: DistillConfig) -> DistillLog:
     """Train ``model.mtp`` in place (the target frozen) on ``prompts`` [N, P] continued greedily;
-    the last ``cfg.heldout`` are held out for evaluation.
+    the last ``cfg.heldout`` are held out for evaluation. Each step trains on crops (``_crops``).
 
     Raises:
         ValueError: no MTP layers, or too few prompts."""
@@ -296,6 +355,7 @@ def distill(model: MiMoV2ForCausalLM, prompts: torch.Tensor, cfg: DistillConfig)
     out = DistillLog(config=asdict(cfg))
     held = (seqs[n_train:], hidden[n_train:], labels[n_train:])
     out.accept_length_before = evaluate(model, *held, first=p_len)[1]
+    shifted = [shift_hidden(hidden[:n_train], k) for k in range(K)]
     params = list(model.mtp.parameters())
     with _training(model, params):
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -303,9 +363,9 @@ def distill(model: MiMoV2ForCausalLM, prompts: torch.Tensor, cfg: DistillConfig)
         running = 0.0
         bar = _bar(cfg.steps, "MTP self-distillation")
         for step in bar:
-            idx = torch.tensor(rng.sample(range(n_train), min(cfg.batch, n_train)))
+            idx, pos, keep = _crops(rng, n_train, seqs.shape[1], cfg, model.cfg.window, cfg.batch)
             loss = torch.stack([
-                F.cross_entropy(mtp_logits(model, k, seqs[idx], hidden[idx]).flatten(0, 1), labels[idx].flatten())
+                F.cross_entropy(mtp_logits(model, k, seqs[idx, pos], shifted[k][idx, pos], keep), labels[idx, pos][keep])
                 for k in range(K)
             ]).sum()  # fmt: skip
             opt.zero_grad()
