@@ -211,7 +211,8 @@ class EngineCore:
                 a structured-output constraint that does not compile or rejects ``first_token``.
         """
         self.limits.check_prefilled(request_id, prompt_token_ids, first_token, payload)
-        req = self._new_request(request_id, prompt_token_ids, params, arrival_time, media)
+        imported = bool(payload.sampler_state)  # the prefill worker's generator state follows
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time, media, imported)
         req.kv_payload = payload
         req.prompt_logprobs = None  # computed and sent by the prefill worker
         gen = req.sampling.generator if req.sampling is not None else None
@@ -235,6 +236,7 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None,
         media: MediaInputs | None = None,
+        generator_imported: bool = False,
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -252,7 +254,7 @@ class EngineCore:
             req.prompt_logprobs = []
         req.media = media if media is not None and media.spans else None
         penalized = req.prompt_token_ids if req.media is None else text_ids(req.prompt_token_ids)
-        req.sampling = SamplingState.create(params, penalized, self.device)
+        req.sampling = SamplingState.create(params, penalized, self.device, not generator_imported)
         req.sampling.output_token_ids = req.output_token_ids
         return req
 

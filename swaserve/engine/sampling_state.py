@@ -53,7 +53,11 @@ class SamplingState:
 
     @classmethod
     def create(
-        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        device: torch.device | str,
+        skip_prior_draws: bool = True,
     ) -> SamplingState:
         """Build the state of a new request.
 
@@ -61,17 +65,18 @@ class SamplingState:
             params: Sampling settings (already validated).
             prompt_token_ids: The prompt; kept by reference. Its last ``params.prior_output_tokens``
                 are the request's output before a resume (``prior_output_ids``).
-            device: Device the logits will live on; a seeded generator is created there, and
-                moved on by one draw per prior output token (``_draw`` takes one per token).
+            device: Device the logits will live on; a seeded generator is created there.
+            skip_prior_draws: Move a seeded sampled request's generator on by one draw per prior
+                output token (``_draw`` takes one per token sampled); False when its state is set
+                from elsewhere (a prefill worker's).
         """
         prior = params.prior_output_tokens
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(generator_seed(params.seed))
-            u = torch.empty(1, dtype=torch.float32, device=device)
-            for _ in range(prior):  # one call per draw: what a draw consumes is per call on CUDA
-                u.uniform_(generator=generator)
+            if skip_prior_draws and prior and not params.greedy:  # greedy rows never draw
+                skip_draws(generator, prior)
         return cls(
             params, prompt_token_ids, [], generator, list(prompt_token_ids[len(prompt_token_ids) - prior :])
         )
@@ -119,3 +124,16 @@ class SamplingState:
             self._out_len = n
         self._out_buf = buf
         return buf[:n]
+
+
+def skip_draws(generator: torch.Generator, n: int) -> None:
+    """Move ``generator`` on by ``n`` one-number draws (what ``n`` tokens sampled consume). On the
+    CPU one ``uniform_`` over ``n`` numbers does it (mt19937, one number after another); elsewhere
+    (CUDA's Philox offset advances per call) one call per draw."""
+    device = generator.device
+    if device.type == "cpu":
+        torch.empty(n, dtype=torch.float32).uniform_(generator=generator)
+        return
+    u = torch.empty(1, dtype=torch.float32, device=device)
+    for _ in range(n):
+        u.uniform_(generator=generator)

@@ -10,7 +10,7 @@ import torch
 
 from swaserve.engine.penalties import apply_penalties
 from swaserve.engine.sampler import Sampler
-from swaserve.engine.sampling_state import SamplingState, generator_seed
+from swaserve.engine.sampling_state import SamplingState, generator_seed, skip_draws
 from swaserve.engine.types import SamplingParams
 
 
@@ -299,3 +299,23 @@ def test_seeds_that_differ_only_in_high_bits_draw_different_tokens() -> None:
     # seeds in [0, 2^32) seed the generator as they are (their streams are unchanged)
     assert [generator_seed(s) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
     assert all(0 <= generator_seed(s) < 2**32 for s in (-(2**63), -1, 2**32, 2**64 - 1))
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_skipping_draws_leaves_the_generator_where_sampling_n_tokens_does(n: int, device: str) -> None:
+    """A resume moves a seeded generator on by one draw per token sent: as ``_draw`` takes them
+    (one number into a row of a [S, 1] tensor, other rows from the global RNG)."""
+    drawn = torch.Generator(device=device).manual_seed(9)
+    for i in range(n):
+        u = torch.empty(3, 1, device=device)
+        u.uniform_()
+        u[i % 3].uniform_(generator=drawn)
+    skipped = torch.Generator(device=device).manual_seed(9)
+    skip_draws(skipped, n)
+    assert torch.equal(drawn.get_state(), skipped.get_state())
+    nxt = [torch.rand(4, generator=g, device=device).tolist() for g in (drawn, skipped)]
+    assert nxt[0] == nxt[1]
