@@ -395,6 +395,17 @@ class Progress:
         )
         return self.prompt + self.tokens, params
 
+    def should_resume(self, decode_started: bool) -> bool:
+        """Whether a failed attempt goes on as a resume (``resume``) rather than a retry of the
+        original request: once decode output reached the client, after an earlier resume, or
+        when only the prefill's first token was sent and a retried prefill would not sample it
+        again (an unseeded sampled request; greedy and seeded requests sample the same first token,
+        and structured output is not resumed)."""
+        if decode_started or self.resumed:
+            return True
+        p = self.params
+        return bool(self.tokens) and not p.greedy and p.seed is None and p.structured is None
+
     def _not_resumable(self) -> str:
         """What keeps the request from resuming exactly ("" when nothing does)."""
         p = self.params

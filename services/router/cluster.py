@@ -360,7 +360,7 @@ class ClusterEngine(EngineClient):
                     task = asyncio.current_task()
                     if task is not None and task.cancelling():
                         raise asyncio.CancelledError from e  # the client went away: no retry
-                    resume = started[0] or progress.resumed
+                    resume = progress.should_resume(started[0])
                     if e.worker is not None:
                         avoid.add(e.worker)  # never again for this request
                     left_out = [r for r in ("prefill", "decode") if not self.candidates(r, avoid)]

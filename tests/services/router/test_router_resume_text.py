@@ -187,3 +187,25 @@ def test_requests_that_continue_exactly_are_resumed(tok: Any, params: SamplingPa
     progress.relay(RequestOutput("r", [9], "c"))
     prompt, resumed = progress.resume()  # a second resume counts every token sent
     assert prompt == [5, 6, 7, 8, 9] and resumed.max_tokens == 6 and resumed.prior_output_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("params", "resumes"),
+    [
+        (SamplingParams(max_tokens=9, temperature=0.8), True),  # a retried prefill would draw anew
+        (SamplingParams(max_tokens=9, temperature=0.0), False),  # retried: the same first token
+        (SamplingParams(max_tokens=9, temperature=0.8, seed=5), False),
+        (
+            SamplingParams(max_tokens=9, temperature=0.8, structured=StructuredOutput("regex", "[a-z]+")),
+            False,
+        ),
+    ],
+)
+def test_a_failure_after_only_the_first_token_resumes_an_unseeded_sampled_request(
+    tok: Any, params: SamplingParams, resumes: bool
+) -> None:
+    progress = Progress(tok, [5, 6], params)
+    assert not progress.should_resume(False)  # nothing sent yet: a retry
+    progress.relay(RequestOutput("r", [7], "a"))  # the prefill worker's first token
+    assert progress.should_resume(False) is resumes
+    assert progress.should_resume(True)  # decode output reached the client: always a resume
