@@ -14,6 +14,9 @@ ENGINE_NOT_RUNNING = "engine not running"  # how a worker's GetLoad UNAVAILABLE 
 # how a draining worker's UNAVAILABLE refusal of Generate or KVTransfer.Push begins (the router keeps
 # its requests in flight there and sends it nothing new)
 WORKER_DRAINING = "worker is draining"
+# a worker's Load.features entry: it honors SamplingParams.prior_output_tokens (a resume's count)
+PRIOR_OUTPUT_FEATURE = "prior_output_tokens"
+WORKER_FEATURES = (PRIOR_OUTPUT_FEATURE,)  # what this release's workers list
 MEDIA_FETCH_FAILED = "media fetch"  # a prefill worker's error: its encoder failed (retry, items resubmitted)
 
 
@@ -177,3 +180,10 @@ def media_from_proto(spans: Iterable[pb.MediaSpan]) -> MediaInputs | None:
         if m.encoder:
             sources[i] = m.encoder
     return MediaInputs(tuple(out), {}, sources) if out else None
+
+
+def needs_prior_output(p: SamplingParams) -> bool:
+    """A resumed request whose tokens depend on its workers honoring ``prior_output_tokens``: a
+    seeded sampled one (the generator's skip-ahead) or one with presence/frequency penalties."""
+    seeded = p.seed is not None and not p.greedy
+    return p.prior_output_tokens > 0 and (seeded or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from services.convert import (
     ENGINE_NOT_RUNNING,
     WORKER_DRAINING,
+    WORKER_FEATURES,
     chunk_message,
     media_from_proto,
     params_from_proto,
@@ -285,6 +286,7 @@ class WorkerService(wgrpc.WorkerServicer):
             draining=self.draining,
             kv_format=self.kv_format,
             max_model_len=self.engine.max_model_len,
+            features=list(WORKER_FEATURES),
         )
 
     async def expire_staging(self) -> None:

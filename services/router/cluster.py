@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from services.convert import PRIOR_OUTPUT_FEATURE, needs_prior_output
 from services.router.admin import WorkerAdmin
 from services.router.attempt import (
     AttemptRunner,
@@ -267,6 +268,8 @@ class ClusterEngine(EngineClient):
         self, rid: str, prompt: list[int], hashes: list[int], params: SamplingParams, avoid: set[WorkerHandle]
     ) -> tuple[WorkerHandle, WorkerHandle, list[Lease]]:
         ps, ds = self.candidates("prefill", avoid), self.candidates("decode", avoid)
+        if needs_prior_output(params):
+            ps, ds = exact_resume_workers(ps, "prefill"), exact_resume_workers(ds, "decode")
         total = len(prompt) + params.max_tokens
         try:
             d, p_lease, d_lease = await in_routing(
@@ -428,3 +431,22 @@ class ClusterEngine(EngineClient):
         if current is not None:
             p, d, wire_id = current
             await asyncio.gather(self._abort(p, wire_id), self._abort(d, wire_id))
+
+
+def exact_resume_workers(workers: dict[str, WorkerHandle], role: str) -> dict[str, WorkerHandle]:
+    """The ``workers`` that continue a resumed seeded or penalized request exactly (their
+    ``Load.features`` list ``prior_output_tokens``: a worker of an older release ignores it and
+    would give other tokens, e.g. during a rolling upgrade).
+
+    Raises:
+        NoWorkerAvailable: none of them does."""
+    able = {
+        a: w for a, w in workers.items() if w.load is not None and PRIOR_OUTPUT_FEATURE in w.load.features
+    }
+    if workers and not able:
+        raise NoWorkerAvailable(
+            f"no {role} worker continues this resumed request exactly (seeded sampling or presence/"
+            f"frequency penalties need workers whose GetLoad lists {PRIOR_OUTPUT_FEATURE!r}: "
+            "these run an older release)"
+        )
+    return able

@@ -9,6 +9,7 @@ emits them (``IncrementalDetokenizer``, one token per output); the cluster test 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,30 @@ def test_a_failure_after_only_the_first_token_resumes_an_unseeded_sampled_reques
     progress.relay(RequestOutput("r", [7], "a"))  # the prefill worker's first token
     assert progress.should_resume(False) is resumes
     assert progress.should_resume(True)  # decode output reached the client: always a resume
+
+
+def test_a_resume_that_needs_prior_output_tokens_goes_only_to_workers_that_list_it() -> None:
+    """Workers of an older release ignore ``prior_output_tokens`` (during a rolling upgrade): a
+    resumed seeded or penalized request goes only to workers whose GetLoad lists the feature,
+    else it ends with a clean 503 rather than other tokens. (A cluster resume of such a request,
+    ``test_router_resume.py``, passes through this filter with real workers.)"""
+    from services.convert import PRIOR_OUTPUT_FEATURE, needs_prior_output
+    from services.router.cluster import NoWorkerAvailable, exact_resume_workers
+    from services.router.workers import WorkerHandle
+    from swaserve.v1 import worker_pb2 as pb
+
+    def handle(address: str, features: list[str] | None) -> WorkerHandle:
+        load = None if features is None else pb.Load(role="decode", features=features)
+        return WorkerHandle(address, "decode", None, None, load=load)  # type: ignore[arg-type]  # not called
+
+    new, old, unpolled = handle("a", [PRIOR_OUTPUT_FEATURE]), handle("b", []), handle("c", None)
+    assert exact_resume_workers({"a": new, "b": old, "c": unpolled}, "decode") == {"a": new}
+    with pytest.raises(NoWorkerAvailable, match="no decode worker continues this resumed request exactly"):
+        exact_resume_workers({"b": old, "c": unpolled}, "decode")
+    assert exact_resume_workers({}, "decode") == {}  # nothing to filter: the usual no-worker error
+    sampled, seeded = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, seed=3)
+    assert needs_prior_output(dataclasses.replace(seeded, prior_output_tokens=4))
+    assert needs_prior_output(dataclasses.replace(sampled, presence_penalty=0.5, prior_output_tokens=4))
+    assert not needs_prior_output(dataclasses.replace(sampled, prior_output_tokens=4))  # same distribution
+    assert not needs_prior_output(SamplingParams(temperature=0.0, seed=3, prior_output_tokens=4))  # greedy
+    assert not needs_prior_output(seeded)  # not a resume
