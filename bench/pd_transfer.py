@@ -89,7 +89,8 @@ def bytes_table() -> list[dict[str, Any]]:
 async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     import grpc
 
-    from services.kv_convert import PAGES_PER_MESSAGE, transfer_messages
+    from services.kv_convert import PAGES_PER_MESSAGE
+    from services.transport import GrpcKVSender
     from services.worker import KVTransferService, WorkerMetrics
     from swaserve.model.checkpoint import tokenizer_dir
     from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
@@ -108,8 +109,8 @@ async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, An
     await server.start()
     rows = []
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = kvgrpc.KVTransferStub(ch)
+        sender = GrpcKVSender(PAGE, layers)  # as a prefill worker sends: KVTransfer.Transfer
+        try:
             for n in lengths:
                 payload = KVPayload("bench", n, cfg.window)
                 for kind, s in shapes.items():
@@ -126,9 +127,9 @@ async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, An
                 for i in range(repeats):
                     payload.request_id = f"bench-{n}-{i}"
                     t0 = time.perf_counter()
-                    ack = await stub.Push(transfer_messages(payload, PAGE, layers))
+                    sent = await sender.send(f"127.0.0.1:{port}", payload)
                     times.append(time.perf_counter() - t0)
-                    assert ack.bytes_received == payload.nbytes()
+                    assert sent == payload.nbytes()
                     staging.claim(payload.request_id)
                 best = min(times)
                 rows.append(
@@ -138,6 +139,8 @@ async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, An
                         "mb_per_s": round(payload.nbytes() / best / 1e6, 1),
                     }
                 )  # fmt: skip
+        finally:
+            await sender.close()
     finally:
         await server.stop(None)
     return rows

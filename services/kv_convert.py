@@ -1,5 +1,5 @@
 """Conversions between KV transfer payloads and the swaserve.v1 ``KVTransfer`` messages: pages,
-the MTP hidden states a header carries, and the Push stream (a header, then messages of up to
+the MTP hidden states a header carries, and the transfer stream (a header, then messages of up to
 ``PAGES_PER_MESSAGE`` pages each)."""
 
 from __future__ import annotations

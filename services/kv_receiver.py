@@ -1,6 +1,7 @@
-"""Decode side of the KV transfer: ``KVTransferService`` (gRPC ``KVTransfer.Push``) receives a
-prefill worker's pages into verified host staging (``KVStaging``, built by ``staging_for``), where
-they wait for the request's decode ``Generate`` (``services.worker``).
+"""Decode side of the KV transfer: ``KVTransferService`` (gRPC ``KVTransfer.Transfer``, and
+``Push`` for senders of earlier releases) receives a prefill worker's pages into verified host
+staging (``KVStaging``, built by ``staging_for``), where they wait for the request's decode
+``Generate`` (``services.worker``).
 
 Design notes: docs/DESIGN.md#servicesworkerpy"""
 
@@ -23,6 +24,8 @@ from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
 if TYPE_CHECKING:
     from services.worker_metrics import WorkerMetrics
+
+DRAINING_KV = f"{WORKER_DRAINING} (shutting down): it takes no new KV"
 
 
 def transfer_layers(engine: LocalEngineClient) -> dict[str, int]:
@@ -49,11 +52,71 @@ def staging_for(engine: LocalEngineClient, max_bytes: int) -> KVStaging:
     )
 
 
+class _Inbound:
+    """One transfer arriving: its header reserves staging (``KVStaging.begin``), its pages are
+    verified into it; ``close`` drops whatever did not finish."""
+
+    def __init__(self, svc: KVTransferService) -> None:
+        self.svc = svc
+        self.rid: str | None = None
+        self.num_pages = self.received = self.pages = 0
+        self.done = False
+
+    def take(self, m: kvpb.TransferMessage) -> None:
+        """Raises: TransferError (StagingFull at the header) for a message it refuses."""
+        kind = m.WhichOneof("kind")
+        if kind == "header":
+            if self.rid is not None:
+                raise TransferError("second header in one transfer")
+            h = m.header
+            if h.request_id in self.svc.aborted:
+                raise TransferError(f"request {h.request_id!r} was aborted")
+            staging = self.svc.staging
+            if h.request_id in staging.open_ids():  # a retry supersedes it
+                staging.discard(h.request_id)
+            staging.begin(
+                h.request_id, h.num_tokens, h.sampler_state, list(h.spec_drafts), hidden_from_header(h)
+            )
+            self.rid, self.num_pages = h.request_id, h.num_pages
+            self.received += len(h.mtp_hidden)  # payload bytes (KVPayload.nbytes): the hidden states too
+            self.svc.staged_at[self.rid] = time.monotonic()
+        elif kind == "page":
+            if self.rid is None or m.page.request_id != self.rid:
+                raise TransferError("page before its transfer's header")
+            self.svc.staging.add(page_from_proto(m.page))
+            self.received += len(m.page.k) + len(m.page.v)
+            self.pages += 1
+
+    def finish(self) -> kvpb.TransferAck:
+        """After the sender's last message. Raises: TransferError (missing pages, aborted)."""
+        if self.rid is None:
+            raise TransferError("empty transfer")
+        if self.pages != self.num_pages:
+            raise TransferError(f"header announced {self.num_pages} pages, got {self.pages}")
+        if self.rid in self.svc.aborted:
+            raise TransferError(f"request {self.rid!r} was aborted during its transfer")
+        self.svc.staging.finish(self.rid)
+        self.done = True
+        self.svc.metrics.kv_received.inc(self.received)
+        return kvpb.TransferAck(request_id=self.rid, bytes_received=self.received, pages=self.pages)
+
+    def close(self) -> None:
+        if not self.done and self.rid is not None:  # failed, refused or cancelled: nothing stays staged
+            self.svc.staging.discard(self.rid)
+            self.svc.staged_at.pop(self.rid, None)
+        self.done = True  # once: a later transfer of the same id is not this one
+
+
 class KVTransferService(kvgrpc.KVTransferServicer):
     """Decode side of the KV transfer: pages into ``KVStaging``. ``staged_at`` records when each
     transfer began (for expiry); a transfer for an id in ``aborted`` is refused or dropped; a
     transfer that fails or is cancelled midway is dropped at once. While ``draining()`` new
-    transfers are refused (UNAVAILABLE); ``active`` counts the ones in progress."""
+    transfers are refused (UNAVAILABLE); ``active`` counts the ones in progress.
+
+    A refusal's status is sent only when the sender is not writing: after the header (``Transfer``,
+    whose sender waits for the accepted ack) or after the sender's last message (a failed transfer
+    reads the rest and drops it). A status sent while the sender still writes reaches a
+    ``grpc.aio`` sender as INTERNAL "Internal error from Core" instead (grpc/grpc#36066)."""
 
     def __init__(
         self,
@@ -68,70 +131,67 @@ class KVTransferService(kvgrpc.KVTransferServicer):
         self.draining = draining
         self.active = 0
 
+    async def Transfer(
+        self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvpb.TransferAck]:
+        self.active += 1
+        inbound = _Inbound(self)
+        try:
+            messages = aiter(request_iterator)
+            header = await anext(messages, None)
+            if self.draining():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_KV)
+            try:
+                if header is None or header.WhichOneof("kind") != "header":
+                    raise TransferError("a transfer starts with its header")
+                inbound.take(header)
+            except TransferError as e:
+                await self._refuse(context, e)
+            yield kvpb.TransferAck(request_id=inbound.rid or "", accepted=True)
+            yield await self._rest(inbound, messages, context)
+        finally:
+            inbound.close()
+            self.active -= 1
+
     async def Push(
         self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
     ) -> kvpb.TransferAck:
         if self.draining():
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"{WORKER_DRAINING} (shutting down): it takes no new KV"
-            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_KV)
         self.active += 1
+        inbound = _Inbound(self)
         try:
-            return await self._receive(request_iterator, context)
+            return await self._rest(inbound, aiter(request_iterator), context)
         finally:
+            inbound.close()
             self.active -= 1
 
-    async def _receive(
-        self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
+    async def _rest(
+        self,
+        inbound: _Inbound,
+        messages: AsyncIterator[kvpb.TransferMessage],
+        context: grpc.aio.ServicerContext,
     ) -> kvpb.TransferAck:
-        rid: str | None = None
-        num_pages = received = pages = 0
-        done = False
+        """Take the sender's messages to its last; the first refused one drops the transfer at once
+        and the rest are read and dropped, then the refusal is the call's status."""
+        error: TransferError | None = None
+        async for m in messages:
+            if error is not None:
+                continue
+            try:
+                inbound.take(m)
+            except TransferError as e:
+                error = e
+                inbound.close()
         try:
-            async for m in request_iterator:
-                kind = m.WhichOneof("kind")
-                if kind == "header":
-                    if rid is not None:
-                        raise TransferError("second header in one transfer")
-                    if m.header.request_id in self.aborted:
-                        raise TransferError(f"request {m.header.request_id!r} was aborted")
-                    if m.header.request_id in self.staging.open_ids():  # a retry supersedes it
-                        self.staging.discard(m.header.request_id)
-                    h = m.header
-                    self.staging.begin(
-                        h.request_id,
-                        h.num_tokens,
-                        h.sampler_state,
-                        list(h.spec_drafts),
-                        hidden_from_header(h),
-                    )
-                    rid, num_pages = m.header.request_id, m.header.num_pages
-                    received += len(h.mtp_hidden)  # payload bytes (KVPayload.nbytes): the hidden states too
-                    self.staged_at[rid] = time.monotonic()
-                elif kind == "page":
-                    if rid is None or m.page.request_id != rid:
-                        raise TransferError("page before its transfer's header")
-                    self.staging.add(page_from_proto(m.page))
-                    received += len(m.page.k) + len(m.page.v)
-                    pages += 1
-            if rid is None:
-                raise TransferError("empty transfer")
-            if pages != num_pages:
-                raise TransferError(f"header announced {num_pages} pages, got {pages}")
-            if rid in self.aborted:
-                raise TransferError(f"request {rid!r} was aborted during its transfer")
-            self.staging.finish(rid)
-            done = True
-        except StagingFull as e:  # no room now: the router tries another decode worker
-            self.metrics.kv_failed.inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            if error is not None:
+                raise error
+            return inbound.finish()
         except TransferError as e:
-            self.metrics.kv_failed.inc()
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-        finally:
-            if not done and rid is not None:  # failed, refused or cancelled: nothing stays staged
-                self.staging.discard(rid)
-                self.staged_at.pop(rid, None)
-        assert rid is not None
-        self.metrics.kv_received.inc(received)
-        return kvpb.TransferAck(request_id=rid, bytes_received=received, pages=pages)
+            await self._refuse(context, e)
+            raise  # not reached: abort raises
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, e: TransferError) -> None:
+        self.metrics.kv_failed.inc()
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, StagingFull) else grpc.StatusCode.DATA_LOSS
+        await context.abort(code, str(e))  # staging full: the router tries another decode worker

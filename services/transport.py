@@ -1,12 +1,15 @@
 """KV transport: how a prefill worker's ``KVPayload`` reaches a decode worker.
 
 ``KVSender`` is the interface the worker uses; ``GrpcKVSender`` streams page messages over the
-decode worker's ``KVTransfer.Push`` gRPC service (``protos/swaserve/v1/kv_transfer.proto``). A UCX
-transport (GCache issue) implements the same interface; the receiving side stays ``KVStaging``.
+decode worker's ``KVTransfer.Transfer`` gRPC service (``protos/swaserve/v1/kv_transfer.proto``):
+the header, the decode worker's accepted ack, then the pages. A UCX transport (GCache issue)
+implements the same interface; the receiving side stays ``KVStaging``.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Protocol
 
 import grpc
@@ -14,7 +17,10 @@ import grpc
 from services.kv_convert import transfer_messages
 from services.tls import Dialer
 from swaserve.transfer.kv_transfer import KVPayload, TransferError
+from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
+
+log = logging.getLogger("prefill")
 
 
 class KVSender(Protocol):
@@ -28,8 +34,12 @@ class KVSender(Protocol):
 
 class GrpcKVSender:
     """Args: page_size: tokens per page. layers: layers per kind (``{"full": .., "swa": ..}``).
-    timeout_s: deadline of one push (a hung decode worker fails the push, and the router retries
-    elsewhere). dialer: plaintext or TLS to the decode workers (``services.tls``)."""
+    timeout_s: deadline of one transfer (a hung decode worker fails it, and the router retries
+    elsewhere). dialer: plaintext or TLS to the decode workers (``services.tls``).
+
+    A decode worker's refusal (staging full: RESOURCE_EXHAUSTED; draining: UNAVAILABLE; aborted
+    request: DATA_LOSS) arrives as the call's status before any page is sent. A decode worker of
+    an earlier release (no ``Transfer``) gets the same pages over ``Push``."""
 
     def __init__(
         self,
@@ -43,6 +53,7 @@ class GrpcKVSender:
         self.dialer = dialer or Dialer()
         self.max_message_bytes = max_message_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._push_only: set[str] = set()  # decode workers of an earlier release (no Transfer)
 
     async def send(self, target: str, payload: KVPayload) -> int:
         ch = self._channels.get(target)
@@ -50,13 +61,50 @@ class GrpcKVSender:
             ch = self._channels[target] = self.dialer.aio_channel(
                 target, options=[("grpc.max_send_message_length", self.max_message_bytes)]
             )
-        ack = await kvgrpc.KVTransferStub(ch).Push(
-            transfer_messages(payload, self.page_size, self.layers), timeout=self.timeout_s
-        )
+        ack = None
+        if target not in self._push_only:
+            ack = await self._transfer(target, ch, transfer_messages(payload, self.page_size, self.layers))
+        if ack is None:
+            messages = transfer_messages(payload, self.page_size, self.layers)
+            ack = await kvgrpc.KVTransferStub(ch).Push(messages, timeout=self.timeout_s)
         expect = payload.nbytes()
         if ack.bytes_received != expect:
             raise TransferError(f"decode worker acknowledged {ack.bytes_received} of {expect} bytes")
         return expect
+
+    async def _transfer(
+        self, target: str, ch: grpc.aio.Channel, messages: Iterator[kvpb.TransferMessage]
+    ) -> kvpb.TransferAck | None:
+        """Header, wait for the accepted ack (a refusal is the call's status, raised as
+        ``grpc.aio.AioRpcError``), pages, final ack; None: ``target`` may have no ``Transfer``."""
+        call = kvgrpc.KVTransferStub(ch).Transfer(timeout=self.timeout_s)
+        try:
+            try:
+                await call.write(next(messages))
+                accepted = await call.read()
+            except grpc.aio.AioRpcError as e:
+                # UNIMPLEMENTED: an earlier release. grpc.aio reports that as INTERNAL when the
+                # header's write lost the race with it (grpc/grpc#36066): Push this once (a real
+                # fault fails Push as well)
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("decode worker %s has no KVTransfer.Transfer: using Push", target)
+                    self._push_only.add(target)
+                    return None
+                if e.code() == grpc.StatusCode.INTERNAL:
+                    return None
+                raise
+            if accepted is grpc.aio.EOF or not accepted.accepted:
+                raise TransferError("decode worker did not accept the transfer's header")
+            for m in messages:
+                await call.write(m)
+            await call.done_writing()
+            ack = await call.read()
+        except BaseException:
+            call.cancel()  # failed or cancelled here: the decode worker drops the transfer
+            raise
+        if ack is grpc.aio.EOF:
+            raise TransferError("decode worker ended the transfer without its ack")
+        return ack
 
     async def close(self) -> None:
         for ch in self._channels.values():

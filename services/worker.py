@@ -1,6 +1,6 @@
 """The worker service shell: one engine in the prefill or decode role behind gRPC.
 
-``Worker`` (``Generate``, ``Abort``, ``GetLoad``), on decode workers ``KVTransfer.Push`` into verified
+``Worker`` (``Generate``, ``Abort``, ``GetLoad``), on decode workers ``KVTransfer`` into verified
 host staging, ``grpc.health.v1`` (SERVING after load and warm-up; also in plaintext on ``health_port``
 for a TLS worker), reflection; a prefill worker runs to the first token and pushes the KV to
 ``kv_target``, and with ``redis_url`` publishes its cache's block events. The engine is a

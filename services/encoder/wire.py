@@ -3,7 +3,7 @@
 The first message is the header (``num_tokens``, ``hidden``, ``dtype``; no rows), then rows
 ``[row_start, row_end)`` of the row-major ``[num_tokens, hidden]`` tensor in order, little-endian,
 each message with the CRC-32 (``zlib.crc32``) of its ``data``, and each under ``max_bytes`` so a
-stream of any size passes gRPC's 4 MiB default message bound (the pattern of ``KVTransfer.Push``:
+stream of any size passes gRPC's 4 MiB default message bound (the pattern of ``KVTransfer``:
 services/convert.py). ``chunks`` writes a stream, ``Assembler`` reads one back and checks it:
 header first, contiguous rows, the CRC of each chunk, the dtype and the total size against a
 bound the reader sets (``WireError`` with a message otherwise).

@@ -1,0 +1,166 @@
+"""The prefill -> decode KV transfer over real gRPC (``GrpcKVSender`` into ``KVTransferService``,
+in-process ``grpc.aio`` server on 127.0.0.1, small shapes): a refusal reaches the sender as its own
+status every time (a grpc.aio sender still writing pages when a status arrives sees INTERNAL
+"Internal error from Core" instead, grpc/grpc#36066: the flaky CI failure this guards), a page
+refused midway is DATA_LOSS, and a decode worker of an earlier release (``Push`` only) still gets
+the pages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+import services.transport
+from services.kv_receiver import KVTransferService
+from services.transport import GrpcKVSender
+from services.worker_metrics import WorkerMetrics
+from swaserve.config import FULL, SWA
+from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape
+from swaserve.v1 import kv_transfer_pb2 as kvpb
+from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
+
+LAYERS = {FULL: 2, SWA: 3}
+SHAPE = LayerShape(2, 16, 16)
+WINDOW, PAGE = 8, 4
+ROW = 2 * 16 * 2 * 4  # K and V bytes of one token in one layer (float32)
+
+
+def payload(rid: str, n: int) -> KVPayload:
+    p = KVPayload(rid, n, WINDOW)
+    g = torch.Generator().manual_seed(n)
+    for kind, layers in LAYERS.items():
+        lo, hi = p.token_range(kind)
+        p.kv[kind] = [
+            (torch.randn(hi - lo, 2, 16, generator=g), torch.randn(hi - lo, 2, 16, generator=g))
+            for _ in range(layers)
+        ]
+    return p
+
+
+def size(n: int) -> int:
+    return (LAYERS[FULL] * n + LAYERS[SWA] * min(n, WINDOW)) * ROW
+
+
+def staging(max_bytes: int) -> KVStaging:
+    return KVStaging(LAYERS, {FULL: SHAPE, SWA: SHAPE}, WINDOW, PAGE, torch.float32, max_bytes)
+
+
+async def serve(svc: KVTransferService, push_only: bool = False) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    if push_only:  # a decode worker of an earlier release: KVTransfer has Push only
+        handler = grpc.stream_unary_rpc_method_handler(
+            svc.Push,
+            request_deserializer=kvpb.TransferMessage.FromString,
+            response_serializer=kvpb.TransferAck.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("swaserve.v1.KVTransfer", {"Push": handler}),)
+        )
+    else:
+        kvgrpc.add_KVTransferServicer_to_server(svc, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def pulled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Messages the sender took from each transfer's message stream (header and pages)."""
+    counts: list[int] = []
+    real = services.transport.transfer_messages
+
+    def counting(*args: Any, **kw: Any) -> Iterator[kvpb.TransferMessage]:
+        counts.append(0)
+        for m in real(*args, **kw):
+            counts[-1] += 1
+            yield m
+
+    monkeypatch.setattr(services.transport, "transfer_messages", counting)
+    return counts
+
+
+def run(body: Callable[[GrpcKVSender, str, KVTransferService], object], svc: KVTransferService,
+        push_only: bool = False) -> None:  # fmt: skip
+    async def main() -> None:
+        server, addr = await serve(svc, push_only)
+        sender = GrpcKVSender(PAGE, LAYERS, timeout_s=30)
+        try:
+            await body(sender, addr, svc)  # type: ignore[misc]
+        finally:
+            await sender.close()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_staging_full_is_resource_exhausted_every_time_and_costs_no_pages(pulled: list[int]) -> None:
+    big = 400  # 40 page messages: under Push the sender could still be writing at the refusal
+    svc = KVTransferService(staging(size(big) - 1), WorkerMetrics(), {})
+
+    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        for i in range(20):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await sender.send(addr, payload(f"big-{i}", big))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                i,
+                e.value.code(),
+                e.value.details(),
+            )
+            assert "staging full" in (e.value.details() or "")
+        assert svc.staging.staged_bytes == 0 and not svc.staging.open_ids()
+        assert pulled == [1] * 20  # the header only: no page was sent
+        assert await sender.send(addr, payload("small", 40)) == size(40)
+        got = svc.staging.claim("small")
+        want = payload("small", 40)
+        for kind in LAYERS:
+            for (k, v), (wk, wv) in zip(got.kv[kind], want.kv[kind], strict=True):
+                assert torch.equal(k, wk) and torch.equal(v, wv)
+
+    run(body, svc)
+
+
+def test_a_page_refused_midway_is_data_loss_and_nothing_stays_staged() -> None:
+    svc = KVTransferService(staging(1 << 30), WorkerMetrics(), {})
+
+    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        p = payload("corrupt", 200)
+        p.kv[FULL][1] = (p.kv[FULL][1][0][:, :1], p.kv[FULL][1][1])  # one layer's K of 1 head
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await sender.send(addr, p)
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS, (e.value.code(), e.value.details())
+        assert not svc.staging.open_ids() and svc.staging.staged_bytes == 0
+        assert await sender.send(addr, payload("after", 30)) == size(30)
+
+    run(body, svc)
+
+
+def test_a_draining_decode_worker_refuses_with_its_reason(pulled: list[int]) -> None:
+    svc = KVTransferService(staging(1 << 30), WorkerMetrics(), {}, draining=lambda: True)
+
+    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        for i in range(10):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await sender.send(addr, payload(f"d-{i}", 300))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (e.value.details() or "").startswith("worker is draining")
+        assert svc.active == 0 and pulled == [1] * 10
+
+    run(body, svc)
+
+
+def test_a_decode_worker_of_an_earlier_release_gets_the_pages_over_push() -> None:
+    svc = KVTransferService(staging(1 << 30), WorkerMetrics(), {})
+
+    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        for i in range(3):
+            assert await sender.send(addr, payload(f"old-{i}", 50)) == size(50)
+            got, want = svc.staging.claim(f"old-{i}"), payload(f"old-{i}", 50)
+            assert torch.equal(got.kv[SWA][2][1], want.kv[SWA][2][1])
+        assert sender._push_only == {addr}  # UNIMPLEMENTED once: Push from then on
+
+    run(body, svc, push_only=True)
