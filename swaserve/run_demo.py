@@ -22,11 +22,13 @@ DEFAULT_LIMIT = 250
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_MAX_OUTPUT_TOKENS = 64
 DEFAULT_TIME_SCALE = 1.0
-# Measured on the 2-core CPU machine with the default preset (server: 64 running requests):
+# Measured on the 2-core CPU machine with the default preset, --mode serve (64 running requests):
 #   200 requests, outputs capped at 64 tokens: 80 s replay, TTFT p50 2.5 s (the server keeps up);
 #   300 requests, cap 128: 210 s, TTFT p50 27 s (overloaded); trace output lengths (mean 343):
 #   200 requests take 292 s, TTFT p50 47 s (overloaded). 250 requests with a 64-token cap: 90 s,
-#   TTFT p50 1.3 s, ITL p50 67 ms (fresh clone, after decode-first scheduling).
+#   TTFT p50 1.3 s, ITL p50 67 ms (fresh clone, after decode-first scheduling). The default
+#   cluster mode (router + 1 prefill + 1 decode worker, the cores split between them, default
+#   model v4): the same 250 requests in 106 s, TTFT p50 5.1 s, ITL p50 116 ms (2026-12-07).
 # 16-token blocks: one trace block fills one KV page at the default page size.
 
 

@@ -285,6 +285,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # the worker's twin below stays in make test
 def test_serve_exits_non_zero_when_its_core_is_killed(tiny_dir: Path) -> None:
     """``swaserve serve --engine-process separate``: kill -9 of the core under load -> the open
     stream ends with an error event, a non-streaming request gets a 503, the server exits 1."""

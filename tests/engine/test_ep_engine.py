@@ -108,7 +108,10 @@ def single() -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
 
 
 # EP 4: rank 3 gets no request (it only lends its experts), ranks finish at different steps
-@pytest.mark.parametrize(("size", "assign"), [(2, [0, 1, 0, 1, 1]), (4, [0, 1, 2, 0, 2])])
+@pytest.mark.parametrize(
+    ("size", "assign"),
+    [(2, [0, 1, 0, 1, 1]), pytest.param(4, [0, 1, 2, 0, 2], marks=pytest.mark.slow)],  # 4 ranks: slow
+)
 def test_ep_ranks_equal_one_engine(
     size: int, assign: list[int], single: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path
 ) -> None:

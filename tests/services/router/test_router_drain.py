@@ -45,7 +45,8 @@ from tests.helpers.cluster import (
     workers,
 )
 
-pytestmark = pytest.mark.cluster  # starts a router and workers as child processes
+# starts a router and workers as child processes; slow: ~80 s of drains (make test-slow, CI)
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 N = 1200  # tokens of the long stream: about 13 s of decoding here alone (one thread, ~11 ms a token)
 
