@@ -7,9 +7,10 @@ Design notes: docs/DESIGN.md#servicesworkerpy"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 
@@ -18,7 +19,7 @@ from services.kv_convert import hidden_from_header, page_from_proto
 from swaserve.config import FULL, SWA, kv_config
 from swaserve.engine.client import LocalEngineClient
 from swaserve.kvformat import engine_formats, residual_layers
-from swaserve.transfer.kv_transfer import KVStaging, LayerShape, StagingFull, TransferError
+from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from services.worker_metrics import WorkerMetrics
 
 DRAINING_KV = f"{WORKER_DRAINING} (shutting down): it takes no new KV"
+log = logging.getLogger("decode")
 
 
 def transfer_layers(engine: LocalEngineClient) -> dict[str, int]:
@@ -54,11 +56,13 @@ def staging_for(engine: LocalEngineClient, max_bytes: int) -> KVStaging:
 
 class _Inbound:
     """One transfer arriving: its header reserves staging (``KVStaging.begin``), its pages are
-    verified into it; ``close`` drops whatever did not finish."""
+    verified into it; ``close`` drops whatever did not finish. It only ever touches its own
+    ``begin``: a newer transfer of the same id (a retry supersedes) is not this one's."""
 
     def __init__(self, svc: KVTransferService) -> None:
         self.svc = svc
         self.rid: str | None = None
+        self.transfer: KVPayload | None = None
         self.num_pages = self.received = self.pages = 0
         self.done = False
 
@@ -72,9 +76,8 @@ class _Inbound:
             if h.request_id in self.svc.aborted:
                 raise TransferError(f"request {h.request_id!r} was aborted")
             staging = self.svc.staging
-            if h.request_id in staging.open_ids():  # a retry supersedes it
-                staging.discard(h.request_id)
-            staging.begin(
+            staging.discard(h.request_id)  # a retry supersedes an earlier transfer of the id
+            self.transfer = staging.begin(
                 h.request_id, h.num_tokens, h.sampler_state, list(h.spec_drafts), hidden_from_header(h)
             )
             self.rid, self.num_pages = h.request_id, h.num_pages
@@ -83,7 +86,7 @@ class _Inbound:
         elif kind == "page":
             if self.rid is None or m.page.request_id != self.rid:
                 raise TransferError("page before its transfer's header")
-            self.svc.staging.add(page_from_proto(m.page))
+            self.svc.staging.add(page_from_proto(m.page), self.transfer)
             self.received += len(m.page.k) + len(m.page.v)
             self.pages += 1
 
@@ -95,16 +98,16 @@ class _Inbound:
             raise TransferError(f"header announced {self.num_pages} pages, got {self.pages}")
         if self.rid in self.svc.aborted:
             raise TransferError(f"request {self.rid!r} was aborted during its transfer")
-        self.svc.staging.finish(self.rid)
+        self.svc.staging.finish(self.rid, self.transfer)
         self.done = True
         self.svc.metrics.kv_received.inc(self.received)
         return kvpb.TransferAck(request_id=self.rid, bytes_received=self.received, pages=self.pages)
 
     def close(self) -> None:
-        if not self.done and self.rid is not None:  # failed, refused or cancelled: nothing stays staged
-            self.svc.staging.discard(self.rid)
+        """Failed, refused or cancelled: nothing of this transfer stays staged (once)."""
+        if not self.done and self.rid is not None and self.svc.staging.discard(self.rid, self.transfer):
             self.svc.staged_at.pop(self.rid, None)
-        self.done = True  # once: a later transfer of the same id is not this one
+        self.done = True
 
 
 class KVTransferService(kvgrpc.KVTransferServicer):
@@ -138,14 +141,14 @@ class KVTransferService(kvgrpc.KVTransferServicer):
         inbound = _Inbound(self)
         try:
             messages = aiter(request_iterator)
-            header = await anext(messages, None)
+            header = await anext(messages, None)  # the sender now waits for the accepted ack
             if self.draining():
                 await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_KV)
             try:
                 if header is None or header.WhichOneof("kind") != "header":
                     raise TransferError("a transfer starts with its header")
                 inbound.take(header)
-            except TransferError as e:
+            except Exception as e:
                 await self._refuse(context, e)
             yield kvpb.TransferAck(request_id=inbound.rid or "", accepted=True)
             yield await self._rest(inbound, messages, context)
@@ -156,11 +159,13 @@ class KVTransferService(kvgrpc.KVTransferServicer):
     async def Push(
         self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
     ) -> kvpb.TransferAck:
-        if self.draining():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_KV)
         self.active += 1
         inbound = _Inbound(self)
         try:
+            if self.draining():  # after the sender's last message (class docstring)
+                async for _ in request_iterator:
+                    pass
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_KV)
             return await self._rest(inbound, aiter(request_iterator), context)
         finally:
             inbound.close()
@@ -174,24 +179,32 @@ class KVTransferService(kvgrpc.KVTransferServicer):
     ) -> kvpb.TransferAck:
         """Take the sender's messages to its last; the first refused one drops the transfer at once
         and the rest are read and dropped, then the refusal is the call's status."""
-        error: TransferError | None = None
+        error: Exception | None = None
         async for m in messages:
             if error is not None:
                 continue
             try:
                 inbound.take(m)
-            except TransferError as e:
+            except Exception as e:  # any failure: the status waits for the sender's last message
                 error = e
                 inbound.close()
         try:
             if error is not None:
                 raise error
             return inbound.finish()
-        except TransferError as e:
+        except Exception as e:
             await self._refuse(context, e)
-            raise  # not reached: abort raises
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, e: TransferError) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, e: Exception) -> NoReturn:
+        """The call's status for ``e``: staging full RESOURCE_EXHAUSTED (the router tries another
+        decode worker), a refused message DATA_LOSS, anything else INTERNAL (logged)."""
         self.metrics.kv_failed.inc()
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, StagingFull) else grpc.StatusCode.DATA_LOSS
-        await context.abort(code, str(e))  # staging full: the router tries another decode worker
+        if isinstance(e, StagingFull):
+            code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        elif isinstance(e, TransferError):
+            code, msg = grpc.StatusCode.DATA_LOSS, str(e)
+        else:
+            log.error("KV transfer failed", exc_info=e)
+            code, msg = grpc.StatusCode.INTERNAL, f"decode worker failed on the KV transfer: {e!r}"
+        await context.abort(code, msg)
+        raise AssertionError("context.abort returned")

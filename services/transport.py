@@ -8,7 +8,9 @@ implements the same interface; the receiving side stays ``KVStaging``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -21,6 +23,7 @@ from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
 log = logging.getLogger("prefill")
+PUSH_ONLY_RECHECK_S = 300.0
 
 
 class KVSender(Protocol):
@@ -53,7 +56,9 @@ class GrpcKVSender:
         self.dialer = dialer or Dialer()
         self.max_message_bytes = max_message_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._push_only: set[str] = set()  # decode workers of an earlier release (no Transfer)
+        # decode workers of an earlier release (no Transfer) -> when seen; asked again after
+        # PUSH_ONLY_RECHECK_S (upgraded in place)
+        self._push_only: dict[str, float] = {}
 
     async def send(self, target: str, payload: KVPayload) -> int:
         ch = self._channels.get(target)
@@ -61,8 +66,8 @@ class GrpcKVSender:
             ch = self._channels[target] = self.dialer.aio_channel(
                 target, options=[("grpc.max_send_message_length", self.max_message_bytes)]
             )
-        ack = None
-        if target not in self._push_only:
+        ack, seen_old = None, self._push_only.get(target)
+        if seen_old is None or time.monotonic() - seen_old >= PUSH_ONLY_RECHECK_S:
             ack = await self._transfer(target, ch, transfer_messages(payload, self.page_size, self.layers))
         if ack is None:
             messages = transfer_messages(payload, self.page_size, self.layers)
@@ -88,16 +93,24 @@ class GrpcKVSender:
                 # fault fails Push as well)
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.warning("decode worker %s has no KVTransfer.Transfer: using Push", target)
-                    self._push_only.add(target)
+                    self._push_only[target] = time.monotonic()
                     return None
                 if e.code() == grpc.StatusCode.INTERNAL:
                     return None
                 raise
             if accepted is grpc.aio.EOF or not accepted.accepted:
                 raise TransferError("decode worker did not accept the transfer's header")
-            for m in messages:
-                await call.write(m)
-            await call.done_writing()
+            try:
+                for m in messages:
+                    await call.write(m)
+                await call.done_writing()
+            except asyncio.InvalidStateError:  # the call ended while we wrote: its own status
+                raise grpc.aio.AioRpcError(
+                    await call.code(),
+                    await call.initial_metadata(),
+                    await call.trailing_metadata(),
+                    await call.details(),
+                ) from None
             ack = await call.read()
         except BaseException:
             call.cancel()  # failed or cancelled here: the decode worker drops the transfer

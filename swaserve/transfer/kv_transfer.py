@@ -210,9 +210,11 @@ class KVStaging:
         sampler_state: bytes = b"",
         spec_drafts: list[int] | None = None,
         mtp_hidden: torch.Tensor | None = None,
-    ) -> None:
+    ) -> KVPayload:
         """Start staging a transfer of ``num_tokens`` prompt tokens' KV (allocates host tensors);
-        the header's other fields go into the payload as they are (``KVPayload``).
+        the header's other fields go into the payload as they are (``KVPayload``). Returns the
+        payload being filled: the transfer's identity for ``add`` / ``finish`` / ``discard``, so
+        that a transfer superseded by a newer one of the same id never touches the newer one.
 
         Raises:
             TransferError: duplicate id, bad length; StagingFull: not enough staging memory.
@@ -254,6 +256,7 @@ class KVStaging:
                 payload.formats[kind] = self.formats[kind].describe()
         self._open[request_id] = (payload, set())
         self._bytes[request_id] = size
+        return payload
 
     def _storage_dtype(self, kind: str) -> torch.dtype:
         return self.formats[kind].storage_dtype(self.dtype)
@@ -265,15 +268,18 @@ class KVStaging:
             return s.head_dim, s.v_head_dim
         return fmt.row_bytes(s.head_dim, elem, key=True), fmt.row_bytes(s.v_head_dim, elem)
 
-    def add(self, page: KVPage) -> None:
-        """Verify one page and copy it into its request's staging tensors.
+    def add(self, page: KVPage, transfer: KVPayload | None = None) -> None:
+        """Verify one page and copy it into its request's staging tensors (``transfer``: only if
+        that ``begin`` is still the request's open transfer).
 
         Raises:
-            TransferError: unknown request, checksum mismatch, wrong dtype/shape/range, duplicate.
+            TransferError: unknown or superseded transfer, checksum mismatch, wrong
+                dtype/shape/range, duplicate.
         """
         entry = self._open.get(page.request_id)
         if entry is None:
             raise TransferError(f"page for {page.request_id!r} without an open transfer")
+        self._check_current(page.request_id, transfer)
         payload, seen = entry  # seen: (kind, layer, page index) received
         if page.request_id in self._done:
             raise TransferError(f"page for {page.request_id!r} after its transfer was finished")
@@ -321,14 +327,20 @@ class KVStaging:
         payload, seen = self._open[request_id]
         return expected_pages(payload.num_tokens, self.window, self.page_size, self.layers) - len(seen)
 
-    def finish(self, request_id: str) -> None:
+    def _check_current(self, request_id: str, transfer: KVPayload | None) -> None:
+        if transfer is not None and self._open[request_id][0] is not transfer:
+            raise TransferError(f"transfer for {request_id!r} was superseded by a newer one")
+
+    def finish(self, request_id: str, transfer: KVPayload | None = None) -> None:
         """Mark a transfer complete (all pages verified); it stays staged until ``claim``.
+        ``transfer``: as for ``add``.
 
         Raises:
-            TransferError: unknown request or pages missing (the transfer is dropped).
+            TransferError: unknown or superseded transfer, or pages missing (then it is dropped).
         """
         if request_id not in self._open:
             raise TransferError(f"no open transfer for {request_id!r}")
+        self._check_current(request_id, transfer)
         left = self.missing(request_id)
         if left:
             self.discard(request_id)
@@ -351,11 +363,17 @@ class KVStaging:
         self._bytes.pop(request_id, None)
         return payload
 
-    def discard(self, request_id: str) -> None:
-        """Drop a transfer (failed, aborted, or never claimed)."""
-        self._open.pop(request_id, None)
+    def discard(self, request_id: str, transfer: KVPayload | None = None) -> bool:
+        """Drop a transfer (failed, aborted, or never claimed); with ``transfer``, only if that
+        ``begin`` is still the request's transfer (a newer one of the same id stays). Returns
+        whether one was dropped."""
+        entry = self._open.get(request_id)
+        if entry is None or (transfer is not None and entry[0] is not transfer):
+            return False
+        del self._open[request_id]
         self._done.discard(request_id)
         self._bytes.pop(request_id, None)
+        return True
 
     def open_ids(self) -> list[str]:
         return list(self._open)

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import services.transport
+from services.kv_convert import PAGES_PER_MESSAGE
 from services.kv_receiver import KVTransferService
 from services.transport import GrpcKVSender
 from services.worker_metrics import WorkerMetrics
 from swaserve.config import FULL, SWA
-from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape
+from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
@@ -40,6 +41,11 @@ def payload(rid: str, n: int) -> KVPayload:
             for _ in range(layers)
         ]
     return p
+
+
+def messages(n: int) -> int:
+    """Messages of a transfer of ``n`` tokens: the header and the page messages."""
+    return 1 + expected_pages(n, WINDOW, PAGE, LAYERS, PAGES_PER_MESSAGE)
 
 
 def size(n: int) -> int:
@@ -161,6 +167,52 @@ def test_a_decode_worker_of_an_earlier_release_gets_the_pages_over_push() -> Non
             assert await sender.send(addr, payload(f"old-{i}", 50)) == size(50)
             got, want = svc.staging.claim(f"old-{i}"), payload(f"old-{i}", 50)
             assert torch.equal(got.kv[SWA][2][1], want.kv[SWA][2][1])
-        assert sender._push_only == {addr}  # UNIMPLEMENTED once: Push from then on
+        assert list(sender._push_only) == [addr]  # UNIMPLEMENTED once: Push from then on
 
     run(body, svc, push_only=True)
+
+
+def test_an_unexpected_failure_midway_is_internal_after_the_senders_last_page(
+    pulled: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception on a page (not only a refused one) waits for the sender's last message: the
+    sender gets the decode worker's INTERNAL with its reason, never grpc.aio's stand-in or an
+    InvalidStateError from a write to a finished call; nothing stays staged."""
+    import services.kv_receiver
+
+    real, seen = services.kv_receiver.page_from_proto, [0]
+
+    def failing(m: kvpb.KVPage) -> Any:
+        seen[0] += 1
+        if seen[0] == 5:
+            raise RuntimeError("boom")
+        return real(m)
+
+    monkeypatch.setattr(services.kv_receiver, "page_from_proto", failing)
+    svc = KVTransferService(staging(1 << 30), WorkerMetrics(), {})
+
+    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await sender.send(addr, payload("midway", 300))
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        assert "decode worker failed on the KV transfer: RuntimeError('boom')" in (e.value.details() or "")
+        assert pulled == [messages(300)] and seen[0] == 5  # all sent; the rest read and dropped
+        assert not svc.staging.open_ids() and svc.active == 0
+
+    run(body, svc)
+
+
+def test_push_to_a_draining_decode_worker_is_unavailable_after_the_senders_last_page(
+    pulled: list[int],
+) -> None:
+    svc = KVTransferService(staging(1 << 30), WorkerMetrics(), {}, draining=lambda: True)
+
+    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        sender._push_only[addr] = float("inf")  # as toward a decode worker of an earlier release
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await sender.send(addr, payload("late", 300))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert (e.value.details() or "").startswith("worker is draining")
+        assert pulled == [messages(300)] and svc.active == 0  # Push: the whole stream, then the status
+
+    run(body, svc)

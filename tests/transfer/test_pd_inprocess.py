@@ -17,7 +17,15 @@ from swaserve.engine.llm_engine import LLMEngine
 from swaserve.engine.types import SamplingParams
 from swaserve.kvcache import invariants
 from swaserve.kvformat import engine_formats, residual_layers
-from swaserve.transfer.kv_transfer import KVStaging, LayerShape, TransferError, expected_pages, to_pages
+from swaserve.transfer.kv_transfer import (
+    KVPage,
+    KVPayload,
+    KVStaging,
+    LayerShape,
+    TransferError,
+    expected_pages,
+    to_pages,
+)
 from tests.model.test_kv_quant_exact import TOL_FLIP
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
@@ -170,6 +178,51 @@ def test_bad_pages_are_refused(tiny_dir: Path) -> None:
         KVStaging(staging.layers, staging.shapes, staging.window, 4, torch.float32, max_bytes=10).begin(
             "b", 37
         )
+
+
+def test_a_superseded_transfer_never_touches_the_newer_one_of_its_id() -> None:
+    """A retry's transfer of the same request id replaces an earlier one still arriving (the
+    receiver discards it and begins anew); the earlier one's pages, finish and discard, by its own
+    ``begin``, are refused or no-ops and leave the newer one as it is."""
+    shape = LayerShape(1, 8, 8)
+    staging = KVStaging({FULL: 1, SWA: 1}, {FULL: shape, SWA: shape}, 4, 4, torch.float32)
+
+    def payload(seed: int) -> list[KVPage]:
+        g = torch.Generator().manual_seed(seed)
+        p = KVPayload("x", 10, 4)
+        for kind in (FULL, SWA):
+            lo, hi = p.token_range(kind)
+            p.kv[kind] = [(torch.randn(hi - lo, 1, 8, generator=g), torch.randn(hi - lo, 1, 8, generator=g))]
+        return list(to_pages(p, 4))
+
+    old_pages, new_pages = payload(1), payload(2)
+    old = staging.begin("x", 10)
+    staging.add(old_pages[0], old)
+    assert staging.discard("x")  # the retry's header supersedes it
+    new = staging.begin("x", 10)
+    for pg in new_pages[:2]:
+        staging.add(pg, new)
+    with pytest.raises(TransferError, match="superseded"):
+        staging.add(old_pages[1], old)
+    with pytest.raises(TransferError, match="superseded"):
+        staging.finish("x", old)
+    assert not staging.discard("x", old) and staging.open_ids() == ["x"]
+    for pg in new_pages[2:]:
+        staging.add(pg, new)
+    staging.finish("x", new)
+    assert not staging.discard("x", old)  # the earlier one, cancelled late, leaves it staged
+    got = staging.claim("x")
+    assert got is new and torch.equal(got.kv[FULL][0][0], payload_kv(new_pages, FULL))
+
+
+def payload_kv(pages: list[KVPage], kind: str) -> torch.Tensor:
+    """The full K rows of one layer, from its pages (float32)."""
+    rows = [
+        torch.frombuffer(bytearray(pg.k), dtype=torch.float32).view(pg.k_shape)
+        for pg in pages
+        if pg.kind == kind
+    ]
+    return torch.cat(rows)
 
 
 def test_seeded_sampling_continues_the_same_random_stream(tiny_dir: Path) -> None:
