@@ -85,7 +85,10 @@ class GrpcKVSender:
         call = kvgrpc.KVTransferStub(ch).Transfer(timeout=self.timeout_s)
         try:
             try:
-                await call.write(next(messages))
+                try:
+                    await call.write(next(messages))
+                except asyncio.InvalidStateError:
+                    raise await _status(call) from None
                 accepted = await call.read()
             except grpc.aio.AioRpcError as e:
                 # UNIMPLEMENTED: an earlier release. grpc.aio reports that as INTERNAL when the
@@ -104,13 +107,8 @@ class GrpcKVSender:
                 for m in messages:
                     await call.write(m)
                 await call.done_writing()
-            except asyncio.InvalidStateError:  # the call ended while we wrote: its own status
-                raise grpc.aio.AioRpcError(
-                    await call.code(),
-                    await call.initial_metadata(),
-                    await call.trailing_metadata(),
-                    await call.details(),
-                ) from None
+            except asyncio.InvalidStateError:
+                raise await _status(call) from None
             ack = await call.read()
         except BaseException:
             call.cancel()  # failed or cancelled here: the decode worker drops the transfer
@@ -123,3 +121,11 @@ class GrpcKVSender:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+
+
+async def _status(call: grpc.aio.StreamStreamCall) -> grpc.aio.AioRpcError:
+    """The status of a call that ended while we wrote to it (grpc.aio's write then raises
+    InvalidStateError), as the error a read would raise."""
+    return grpc.aio.AioRpcError(
+        await call.code(), await call.initial_metadata(), await call.trailing_metadata(), await call.details()
+    )
