@@ -16,7 +16,8 @@ from typing import Any
 def _replay(
     url: str, model_dir: Path, limit: int, block_tokens: int, max_output: int, time_scale: float
 ) -> dict:
-    from swaserve.replay import ReplayOptions, run_replay, token_space_from_model_dir
+    from swaserve.replay import run_replay
+    from swaserve.replay_plan import ReplayOptions, token_space_from_model_dir
     from swaserve.traces import read_mooncake
 
     vocab, reserved = token_space_from_model_dir(model_dir)

@@ -129,7 +129,8 @@ def _get_load(address: str) -> Callable[[], None]:
 
 
 def _replay(url: str, model_dir: Path, limit: int, time_scale: float, max_output: int) -> dict[str, Any]:
-    from swaserve.replay import ReplayOptions, run_replay, token_space_from_model_dir
+    from swaserve.replay import run_replay
+    from swaserve.replay_plan import ReplayOptions, token_space_from_model_dir
     from swaserve.traces import read_mooncake
 
     vocab, reserved = token_space_from_model_dir(model_dir)

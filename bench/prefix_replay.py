@@ -28,7 +28,8 @@ def run_mode(
 ) -> dict[str, Any]:
     from swaserve.model.checkpoint import default_model_dir
     from swaserve.procs import free_port
-    from swaserve.replay import ReplayOptions, run_replay, token_space_from_model_dir
+    from swaserve.replay import run_replay
+    from swaserve.replay_plan import ReplayOptions, token_space_from_model_dir
     from swaserve.run_demo import ServerProcess
     from swaserve.traces import read_mooncake
 
@@ -89,7 +90,8 @@ async def _closed_loop(
 ) -> dict[str, Any]:
     import httpx
 
-    from swaserve.replay import PlannedRequest, RequestResult, send_one
+    from swaserve.replay import send_one
+    from swaserve.replay_plan import PlannedRequest, RequestResult
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=30.0)) as client:
         t0 = time.perf_counter()

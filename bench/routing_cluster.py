@@ -52,7 +52,8 @@ def main(
     from swaserve.config import ModelConfig
     from swaserve.launcher import Cluster
     from swaserve.model.checkpoint import default_model_dir
-    from swaserve.replay import ReplayOptions, plan_requests, run_replay, token_space_from_model_dir
+    from swaserve.replay import run_replay
+    from swaserve.replay_plan import ReplayOptions, plan_requests, token_space_from_model_dir
     from swaserve.sched.cost import CPU_TINY
     from swaserve.sim.cluster import SimConfig, Simulator
     from swaserve.sim.workload import from_planned

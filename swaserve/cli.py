@@ -365,14 +365,13 @@ def replay(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Replay a Mooncake trace against a server and report latency, throughput and KV usage."""
-    from swaserve.replay import (
+    from swaserve.replay import format_report, run_replay
+    from swaserve.replay_plan import (
         DEFAULT_RESERVED_IDS,
         DEFAULT_VOCAB_SIZE,
         ReplayError,
         ReplayOptions,
-        format_report,
         parse_id_ranges,
-        run_replay,
         token_space_from_model_dir,
     )
     from swaserve.traces import DEFAULT_MOONCAKE_TRACE, read_mooncake

@@ -133,13 +133,8 @@ def _model_dir(model: Path | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit status."""
     args = parse_args(argv)
-    from swaserve.replay import (
-        ReplayError,
-        ReplayOptions,
-        format_report,
-        run_replay,
-        token_space_from_model_dir,
-    )
+    from swaserve.replay import format_report, run_replay
+    from swaserve.replay_plan import ReplayError, ReplayOptions, token_space_from_model_dir
     from swaserve.traces import DEFAULT_MOONCAKE_TRACE, read_mooncake
 
     old_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

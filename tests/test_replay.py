@@ -11,16 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from swaserve.replay import (
+from swaserve.replay import format_report, parse_kv_pages, run_replay, send_one
+from swaserve.replay_plan import (
     PlannedRequest,
     ReplayOptions,
     RequestResult,
-    format_report,
     parse_id_ranges,
-    parse_kv_pages,
     plan_requests,
-    run_replay,
-    send_one,
     token_space_from_model_dir,
 )
 from swaserve.traces import MooncakeRequest, TokenBlocks, read_mooncake

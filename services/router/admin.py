@@ -16,7 +16,8 @@ import grpc
 
 from services.router.encoders import EncoderPool
 from services.router.routing import RouterRouting
-from services.router.workers import WorkerHandle, WorkerPool, in_routing, parse_address
+from services.router.worker_handle import WorkerHandle, parse_address
+from services.router.workers import WorkerPool, in_routing
 from swaserve.api.protocol import ProtocolError
 from swaserve.routing.buckets import ALL_LENGTHS
 from swaserve.routing.discovery import DiscoveredWorker

@@ -23,7 +23,8 @@ from services.convert import (
     output_from_chunk,
     params_to_proto,
 )
-from services.router.workers import Attempt, WorkerHandle, WorkerPool
+from services.router.worker_handle import Attempt, WorkerHandle
+from services.router.workers import WorkerPool
 from swaserve.engine.client import Unavailable
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.engine.types import FinishReason, RequestOutput, SamplingParams

@@ -33,7 +33,8 @@ from services.router.attempt import (
 from services.router.discovery import DiscoveryOptions, KubeDiscovery
 from services.router.encoders import EncoderPool
 from services.router.routing import RouterRouting, RoutingOptions
-from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerHandle, WorkerPool, in_routing
+from services.router.worker_handle import WorkerHandle
+from services.router.workers import HUNG_POLLS, POLL_TIMEOUT_S, WorkerPool, in_routing
 from services.tls import Dialer
 from swaserve.config import ModelConfig
 from swaserve.encoder.items import EncodeItem

@@ -40,8 +40,7 @@ from swaserve.kvformat import POOL_NAMES
 from swaserve.media.placeholders import MediaInputs, text_ids
 from swaserve.model.ep import ExpertComm, build_ep_shard
 from swaserve.model.loader import load_model
-from swaserve.sched.cost import preset
-from swaserve.sched.priority import ComputeAwarePriority
+from swaserve.sched.priority import schedule_priority
 from swaserve.transfer.kv_transfer import KVPayload, gather, scatter
 
 log = logging.getLogger(__name__)
@@ -52,21 +51,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def schedule_priority(config: EngineConfig) -> ComputeAwarePriority | None:
-    """The scheduler's admission priority for ``config.schedule_policy`` (None: FCFS).
-
-    Raises:
-        ValueError: unknown policy or cost model, or a negative bound or weight.
-    """
-    if config.schedule_policy == "fcfs":
-        return None
-    if config.schedule_policy != "compute":
-        raise ValueError(f"schedule_policy must be 'fcfs' or 'compute', got {config.schedule_policy!r}")
-    return ComputeAwarePriority(
-        preset(config.cost_model), config.priority_max_wait_s, config.priority_wait_weight
-    )
 
 
 class EngineCore:

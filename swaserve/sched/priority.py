@@ -13,7 +13,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from swaserve.sched.cost import CostModel
+from swaserve.config import EngineConfig
+from swaserve.sched.cost import CostModel, preset
 
 T = TypeVar("T")
 
@@ -122,3 +123,18 @@ class PriorityQueue(Generic[T]):
     def items(self) -> list[T]:
         """Queued requests in arrival order."""
         return [it for _, h, it in sorted(self._by_arrival) if h in self._arrival]
+
+
+def schedule_priority(config: EngineConfig) -> ComputeAwarePriority | None:
+    """The scheduler's admission priority for ``config.schedule_policy`` (None: FCFS).
+
+    Raises:
+        ValueError: unknown policy or cost model, or a negative bound or weight.
+    """
+    if config.schedule_policy == "fcfs":
+        return None
+    if config.schedule_policy != "compute":
+        raise ValueError(f"schedule_policy must be 'fcfs' or 'compute', got {config.schedule_policy!r}")
+    return ComputeAwarePriority(
+        preset(config.cost_model), config.priority_max_wait_s, config.priority_wait_weight
+    )

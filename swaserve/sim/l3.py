@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from swaserve.config import FULL
-from swaserve.engine.l3_tier import (
+from swaserve.engine.l3_pages import (
     KNOWN_KEYS,
     ChainKeys,
     as_block_events,

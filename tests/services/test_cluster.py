@@ -371,7 +371,8 @@ def _expected_view(load: pb.Load) -> dict[Any, Any]:
 
 
 def test_replay_reports_the_cluster_kv_pools(cluster: Cluster, tiny_dir: Path) -> None:
-    from swaserve.replay import ReplayOptions, format_report, run_replay, token_space_from_model_dir
+    from swaserve.replay import format_report, run_replay
+    from swaserve.replay_plan import ReplayOptions, token_space_from_model_dir
     from swaserve.traces import read_mooncake
 
     vocab, reserved = token_space_from_model_dir(tiny_dir)

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.router.workers import parse_address
+from services.router.worker_handle import parse_address
 
 
 @pytest.mark.parametrize(

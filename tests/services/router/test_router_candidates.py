@@ -5,7 +5,8 @@ workers before ones that look unreachable; draining and refused workers never.""
 from __future__ import annotations
 
 from services.router.routing import RouterRouting, RoutingOptions
-from services.router.workers import Refusal, WorkerHandle, WorkerPool
+from services.router.worker_handle import Refusal, WorkerHandle
+from services.router.workers import WorkerPool
 
 
 def pool_of(*names: str) -> tuple[WorkerPool, list[WorkerHandle]]:

@@ -36,7 +36,7 @@ DECODE = ("127.0.0.1:3",)
 
 def pages_with_blocks(toks: list[int]) -> list[PutPage]:
     """The page objects of ``toks``, each page that completes an index block carrying it (as the
-    engine's writes do: ``engine.l3_tier.router_blocks``)."""
+    engine's writes do: ``engine.l3_pages.router_blocks``)."""
     hs = block_hashes(toks, B)
     out = []
     for i, p in enumerate(chain(toks)):

@@ -219,7 +219,7 @@ def test_a_resume_that_needs_prior_output_tokens_goes_only_to_workers_that_list_
     ``test_router_resume.py``, passes through this filter with real workers.)"""
     from services.convert import PRIOR_OUTPUT_FEATURE, needs_prior_output
     from services.router.cluster import NoWorkerAvailable, exact_resume_workers
-    from services.router.workers import WorkerHandle
+    from services.router.worker_handle import WorkerHandle
     from swaserve.v1 import worker_pb2 as pb
 
     def handle(address: str, features: list[str] | None) -> WorkerHandle:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from services.router.routing import RouterRouting, RoutingOptions
-from services.router.workers import WorkerHandle, WorkerPool
+from services.router.worker_handle import WorkerHandle
+from services.router.workers import WorkerPool
 from swaserve.v1 import worker_pb2 as pb
 
 
