@@ -27,9 +27,10 @@ PUSH_ONLY_RECHECK_S = 300.0
 
 
 class KVSender(Protocol):
-    async def send(self, target: str, payload: KVPayload) -> int:
-        """Deliver ``payload`` to the decode worker at ``target``; returns the K/V bytes it
-        acknowledged. Raises TransferError (or the transport's own error) on failure."""
+    async def send(self, target: str, payload: KVPayload, timeout_s: float | None = None) -> int:
+        """Deliver ``payload`` to the decode worker at ``target`` within ``timeout_s`` seconds
+        (None: the sender's own limit); returns the K/V bytes it acknowledged. Raises
+        TransferError (or the transport's own error) on failure."""
         ...
 
     async def close(self) -> None: ...
@@ -60,7 +61,8 @@ class GrpcKVSender:
         # PUSH_ONLY_RECHECK_S (upgraded in place)
         self._push_only: dict[str, float] = {}
 
-    async def send(self, target: str, payload: KVPayload) -> int:
+    async def send(self, target: str, payload: KVPayload, timeout_s: float | None = None) -> int:
+        timeout = self.timeout_s if timeout_s is None else min(self.timeout_s, timeout_s)
         ch = self._channels.get(target)
         if ch is None:
             ch = self._channels[target] = self.dialer.aio_channel(
@@ -68,21 +70,23 @@ class GrpcKVSender:
             )
         ack, seen_old = None, self._push_only.get(target)
         if seen_old is None or time.monotonic() - seen_old >= PUSH_ONLY_RECHECK_S:
-            ack = await self._transfer(target, ch, transfer_messages(payload, self.page_size, self.layers))
+            ack = await self._transfer(
+                target, ch, transfer_messages(payload, self.page_size, self.layers), timeout
+            )
         if ack is None:
             messages = transfer_messages(payload, self.page_size, self.layers)
-            ack = await kvgrpc.KVTransferStub(ch).Push(messages, timeout=self.timeout_s)
+            ack = await kvgrpc.KVTransferStub(ch).Push(messages, timeout=timeout)
         expect = payload.nbytes()
         if ack.bytes_received != expect:
             raise TransferError(f"decode worker acknowledged {ack.bytes_received} of {expect} bytes")
         return expect
 
     async def _transfer(
-        self, target: str, ch: grpc.aio.Channel, messages: Iterator[kvpb.TransferMessage]
+        self, target: str, ch: grpc.aio.Channel, messages: Iterator[kvpb.TransferMessage], timeout: float
     ) -> kvpb.TransferAck | None:
         """Header, wait for the accepted ack (a refusal is the call's status, raised as
         ``grpc.aio.AioRpcError``), pages, final ack; None: ``target`` may have no ``Transfer``."""
-        call = kvgrpc.KVTransferStub(ch).Transfer(timeout=self.timeout_s)
+        call = kvgrpc.KVTransferStub(ch).Transfer(timeout=timeout)
         try:
             try:
                 try:

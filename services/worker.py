@@ -53,6 +53,9 @@ from swaserve.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger("swaserve.worker")
 ROLES = ("prefill", "decode")
+PUSH_MARGIN_S = (
+    2.0  # a KV push ends this long (at most a tenth of the time left) before the request's deadline
+)
 
 
 @dataclass
@@ -137,9 +140,13 @@ class WorkerService(wgrpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         export = self.opts.role == "prefill" and bool(request.kv_target)
+        left = context.time_remaining()  # the router's deadline: the KV push ends before it
+        deadline = None if left is None else time.monotonic() + left
         self.open += 1
         try:
-            async for m in self._generate(rid, prompt, params, request.kv_target, export, prefilled, media):
+            async for m in self._generate(
+                rid, prompt, params, request.kv_target, export, prefilled, media, deadline
+            ):
                 yield m
         finally:
             self.open -= 1
@@ -154,6 +161,7 @@ class WorkerService(wgrpc.WorkerServicer):
         export: bool,
         prefilled: tuple[int, KVPayload] | None,
         media: MediaInputs | None = None,
+        deadline: float | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         fetch: asyncio.Task[None] | None = None
         failed: list[str] = []
@@ -184,7 +192,7 @@ class WorkerService(wgrpc.WorkerServicer):
                 if o.finish_reason == FinishReason.HANDOFF:
                     assert o.kv_payload is not None
                     try:
-                        sent = await self._push(kv_target, o.kv_payload)
+                        sent = await self._push(kv_target, o.kv_payload, deadline)
                     except (grpc.aio.AioRpcError, TransferError) as e:
                         self.metrics.kv_failed.inc()
                         if isinstance(e, grpc.aio.AioRpcError):
@@ -225,9 +233,21 @@ class WorkerService(wgrpc.WorkerServicer):
             failed.append(str(e))
             await self.engine.abort(rid)
 
-    async def _push(self, target: str, payload: KVPayload) -> int:
-        """Send ``payload`` to ``target`` (``self.sender``); returns the K/V bytes sent."""
-        sent = await self.sender.send(target, payload)
+    async def _push(self, target: str, payload: KVPayload, deadline: float | None = None) -> int:
+        """Send ``payload`` to ``target`` (``self.sender``); returns the K/V bytes sent. With the
+        Generate call's ``deadline`` (``time.monotonic()``), the push ends a margin before it, so
+        that a hung decode worker fails the push (the router blames and avoids it) rather than
+        the router's deadline failing this prefill worker's call.
+
+        Raises:
+            TransferError: no time left; the sender's errors."""
+        timeout = None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            timeout = left - min(PUSH_MARGIN_S, 0.1 * left)
+            if timeout <= 0:
+                raise TransferError("no time left for the KV transfer before the request's deadline")
+        sent = await self.sender.send(target, payload, timeout)
         self.metrics.kv_sent.inc(sent)
         self.metrics.kv_request.observe(sent)
         return sent

@@ -216,3 +216,37 @@ def test_push_to_a_draining_decode_worker_is_unavailable_after_the_senders_last_
         assert pulled == [messages(300)] and svc.active == 0  # Push: the whole stream, then the status
 
     run(body, svc)
+
+
+class _Stalled(KVTransferService):
+    """A decode worker that takes the header and then hangs (as one stopped mid-transfer)."""
+
+    async def Transfer(self, request_iterator: Any, context: Any) -> Any:  # type: ignore[override]
+        await anext(aiter(request_iterator))
+        await asyncio.sleep(60)
+        yield kvpb.TransferAck()
+
+
+def test_a_prefill_workers_push_ends_before_the_requests_deadline() -> None:
+    """``Worker._push`` bounds the push by the Generate call's deadline (less a margin), so a hung
+    decode worker fails the push, which the router blames on that decode worker, before the
+    router's own deadline would fail the prefill worker's call (and blame it)."""
+    import time
+    from types import SimpleNamespace
+
+    from services.worker import WorkerService
+    from swaserve.transfer.kv_transfer import TransferError
+
+    svc = _Stalled(staging(1 << 30), WorkerMetrics(), {})
+
+    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        worker = SimpleNamespace(sender=sender, metrics=WorkerMetrics())
+        deadline = time.monotonic() + 5.0
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await WorkerService._push(worker, addr, payload("hung", 40), deadline)  # type: ignore[arg-type]
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() < deadline  # the push's own deadline came first
+        with pytest.raises(TransferError, match="no time left"):
+            await WorkerService._push(worker, addr, payload("late", 40), time.monotonic() - 1)  # type: ignore[arg-type]
+
+    run(body, svc)
