@@ -19,7 +19,14 @@ from services.kv_convert import hidden_from_header, page_from_proto
 from swaserve.config import FULL, SWA, kv_config
 from swaserve.engine.client import LocalEngineClient
 from swaserve.kvformat import engine_formats, residual_layers
-from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, StagingFull, TransferError
+from swaserve.transfer.kv_transfer import (
+    KVPayload,
+    KVStaging,
+    LayerShape,
+    StagingFull,
+    StagingTooSmall,
+    TransferError,
+)
 from swaserve.v1 import kv_transfer_pb2 as kvpb
 from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
@@ -197,10 +204,13 @@ class KVTransferService(kvgrpc.KVTransferServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, e: Exception) -> NoReturn:
         """The call's status for ``e``: staging full RESOURCE_EXHAUSTED (the router tries another
-        decode worker), a refused message DATA_LOSS, anything else INTERNAL (logged)."""
+        decode worker), more than the whole staging OUT_OF_RANGE (never here: another decode worker,
+        or a 400), a refused message DATA_LOSS, anything else INTERNAL (logged)."""
         self.metrics.kv_failed.inc()
         if isinstance(e, StagingFull):
             code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        elif isinstance(e, StagingTooSmall):
+            code, msg = grpc.StatusCode.OUT_OF_RANGE, str(e)
         elif isinstance(e, TransferError):
             code, msg = grpc.StatusCode.DATA_LOSS, str(e)
         else:

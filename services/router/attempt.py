@@ -84,7 +84,10 @@ class DispatchError(RuntimeError):
         return "unavailable" if self.code == grpc.StatusCode.UNAVAILABLE else "error"
 
     def final(self) -> Exception:
-        """What ``generate`` raises when this was the last attempt's failure."""
+        """What ``generate`` raises when this was the last attempt's failure (OUT_OF_RANGE: the
+        request's KV is larger than a decode worker's whole staging: a 400, no retry helps)."""
+        if self.code == grpc.StatusCode.OUT_OF_RANGE:
+            return ValueError(f"the prompt is too long for this deployment's decode workers ({self})")
         if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return Overloaded(f"no decode worker has room for the request's KV now, retry later ({self})")
         if self.code == grpc.StatusCode.UNAVAILABLE:
@@ -95,8 +98,10 @@ class DispatchError(RuntimeError):
     def no_other_worker(self, role: str) -> DispatchError:
         """This failure when no worker of ``role`` is left for a retry of the request (it never
         goes back to one that failed it): a 503 class whatever the failure, ``Overloaded`` when
-        it was no room, else ``NoWorkerAvailable`` (through ``final``/``interrupted``)."""
-        code = self.code if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
+        it was no room, else ``NoWorkerAvailable`` (through ``final``/``interrupted``); a KV larger
+        than a decode worker's staging stays a 400 (``final``)."""
+        kept = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
+        code = self.code if self.code in kept else grpc.StatusCode.UNAVAILABLE
         return DispatchError(f"{self}; no other {role} worker to retry it on", self.worker, code, self.why)
 
     def interrupted(self, generated: int) -> Unavailable:

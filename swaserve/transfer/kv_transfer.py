@@ -31,6 +31,10 @@ class StagingFull(TransferError):
     """Staging has no room for a transfer now (a capacity refusal, not a fault: retry later)."""
 
 
+class StagingTooSmall(TransferError):
+    """A transfer larger than the whole staging: it can never be staged on this decode worker."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     for name, dt in DTYPES.items():
         if dt == dtype:
@@ -217,7 +221,8 @@ class KVStaging:
         that a transfer superseded by a newer one of the same id never touches the newer one.
 
         Raises:
-            TransferError: duplicate id, bad length; StagingFull: not enough staging memory.
+            TransferError: duplicate id, bad length; StagingFull: not enough staging memory now;
+                StagingTooSmall: more than the whole staging.
         """
         if request_id in self._open:
             raise TransferError(f"transfer for {request_id!r} already open")
@@ -237,6 +242,11 @@ class KVStaging:
             s = self.shapes[kind]
             row = self.formats[kind].token_bytes(s.kv_heads, s.head_dim, s.v_head_dim, self.dtype.itemsize)
             size += n_layers * (hi - lo) * row
+        if size > self.max_bytes:
+            raise StagingTooSmall(
+                f"the request's KV ({size} bytes) is larger than this decode worker's whole KV "
+                f"staging ({self.max_bytes} bytes, --staging-memory)"
+            )
         if self.staged_bytes + size > self.max_bytes:
             raise StagingFull(
                 f"staging full: {self.staged_bytes} + {size} bytes > {self.max_bytes} (retry later)"

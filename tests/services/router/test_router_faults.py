@@ -3,28 +3,34 @@
 decode worker that is gone while the router still believes it is up (its load poll is far apart).
 Both are 503s with a clear message (an error event with the same code once a stream started), not
 500s, given at once (a retry never goes back to the worker that failed the request, and there is
-no other), and the router counts the outcome on /metrics.
+no other), and the router counts the outcome on /metrics. A prompt whose KV is larger than the
+whole staging is a 400: no retry could stage it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+import torch
 
 from swaserve.config import ModelConfig
 from swaserve.launcher import Cluster
+from swaserve.v1 import worker_pb2 as pb
+from swaserve.v1 import worker_pb2_grpc as wgrpc
 from tests.helpers.cluster import WORKER_ARGS, scrape, value, wait_idle
 
 pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
 
 # the tiny model: 384 bytes of full KV per token + the SWA window (8 tokens x 2304 bytes); 48 KiB
-# stage a 40-token prompt (33.8 KB) but never a 120-token one (64.5 KB)
+# stage a 40-token prompt (33.8 KB), not two at once, and never a 120-token one (64.5 KB)
 STAGING = 48 * 1024
 SHORT, LONG = 40, 120
 MODEL = "mimo-v2-tiny-v2"
@@ -60,16 +66,48 @@ def test_staging_sizes(tiny_dir: Path) -> None:
     m = ModelConfig.from_pretrained(tiny_dir)
     per_token = len(m.full_layers) * m.full.num_kv_heads * (m.full.head_dim + m.full.v_head_dim) * 4
     window = len(m.swa_layers) * m.swa.num_kv_heads * (m.swa.head_dim + m.swa.v_head_dim) * 4 * m.window
-    assert SHORT * per_token + window <= STAGING < LONG * per_token + window
+    assert SHORT * per_token + window <= STAGING < 2 * (SHORT * per_token + window)
+    assert LONG * per_token + window > STAGING
 
 
-def test_staging_full_is_a_503_and_an_error_event(small: Cluster) -> None:
+def stage_hog(c: Cluster, tiny_dir: Path, n: int) -> str:
+    """Stage a transfer of ``n`` tokens' KV on the decode worker that no Generate claims (as a
+    prefill worker would, over ``KVTransfer.Transfer``): it holds staging until aborted."""
+    from services.transport import GrpcKVSender
+    from swaserve.config import FULL, SWA
+    from swaserve.transfer.kv_transfer import KVPayload
+
+    m = ModelConfig.from_pretrained(tiny_dir)
+    layers = {FULL: len(m.full_layers), SWA: len(m.swa_layers)}
+    p = KVPayload("hog", n, m.window)
+    for kind, shape in ((FULL, m.full), (SWA, m.swa)):
+        lo, hi = p.token_range(kind)
+        p.kv[kind] = [
+            (torch.zeros(hi - lo, shape.num_kv_heads, shape.head_dim),
+             torch.zeros(hi - lo, shape.num_kv_heads, shape.v_head_dim))
+            for _ in range(layers[kind])
+        ]  # fmt: skip
+    (addr,) = c.worker_addresses["decode"]
+
+    async def send() -> None:
+        sender = GrpcKVSender(4, layers)  # WORKER_ARGS' page size
+        try:
+            await sender.send(addr, p)
+        finally:
+            await sender.close()
+
+    asyncio.run(send())
+    return addr
+
+
+def test_staging_full_is_a_503_and_an_error_event(small: Cluster, tiny_dir: Path) -> None:
     url = small.url
     ok = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 1)), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6, ok.text
+    addr = stage_hog(small, tiny_dir, SHORT)  # staging now has no room for another SHORT prompt
     before = scrape(url)
 
-    r = httpx.post(f"{url}/v1/completions", json=body(prompt(LONG, 2)), timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 2)), timeout=60)
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert err["code"] == "overloaded" and err["type"] == "server_error"
@@ -77,7 +115,7 @@ def test_staging_full_is_a_503_and_an_error_event(small: Cluster) -> None:
 
     # streamed: the prefill worker's first token reached the client before the KV was refused
     with httpx.stream(
-        "POST", f"{url}/v1/completions", json=body(prompt(LONG, 3), stream=True), timeout=60
+        "POST", f"{url}/v1/completions", json=body(prompt(SHORT, 3), stream=True), timeout=60
     ) as s:
         assert s.status_code == 200
         events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
@@ -97,8 +135,25 @@ def test_staging_full_is_a_503_and_an_error_event(small: Cluster) -> None:
     assert unavailable - value(before, "swaserve:router_requests_total", status="unavailable") == 2
     assert value(after, "swaserve:router_requests_total", status="failed") == 0
 
+    with grpc.insecure_channel(addr) as ch:  # the hog goes: room again
+        wgrpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id="hog"), timeout=10)
     again = httpx.post(f"{url}/v1/completions", json=body(prompt(SHORT, 4)), timeout=60)
     assert again.status_code == 200, again.text  # nothing stayed staged
+    wait_idle(small)
+
+
+def test_a_prompt_whose_kv_is_larger_than_the_staging_is_a_400(small: Cluster) -> None:
+    """No retry can stage it: a 400 naming the limit (a 503 made clients retry in vain)."""
+    url = small.url
+    before = scrape(url)
+    r = httpx.post(f"{url}/v1/completions", json=body(prompt(LONG, 5)), timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "too long for this deployment's decode workers" in err["message"], err
+    assert "larger than this decode worker's whole KV staging" in err["message"], err
+    after = scrape(url)
+    invalid = value(after, "swaserve:router_requests_total", status="invalid")
+    assert invalid - value(before, "swaserve:router_requests_total", status="invalid") == 1
     wait_idle(small)
 
 
