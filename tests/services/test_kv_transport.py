@@ -106,26 +106,30 @@ def run(body: Callable[[GrpcKVSender, str, KVTransferService], object], svc: KVT
 
 def test_staging_full_is_resource_exhausted_every_time_and_costs_no_pages(pulled: list[int]) -> None:
     big = 400  # 40 page messages: under Push the sender could still be writing at the refusal
-    svc = KVTransferService(staging(size(big) - 1), WorkerMetrics(), {})
+    svc = KVTransferService(staging(size(big) + size(40) - 1), WorkerMetrics(), {})
 
     async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
+        assert await sender.send(addr, payload("small", 40)) == size(40)  # staged, not claimed
         for i in range(20):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await sender.send(addr, payload(f"big-{i}", big))
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                i,
-                e.value.code(),
-                e.value.details(),
-            )
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (i, e.value.details())
             assert "staging full" in (e.value.details() or "")
-        assert svc.staging.staged_bytes == 0 and not svc.staging.open_ids()
-        assert pulled == [1] * 20  # the header only: no page was sent
-        assert await sender.send(addr, payload("small", 40)) == size(40)
+        assert svc.staging.open_ids() == ["small"] and svc.staging.staged_bytes == size(40)
+        assert pulled == [messages(40)] + [1] * 20  # refused: the header only, no page was sent
         got = svc.staging.claim("small")
         want = payload("small", 40)
         for kind in LAYERS:
             for (k, v), (wk, wv) in zip(got.kv[kind], want.kv[kind], strict=True):
                 assert torch.equal(k, wk) and torch.equal(v, wv)
+        assert await sender.send(addr, payload("big", big)) == size(big)  # room again
+
+        # larger than the whole staging: never here, said as such (the router then gives a 400)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await sender.send(addr, payload("huge", 2 * big))
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "larger than this decode worker's whole KV staging" in (e.value.details() or "")
+        assert pulled[-1] == 1
 
     run(body, svc)
 

@@ -22,6 +22,8 @@ from swaserve.transfer.kv_transfer import (
     KVPayload,
     KVStaging,
     LayerShape,
+    StagingFull,
+    StagingTooSmall,
     TransferError,
     expected_pages,
     to_pages,
@@ -174,10 +176,15 @@ def test_bad_pages_are_refused(tiny_dir: Path) -> None:
     with pytest.raises(TransferError, match="incomplete"):
         staging.finish("a")
     assert staging.open_ids() == [] and staging.staged_bytes == 0
-    with pytest.raises(TransferError, match="staging full"):
+    with pytest.raises(StagingTooSmall, match="larger than this decode worker's whole KV staging"):
         KVStaging(staging.layers, staging.shapes, staging.window, 4, torch.float32, max_bytes=10).begin(
             "b", 37
         )
+    small = KVStaging(staging.layers, staging.shapes, staging.window, 4, torch.float32)
+    small.begin("c", 37)
+    small.max_bytes = small.staged_bytes + 1  # room for one such transfer, not two
+    with pytest.raises(StagingFull, match="staging full"):
+        small.begin("d", 37)
 
 
 def test_a_superseded_transfer_never_touches_the_newer_one_of_its_id() -> None:
