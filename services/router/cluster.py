@@ -423,8 +423,7 @@ class ClusterEngine(EngineClient):
             task.add_done_callback(self._background.discard)
 
     async def _abort(self, w: WorkerHandle, wire_id: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: it left
-            await w.stub.Abort(pb.AbortRequest(request_id=wire_id), timeout=5.0)
+        await self.pool.abort(w, wire_id)  # one the worker misses now is sent again when it is back
 
     async def abort(self, request_id: str) -> None:
         """Abort a request's current attempt on its workers (closing its stream does it too)."""

@@ -87,6 +87,8 @@ class WorkerHandle:
     refusal: Refusal | None = None  # kept out of routing although it answers (module docstring)
     down_reason: str | None = None  # why the last poll or call found it down
     polled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # a poll has ended
+    # request ids whose Abort it missed (hung or unreachable then): sent again once it answers
+    pending_aborts: set[str] = field(default_factory=set, repr=False)
 
     @property
     def state(self) -> str:

@@ -29,6 +29,8 @@ from swaserve.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger("swaserve.router")
 POLL_TIMEOUT_S = 10.0  # GetLoad deadline: a CPU engine step can take seconds
 HUNG_POLLS = 3  # deadlines in a row before a worker that accepts connections counts as down
+ABORT_TIMEOUT_S = 5.0
+MAX_PENDING_ABORTS = 4096  # per worker: missed aborts kept for its return (more: its TTLs free them)
 R = TypeVar("R")
 
 
@@ -277,6 +279,28 @@ class WorkerPool:
             await self._observe(w)
         else:
             await self.record(w, load)
+            if w.pending_aborts and w.healthy:
+                await self._resend_aborts(w)
+
+    async def abort(self, w: WorkerHandle, wire_id: str, timeout_s: float = ABORT_TIMEOUT_S) -> None:
+        """Abort ``wire_id`` on ``w`` (its engine request, a decode worker's staged KV). One that
+        ``w`` cannot take now (hung, unreachable) is kept and sent again after its next answered
+        poll: else a worker back from a stall kept that request's staged KV until its TTL."""
+        try:
+            await w.stub.Abort(pb.AbortRequest(request_id=wire_id), timeout=timeout_s)
+        except grpc.aio.UsageError:  # its channel was closed: removed
+            return
+        except grpc.aio.AioRpcError as e:
+            transient = e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            if transient and len(w.pending_aborts) < MAX_PENDING_ABORTS and w.address in self.handles:
+                w.pending_aborts.add(wire_id)
+            return
+        w.pending_aborts.discard(wire_id)
+
+    async def _resend_aborts(self, w: WorkerHandle) -> None:
+        for wire_id in sorted(w.pending_aborts):
+            w.pending_aborts.discard(wire_id)
+            await self.abort(w, wire_id, self.poll_timeout_s)
 
     async def record(self, w: WorkerHandle, load: pb.Load) -> None:
         """``w`` answered ``GetLoad`` with ``load`` (a poll, or the check of ``POST /workers``):

@@ -69,3 +69,53 @@ def test_a_worker_that_says_it_drains_gets_nothing_new_and_keeps_its_attempts() 
         pool.routing.executor.shutdown()
 
     asyncio.run(run())
+
+
+class _Stub:
+    """The gRPC stub of a worker that is hung (every call times out) until ``back``."""
+
+    def __init__(self) -> None:
+        self.back = False
+        self.aborted: list[str] = []
+
+    async def Abort(self, req: object, timeout: float) -> object:
+        import grpc
+
+        from swaserve.v1 import worker_pb2 as pb
+
+        if not self.back:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "stalled"
+            )
+        assert isinstance(req, pb.AbortRequest)
+        self.aborted.append(req.request_id)
+        return pb.AbortResponse()
+
+    async def GetLoad(self, req: object, timeout: float) -> object:
+        from swaserve.v1 import worker_pb2 as pb
+
+        return pb.Load(role="decode", boot_id="one")
+
+
+def test_an_abort_a_hung_worker_missed_is_sent_again_once_it_answers_a_poll() -> None:
+    """Else a decode worker back from a stall keeps the request's staged KV until its TTL."""
+    import asyncio
+
+    async def run() -> None:
+        pool, (w,) = pool_of("10.0.0.1:1")
+        stub = _Stub()
+        w.stub = stub  # type: ignore[assignment]
+        await pool.abort(w, "r#1")
+        await pool.abort(w, "r#2")
+        assert w.pending_aborts == {"r#1", "r#2"} and stub.aborted == []
+        await pool.poll_one(w)  # GetLoad answers, its Aborts still time out: kept for the next poll
+        assert w.pending_aborts == {"r#1", "r#2"}
+        stub.back = True
+        await pool.poll_one(w)
+        assert stub.aborted == ["r#1", "r#2"] and not w.pending_aborts
+        del pool.handles[w.address]  # removed: a missed abort is not kept
+        stub.back = False
+        await pool.abort(w, "r#3")
+        assert not w.pending_aborts
+
+    asyncio.run(run())
