@@ -20,6 +20,7 @@ from swaserve.engine.types import SamplingParams
 pytestmark = pytest.mark.cluster
 
 
+@pytest.mark.slow  # waits out the EP timeout, ~13 s (make test-slow, CI)
 def test_a_hung_rank_ends_the_instance_after_the_ep_timeout(tiny_dir: Path) -> None:
     cfg = EngineConfig(
         ep_size=2, page_size=4, max_num_batched_tokens=16, kv_cache_memory=16 << 20,

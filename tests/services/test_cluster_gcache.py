@@ -168,7 +168,10 @@ def test_a_second_prefill_worker_hits_what_the_first_wrote(cluster: Cluster, ref
     cluster.services["prefill-0"].kill(signal.SIGCONT)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+@pytest.mark.parametrize(
+    "sig",
+    [pytest.param(signal.SIGSTOP, marks=pytest.mark.slow), signal.SIGKILL],  # stopped: slow, ~13 s
+)
 def test_a_stopped_or_killed_node_costs_no_request(cluster: Cluster, reference: LLMEngine, sig: int) -> None:
     node = cluster.services["gcache-0"]
     cluster.services["prefill-0"].kill(signal.SIGCONT)

@@ -96,6 +96,7 @@ def test_worker_publishes_the_blocks_it_caches(worker: tuple[str, str], redis_ur
     assert follower.index.match(want, time.monotonic()) == {addr: len(want)}
 
 
+@pytest.mark.slow  # its own cluster and a Redis restart, ~25 s (make test-slow, CI)
 def test_worker_resends_its_cache_after_a_redis_restart(tiny_dir: Path) -> None:
     """Redis restarted empty while the worker cached a prompt: the worker notices (its marker is
     gone, its publishes failed) and re-publishes its whole cache; a router's index built from the
