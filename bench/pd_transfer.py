@@ -109,7 +109,7 @@ async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, An
     await server.start()
     rows = []
     try:
-        sender = GrpcKVSender(PAGE, layers)  # as a prefill worker sends: KVTransfer.Transfer
+        sender = GrpcKVSender(PAGE, layers)  # as a prefill worker sends
         try:
             for n in lengths:
                 payload = KVPayload("bench", n, cfg.window)

@@ -1,6 +1,5 @@
-"""Decode side of the KV transfer: ``KVTransferService`` (gRPC ``KVTransfer.Transfer``, and
-``Push`` for senders of earlier releases) receives a prefill worker's pages into verified host
-staging (``KVStaging``, built by ``staging_for``), where they wait for the request's decode
+"""Decode side of the KV transfer: ``KVTransferService`` (gRPC ``KVTransfer.Push``) receives a
+prefill worker's pages into verified host staging (``KVStaging``, built by ``staging_for``), where they wait for the request's decode
 ``Generate`` (``services.worker``).
 
 Design notes: docs/DESIGN.md#servicesworkerpy"""
@@ -123,10 +122,9 @@ class KVTransferService(kvgrpc.KVTransferServicer):
     transfer that fails or is cancelled midway is dropped at once. While ``draining()`` new
     transfers are refused (UNAVAILABLE); ``active`` counts the ones in progress.
 
-    A refusal's status is sent only when the sender is not writing: after the header (``Transfer``,
-    whose sender waits for the accepted ack) or after the sender's last message (a failed transfer
-    reads the rest and drops it). A status sent while the sender still writes reaches a
-    ``grpc.aio`` sender as INTERNAL "Internal error from Core" instead (grpc/grpc#36066)."""
+    A refusal's status is sent only after the sender's last message (a refused transfer reads the
+    rest and drops it): a status sent while the sender still writes reaches a ``grpc.aio`` sender
+    as INTERNAL "Internal error from Core" instead (grpc/grpc#36066)."""
 
     def __init__(
         self,
@@ -140,28 +138,6 @@ class KVTransferService(kvgrpc.KVTransferServicer):
         self.aborted = aborted if aborted is not None else {}
         self.draining = draining
         self.active = 0
-
-    async def Transfer(
-        self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kvpb.TransferAck]:
-        self.active += 1
-        inbound = _Inbound(self)
-        try:
-            messages = aiter(request_iterator)
-            header = await anext(messages, None)  # the sender now waits for the accepted ack
-            if self.draining():
-                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_KV)
-            try:
-                if header is None or header.WhichOneof("kind") != "header":
-                    raise TransferError("a transfer starts with its header")
-                inbound.take(header)
-            except Exception as e:
-                await self._refuse(context, e)
-            yield kvpb.TransferAck(request_id=inbound.rid or "", accepted=True)
-            yield await self._rest(inbound, messages, context)
-        finally:
-            inbound.close()
-            self.active -= 1
 
     async def Push(
         self, request_iterator: AsyncIterator[kvpb.TransferMessage], context: grpc.aio.ServicerContext

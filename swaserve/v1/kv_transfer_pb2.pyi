@@ -63,13 +63,11 @@ class TransferMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., page: _Optional[_Union[KVPage, _Mapping]] = ...) -> None: ...
 
 class TransferAck(_message.Message):
-    __slots__ = ("request_id", "bytes_received", "pages", "accepted")
+    __slots__ = ("request_id", "bytes_received", "pages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     bytes_received: int
     pages: int
-    accepted: bool
-    def __init__(self, request_id: _Optional[str] = ..., bytes_received: _Optional[int] = ..., pages: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., bytes_received: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...

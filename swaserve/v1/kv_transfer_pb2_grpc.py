@@ -39,26 +39,13 @@ class KVTransferStub:
                 request_serializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferMessage.SerializeToString,
                 response_deserializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferAck.FromString,
                 _registered_method=True)
-        self.Transfer = channel.stream_stream(
-                '/swaserve.v1.KVTransfer/Transfer',
-                request_serializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferMessage.SerializeToString,
-                response_deserializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferAck.FromString,
-                _registered_method=True)
 
 
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request_iterator, context):
-        """header then pages, one ack at the end; served for senders of earlier releases
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Transfer(self, request_iterator, context):
-        """header, accepted ack, pages, final ack (see above)
-        """
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -68,11 +55,6 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferMessage.FromString,
-                    response_serializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferAck.SerializeToString,
-            ),
-            'Transfer': grpc.stream_stream_rpc_method_handler(
-                    servicer.Transfer,
                     request_deserializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferMessage.FromString,
                     response_serializer=swaserve_dot_v1_dot_kv__transfer__pb2.TransferAck.SerializeToString,
             ),
@@ -102,33 +84,6 @@ class KVTransfer:
             request_iterator,
             target,
             '/swaserve.v1.KVTransfer/Push',
-            swaserve_dot_v1_dot_kv__transfer__pb2.TransferMessage.SerializeToString,
-            swaserve_dot_v1_dot_kv__transfer__pb2.TransferAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Transfer(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/swaserve.v1.KVTransfer/Transfer',
             swaserve_dot_v1_dot_kv__transfer__pb2.TransferMessage.SerializeToString,
             swaserve_dot_v1_dot_kv__transfer__pb2.TransferAck.FromString,
             options,

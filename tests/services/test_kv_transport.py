@@ -1,9 +1,9 @@
 """The prefill -> decode KV transfer over real gRPC (``GrpcKVSender`` into ``KVTransferService``,
-in-process ``grpc.aio`` server on 127.0.0.1, small shapes): a refusal reaches the sender as its own
-status every time (a grpc.aio sender still writing pages when a status arrives sees INTERNAL
-"Internal error from Core" instead, grpc/grpc#36066: the flaky CI failure this guards), a page
-refused midway is DATA_LOSS, and a decode worker of an earlier release (``Push`` only) still gets
-the pages."""
+in-process ``grpc.aio`` server on 127.0.0.1, small shapes): every refusal reaches the sender as its
+own status, after its last message (a grpc.aio sender still writing pages when a status arrives
+sees INTERNAL "Internal error from Core" instead, grpc/grpc#36066: the flaky CI failure this
+guards); a page refused midway is DATA_LOSS, any other failure INTERNAL with its reason; a push
+ends before the request's deadline."""
 
 from __future__ import annotations
 
@@ -56,19 +56,9 @@ def staging(max_bytes: int) -> KVStaging:
     return KVStaging(LAYERS, {FULL: SHAPE, SWA: SHAPE}, WINDOW, PAGE, torch.float32, max_bytes)
 
 
-async def serve(svc: KVTransferService, push_only: bool = False) -> tuple[grpc.aio.Server, str]:
+async def serve(svc: KVTransferService) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    if push_only:  # a decode worker of an earlier release: KVTransfer has Push only
-        handler = grpc.stream_unary_rpc_method_handler(
-            svc.Push,
-            request_deserializer=kvpb.TransferMessage.FromString,
-            response_serializer=kvpb.TransferAck.SerializeToString,
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("swaserve.v1.KVTransfer", {"Push": handler}),)
-        )
-    else:
-        kvgrpc.add_KVTransferServicer_to_server(svc, server)
+    kvgrpc.add_KVTransferServicer_to_server(svc, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -90,10 +80,9 @@ def pulled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
-def run(body: Callable[[GrpcKVSender, str, KVTransferService], object], svc: KVTransferService,
-        push_only: bool = False) -> None:  # fmt: skip
+def run(body: Callable[[GrpcKVSender, str, KVTransferService], object], svc: KVTransferService) -> None:
     async def main() -> None:
-        server, addr = await serve(svc, push_only)
+        server, addr = await serve(svc)
         sender = GrpcKVSender(PAGE, LAYERS, timeout_s=30)
         try:
             await body(sender, addr, svc)  # type: ignore[misc]
@@ -104,8 +93,8 @@ def run(body: Callable[[GrpcKVSender, str, KVTransferService], object], svc: KVT
     asyncio.run(main())
 
 
-def test_staging_full_is_resource_exhausted_every_time_and_costs_no_pages(pulled: list[int]) -> None:
-    big = 400  # 40 page messages: under Push the sender could still be writing at the refusal
+def test_staging_full_is_resource_exhausted_every_time(pulled: list[int]) -> None:
+    big = 400  # 40 page messages: the sender is still writing when the header is refused
     svc = KVTransferService(staging(size(big) + size(40) - 1), WorkerMetrics(), {})
 
     async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
@@ -116,7 +105,7 @@ def test_staging_full_is_resource_exhausted_every_time_and_costs_no_pages(pulled
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (i, e.value.details())
             assert "staging full" in (e.value.details() or "")
         assert svc.staging.open_ids() == ["small"] and svc.staging.staged_bytes == size(40)
-        assert pulled == [messages(40)] + [1] * 20  # refused: the header only, no page was sent
+        assert pulled == [messages(40)] + [messages(big)] * 20  # refused after the last page
         got = svc.staging.claim("small")
         want = payload("small", 40)
         for kind in LAYERS:
@@ -129,7 +118,7 @@ def test_staging_full_is_resource_exhausted_every_time_and_costs_no_pages(pulled
             await sender.send(addr, payload("huge", 2 * big))
         assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
         assert "larger than this decode worker's whole KV staging" in (e.value.details() or "")
-        assert pulled[-1] == 1
+        assert pulled[-1] == messages(2 * big)
 
     run(body, svc)
 
@@ -158,30 +147,17 @@ def test_a_draining_decode_worker_refuses_with_its_reason(pulled: list[int]) -> 
                 await sender.send(addr, payload(f"d-{i}", 300))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert (e.value.details() or "").startswith("worker is draining")
-        assert svc.active == 0 and pulled == [1] * 10
+        assert svc.active == 0 and pulled == [messages(300)] * 10
 
     run(body, svc)
-
-
-def test_a_decode_worker_of_an_earlier_release_gets_the_pages_over_push() -> None:
-    svc = KVTransferService(staging(1 << 30), WorkerMetrics(), {})
-
-    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
-        for i in range(3):
-            assert await sender.send(addr, payload(f"old-{i}", 50)) == size(50)
-            got, want = svc.staging.claim(f"old-{i}"), payload(f"old-{i}", 50)
-            assert torch.equal(got.kv[SWA][2][1], want.kv[SWA][2][1])
-        assert list(sender._push_only) == [addr]  # UNIMPLEMENTED once: Push from then on
-
-    run(body, svc, push_only=True)
 
 
 def test_an_unexpected_failure_midway_is_internal_after_the_senders_last_page(
     pulled: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Any exception on a page (not only a refused one) waits for the sender's last message: the
-    sender gets the decode worker's INTERNAL with its reason, never grpc.aio's stand-in or an
-    InvalidStateError from a write to a finished call; nothing stays staged."""
+    sender gets the decode worker's INTERNAL with its reason, never grpc.aio's stand-in; nothing
+    stays staged."""
     import services.kv_receiver
 
     real, seen = services.kv_receiver.page_from_proto, [0]
@@ -206,29 +182,13 @@ def test_an_unexpected_failure_midway_is_internal_after_the_senders_last_page(
     run(body, svc)
 
 
-def test_push_to_a_draining_decode_worker_is_unavailable_after_the_senders_last_page(
-    pulled: list[int],
-) -> None:
-    svc = KVTransferService(staging(1 << 30), WorkerMetrics(), {}, draining=lambda: True)
-
-    async def body(sender: GrpcKVSender, addr: str, svc: KVTransferService) -> None:
-        sender._push_only[addr] = float("inf")  # as toward a decode worker of an earlier release
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await sender.send(addr, payload("late", 300))
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert (e.value.details() or "").startswith("worker is draining")
-        assert pulled == [messages(300)] and svc.active == 0  # Push: the whole stream, then the status
-
-    run(body, svc)
-
-
 class _Stalled(KVTransferService):
     """A decode worker that takes the header and then hangs (as one stopped mid-transfer)."""
 
-    async def Transfer(self, request_iterator: Any, context: Any) -> Any:  # type: ignore[override]
+    async def Push(self, request_iterator: Any, context: Any) -> Any:
         await anext(aiter(request_iterator))
         await asyncio.sleep(60)
-        yield kvpb.TransferAck()
+        return kvpb.TransferAck()
 
 
 def test_a_prefill_workers_push_ends_before_the_requests_deadline() -> None:

@@ -114,8 +114,7 @@ def get_load(address: str) -> pb.Load:
 
 
 def refused(address: str) -> None:
-    """A new Generate and a new KV transfer (Transfer, Push) are refused: UNAVAILABLE, "worker is
-    draining"."""
+    """A new Generate and a new KVTransfer.Push are refused: UNAVAILABLE, "worker is draining"."""
     from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc
 
     req = pb.GenerateRequest(request_id="new", prompt_token_ids=[5, 6, 7])
@@ -123,7 +122,6 @@ def refused(address: str) -> None:
         for call in (
             lambda: list(wgrpc.WorkerStub(ch).Generate(req, timeout=5)),
             lambda: kvgrpc.KVTransferStub(ch).Push(iter(()), timeout=5),
-            lambda: list(kvgrpc.KVTransferStub(ch).Transfer(iter(()), timeout=5)),
         ):
             with pytest.raises(grpc.RpcError) as e:
                 call()
