@@ -4,12 +4,14 @@ and the ``cluster`` marker's guard: a test not marked ``cluster`` that starts a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import multiprocessing.process
 import multiprocessing.util
 import os
 import platform
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -134,12 +136,44 @@ def _own_port_slice(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     marker = item.get_closest_marker("timeout")
     limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    reaper: threading.Timer | None = None
     if limit > 0 and _real_stderr is not None:
         faulthandler.dump_traceback_later(limit + HANG_GRACE_S, exit=True, file=_real_stderr)
+        reaper = threading.Timer(
+            max(limit + HANG_GRACE_S - REAP_LEAD_S, 1.0), _reap_children, [f"{item.nodeid} hung"]
+        )
+        reaper.daemon = True
+        reaper.start()
     try:
         return (yield)
     finally:
         faulthandler.cancel_dump_traceback_later()
+        if reaper is not None:
+            reaper.cancel()
+
+
+# Before that exit, the test's child processes are killed (when a thread can still run), and so are
+# any left when the session ends: a child stuck between fork and exec (a ``preexec_fn`` that
+# deadlocked) holds this process's descriptors, pytest-xdist's pipe among them, and would keep the
+# whole run waiting on a worker that is gone.
+REAP_LEAD_S = 20.0
+
+
+def _reap_children(why: str) -> None:
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    if children and _real_stderr is not None:
+        names = ", ".join(sorted({c.name() for c in children}))
+        os.write(_real_stderr, f"\n{why}: killing {len(children)} child processes ({names})\n".encode())
+    for c in children:
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _reap_children("left after the session")
 
 
 @pytest.fixture(scope="session")

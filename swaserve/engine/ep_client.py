@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from swaserve.engine.core_proc import CoreSpec
-    from swaserve.engine.ray_ranks import RankGroup, RayCore
+    from swaserve.engine.ray_ranks import LocalRayHead, RankGroup, RayCore
     from swaserve.kvcache.block_events import BlockEvent
     from swaserve.media.placeholders import MediaInputs
     from swaserve.transfer.kv_transfer import KVPayload
@@ -95,7 +95,7 @@ class EPEngineClient(LocalEngineClient):
         self._owner: dict[str, int] = {}
         self._dead: EngineDead | None = None
         self._group: RankGroup | None = None  # --ep-launcher ray: the ranks' placement group
-        self._ray_here = False  # a local Ray this client started
+        self._ray_head: LocalRayHead | None = None  # a local Ray this client started
 
     @property
     def running(self) -> bool:
@@ -145,7 +145,7 @@ class EPEngineClient(LocalEngineClient):
 
         cfg = self.engine_config
         cuda = (cfg.device or "").startswith("cuda") or (cfg.device is None and _cuda())
-        self._ray_here = await asyncio.to_thread(
+        self._ray_head = await asyncio.to_thread(
             init_ray, cfg.ray_address, max(len(self.ranks), usable_cpus())
         )
         group = RankGroup(len(self.ranks), gpus=1 if cuda else 0)
@@ -166,11 +166,12 @@ class EPEngineClient(LocalEngineClient):
         if self._group is not None:
             await asyncio.to_thread(self._group.remove)
             self._group = None
-        if self._ray_here:
+        if self._ray_head is not None:
             import ray
 
+            head, self._ray_head = self._ray_head, None
             await asyncio.to_thread(ray.shutdown)
-            self._ray_here = False
+            await asyncio.to_thread(head.stop)
 
     def _rank_dead(self, rank: int, message: str) -> None:
         if self._dead is not None:

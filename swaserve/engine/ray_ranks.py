@@ -7,11 +7,10 @@ one node, all or nothing); each actor runs the engine-core loop (``engine.core_p
 process. ``RayCore`` is the handle ``MPEngineClient`` holds instead of a child process: waiting on
 it awaits the actor's ``run`` (an actor that dies or is killed ends it), killing it kills the actor.
 
-Without ``ray_address`` a local Ray starts in this process, pinned to 127.0.0.1: Ray turns a
-loopback node address into the machine's routable one (``ray._private.services
-.resolve_ip_for_localhost``) and its servers bind to the node address, so that one function is
-replaced for the call (the only way to keep a local Ray on loopback). With an address (or
-``RAY_ADDRESS``) the instance joins that cluster. Usage stats are off unless
+Without ``ray_address`` a local Ray head starts in a child process (``engine.ray_head``: Ray's
+process spawning is not safe from this many-threaded process), pinned to 127.0.0.1, and this
+process joins it as a driver; ``LocalRayHead.stop`` ends it. With an address (or ``RAY_ADDRESS``)
+the instance joins that cluster. Usage stats are off unless
 ``RAY_USAGE_STATS_ENABLED`` says otherwise. Ranks must share the front's node (the core IPC is a
 Unix socket); a group placed elsewhere is refused.
 """
@@ -22,12 +21,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-OBJECT_STORE_BYTES = 96 << 20  # a local Ray's object store: the ranks pass no objects through it
 PLACEMENT_TIMEOUT_S = 60.0
+HEAD_START_TIMEOUT_S = 90.0  # a local Ray head that has not reported its address by then is killed
+HEAD_STOP_TIMEOUT_S = 30.0
 
 
 class RayUnavailable(RuntimeError):
@@ -42,39 +46,90 @@ def _ray() -> Any:
     return ray
 
 
-def init_ray(address: str | None, num_cpus: int) -> bool:
-    """Connect to Ray at ``address`` (or ``RAY_ADDRESS``), else start a local one on 127.0.0.1
-    with ``num_cpus`` CPUs; returns whether it started one here (to shut it down at the end)."""
+class LocalRayHead:
+    """A local Ray head in a child process (``python -m swaserve.engine.ray_head``).
+
+    Args:
+        num_cpus: CPUs it offers. timeout_s: seconds to report its GCS address.
+
+    Raises:
+        RayUnavailable: it exited, or reported nothing within ``timeout_s`` (it is killed).
+    """
+
+    def __init__(self, num_cpus: int, timeout_s: float = HEAD_START_TIMEOUT_S) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swaserve.engine.ray_head", "--num-cpus", str(num_cpus)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        timer = threading.Timer(timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            assert self.proc.stdout is not None
+            report = self.proc.stdout.read()  # the head closes its stdout once it has reported
+        finally:
+            timer.cancel()
+            self.proc.stdout.close()  # type: ignore[union-attr]
+        if not report.startswith("ADDRESS "):
+            code = self.stop()
+            why = f"killed after {timeout_s:g} s" if code == -signal.SIGKILL else f"exit code {code}"
+            raise RayUnavailable(f"the local Ray head did not start ({why}; its reason is in the log above)")
+        self.address = report.split()[1]
+
+    def stop(self) -> int | None:
+        """End the head (Ray and its processes with it); returns its exit code (idempotent)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            return self.proc.wait(HEAD_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the local Ray head did not stop in %.0f s: killing it", HEAD_STOP_TIMEOUT_S)
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def init_ray(address: str | None, num_cpus: int) -> LocalRayHead | None:
+    """Join Ray at ``address`` (or ``RAY_ADDRESS``), else start a local head on 127.0.0.1 with
+    ``num_cpus`` CPUs and join it; returns that head (the caller stops it after
+    ``ray.shutdown()``), or None when Ray was already up or joined elsewhere.
+
+    Raises:
+        RayUnavailable: Ray is not installed, or the local head did not start.
+    """
     ray = _ray()
     if ray.is_initialized():
-        return False
+        return None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, configure_logging=False, log_to_driver=True)
-        return False
-    import ray._private.services as services
+        return None
+    from swaserve.engine.ray_head import LOOPBACK, loopback_node
 
-    keep = services.resolve_ip_for_localhost
-    services.resolve_ip_for_localhost = lambda host: host  # type: ignore[assignment]
+    head = LocalRayHead(num_cpus)
     try:
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            object_store_memory=OBJECT_STORE_BYTES,
-            configure_logging=False,
-            log_to_driver=True,
+        # as ray.init(address="auto") does for a local cluster: the token the head made or found
+        # (~/.ray/auth_token, unless RAY_AUTH_MODE / RAY_AUTH_TOKEN say otherwise) authenticates us
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
         )
-    finally:
-        services.resolve_ip_for_localhost = keep  # type: ignore[assignment]
-    node_ip = ray.util.get_node_ip_address()
-    if node_ip != "127.0.0.1":
-        ray.shutdown()
-        raise RayUnavailable(
-            f"a local Ray came up on {node_ip}, not 127.0.0.1: refusing to serve off loopback"
-        )
-    return True
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        with loopback_node():
+            ray.init(
+                address=head.address,
+                _node_ip_address=LOOPBACK,
+                configure_logging=False,
+                log_to_driver=True,
+            )
+    except BaseException:
+        head.stop()
+        raise
+    return head
 
 
 class RankGroup:

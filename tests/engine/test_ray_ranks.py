@@ -80,3 +80,46 @@ def test_ray_actor_ranks_equal_child_processes_and_a_killed_actor_ends_the_insta
     # Either rank may be seen first: the survivor's collective fails and its actor ends too,
     # sometimes before Ray reports the killed one.
     assert re.search(r"rank [01] of 2", dead[0]) and took < 15
+
+
+def test_a_local_ray_head_that_does_not_report_in_time_is_killed_with_a_clear_error() -> None:
+    from swaserve.engine.ray_ranks import LocalRayHead, RayUnavailable
+
+    with pytest.raises(RayUnavailable, match=r"did not start \(killed after 0.05 s"):
+        LocalRayHead(num_cpus=1, timeout_s=0.05)
+
+
+def test_a_local_ray_head_ends_with_its_parent() -> None:
+    """The head serves until its stdin closes: a front killed with SIGKILL takes Ray down with it
+    (no orphaned GCS or raylet)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    front = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from swaserve.engine.ray_ranks import LocalRayHead; import time\n"
+            "h = LocalRayHead(num_cpus=1); print(h.proc.pid, h.address, flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert front.stdout is not None
+        pid_s, address = front.stdout.readline().split()
+        assert address.startswith("127.0.0.1:")
+        head = psutil.Process(int(pid_s))
+        ray_procs = head.children(recursive=True)
+        assert any("gcs_server" in p.name() for p in ray_procs), [p.name() for p in ray_procs]
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait(10)
+        _, alive = psutil.wait_procs([head, *ray_procs], timeout=60)
+        assert not alive, [p.name() for p in alive]
+    finally:
+        front.kill()
+        front.wait()
