@@ -173,6 +173,8 @@ def _reap_children(why: str) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.pluginmanager.has_plugin("dsession"):
+        return  # pytest-xdist's controller: its children are the workers, which reap their own
     _reap_children("left after the session")
 
 
