@@ -307,6 +307,9 @@ class WorkerService(wgrpc.WorkerServicer):
             kv_format=self.kv_format,
             max_model_len=self.engine.max_model_len,
             features=list(WORKER_FEATURES),
+            max_transfer_tokens=(
+                self.staging.max_tokens(self.engine.max_model_len) if self.staging is not None else 0
+            ),
         )
 
     async def expire_staging(self) -> None:

@@ -164,11 +164,20 @@ def _reap_children(why: str) -> None:
 
     children = psutil.Process().children(recursive=True)
     if children and _real_stderr is not None:
-        names = ", ".join(sorted({c.name() for c in children}))
+        names = "; ".join(_cmdline(c) for c in children)
         os.write(_real_stderr, f"\n{why}: killing {len(children)} child processes ({names})\n".encode())
     for c in children:
         with contextlib.suppress(psutil.Error):
             c.kill()
+
+
+def _cmdline(p: Any) -> str:
+    import psutil
+
+    try:
+        return " ".join(p.cmdline())[:200]
+    except psutil.Error:
+        return f"pid {p.pid}"
 
 
 @pytest.hookimpl(trylast=True)

@@ -261,4 +261,7 @@ class WorkerAdmin:
             "boot_id": (ld.boot_id or None) if ld is not None else None,  # its process
             "steps": ld.steps if ld is not None else None,  # its engine's progress: steps run
             "computed_tokens": ld.computed_tokens if ld is not None else None,  # ... tokens computed
+            "max_model_len": (ld.max_model_len or None) if ld is not None else None,
+            # decode: the longest prompt whose KV fits its whole staging (--staging-memory)
+            "max_transfer_tokens": (ld.max_transfer_tokens or None) if ld is not None else None,
         }

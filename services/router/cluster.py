@@ -322,6 +322,13 @@ class ClusterEngine(EngineClient):
                     f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                     f"exceeds max_model_len {self.max_model_len}"
                 )
+            staged = self.pool.max_transfer_tokens()
+            if staged is not None and len(prompt_token_ids) > staged:
+                raise ValueError(
+                    f"the prompt is too long for this deployment's decode workers: its KV "
+                    f"({len(prompt_token_ids)} tokens) is larger than any decode worker's whole KV "
+                    f"staging (at most {staged} prompt tokens, --staging-memory)"
+                )
             hashes = self.routing.hashes(prompt_token_ids)
             while True:
                 attempt += 1

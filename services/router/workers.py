@@ -194,6 +194,21 @@ class WorkerPool:
         ]
         return min([default, *lens])
 
+    def max_transfer_tokens(self) -> int | None:
+        """The longest prompt some decode worker in use can stage (``Load.max_transfer_tokens``,
+        the most of theirs); None before any has reported one."""
+        lens = [
+            w.load.max_transfer_tokens
+            for w in self.handles.values()
+            if w.role == "decode"
+            and not w.draining
+            and not w.shutting_down
+            and w.refusal is None
+            and w.load is not None
+            and w.load.max_transfer_tokens
+        ]
+        return max(lens) if lens else None
+
     def missing(self, role: str) -> str | None:
         """Why no worker of ``role`` can take requests now, for the client (None: one can)."""
         if self.up(role):

@@ -207,6 +207,29 @@ class KVStaging:
     def staged_bytes(self) -> int:
         return sum(self._bytes.values())
 
+    def transfer_bytes(self, num_tokens: int) -> int:
+        """Staging bytes a transfer of ``num_tokens`` prompt tokens takes: every full layer's KV
+        for all of them, every SWA layer's for the last ``window``."""
+        size = 0
+        for kind, n_layers in self.layers.items():
+            lo, hi = KVPayload("", num_tokens, self.window).token_range(kind)
+            s = self.shapes[kind]
+            row = self.formats[kind].token_bytes(s.kv_heads, s.head_dim, s.v_head_dim, self.dtype.itemsize)
+            size += n_layers * (hi - lo) * row
+        return size
+
+    def max_tokens(self, limit: int) -> int:
+        """The longest prompt (at most ``limit`` tokens) whose transfer fits the whole staging:
+        longer ones raise ``StagingTooSmall`` in ``begin``; 0 when not even one token fits."""
+        lo, hi = 0, limit  # transfer_bytes grows with the tokens: the last n that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.transfer_bytes(mid) <= self.max_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def begin(
         self,
         request_id: str,
@@ -236,12 +259,7 @@ class KVStaging:
             spec_drafts=list(spec_drafts or []),
             mtp_hidden=mtp_hidden,
         )
-        size = 0
-        for kind, n_layers in self.layers.items():
-            lo, hi = payload.token_range(kind)
-            s = self.shapes[kind]
-            row = self.formats[kind].token_bytes(s.kv_heads, s.head_dim, s.v_head_dim, self.dtype.itemsize)
-            size += n_layers * (hi - lo) * row
+        size = self.transfer_bytes(num_tokens)
         if size > self.max_bytes:
             raise StagingTooSmall(
                 f"the request's KV ({size} bytes) is larger than this decode worker's whole KV "

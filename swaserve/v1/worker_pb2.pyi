@@ -210,7 +210,7 @@ class PoolLoad(_message.Message):
     def __init__(self, total_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., request_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("role", "running", "waiting", "outstanding_tokens", "pools", "staged_bytes", "open_requests", "prefill_tokens", "min_prompt_tokens", "max_prompt_tokens", "index_block_tokens", "queue_order", "model_fingerprint", "model_description", "boot_id", "steps", "computed_tokens", "draining", "kv_format", "max_model_len", "features")
+    __slots__ = ("role", "running", "waiting", "outstanding_tokens", "pools", "staged_bytes", "open_requests", "prefill_tokens", "min_prompt_tokens", "max_prompt_tokens", "index_block_tokens", "queue_order", "model_fingerprint", "model_description", "boot_id", "steps", "computed_tokens", "draining", "kv_format", "max_model_len", "features", "max_transfer_tokens")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class Load(_message.Message):
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRANSFER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     running: int
     waiting: int
@@ -260,4 +261,5 @@ class Load(_message.Message):
     kv_format: str
     max_model_len: int
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pools: _Optional[_Mapping[str, PoolLoad]] = ..., staged_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., index_block_tokens: _Optional[int] = ..., queue_order: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., model_description: _Optional[str] = ..., boot_id: _Optional[str] = ..., steps: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_format: _Optional[str] = ..., max_model_len: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_transfer_tokens: int
+    def __init__(self, role: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., pools: _Optional[_Mapping[str, PoolLoad]] = ..., staged_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., index_block_tokens: _Optional[int] = ..., queue_order: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., model_description: _Optional[str] = ..., boot_id: _Optional[str] = ..., steps: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_format: _Optional[str] = ..., max_model_len: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_transfer_tokens: _Optional[int] = ...) -> None: ...

@@ -187,6 +187,32 @@ def test_bad_pages_are_refused(tiny_dir: Path) -> None:
         small.begin("d", 37)
 
 
+@pytest.mark.parametrize("window", [4, 1 << 30])  # hybrid, full layout
+def test_max_tokens_is_the_longest_transfer_that_begins(window: int) -> None:
+    """What a decode worker reports as ``Load.max_transfer_tokens`` (a router refuses longer
+    prompts up front): the next token more is ``StagingTooSmall``; the bound caps it."""
+    shape = LayerShape(2, 8, 6)
+    layers = {FULL: 1, SWA: 3}
+    for max_bytes in (0, 100, 4_000, 9_999, 50_000):
+        staging = KVStaging(layers, {FULL: shape, SWA: shape}, window, 4, torch.float32, max_bytes)
+        n = staging.max_tokens(10_000)
+        assert n < 10_000
+        if n:
+            staging.begin("fits", n)
+            staging.discard("fits")
+        with pytest.raises(StagingTooSmall):
+            staging.begin("too long", n + 1)
+        assert staging.max_tokens(n // 2) == n // 2
+    per_token = (1 + 3) * 2 * (8 + 6) * 4
+    assert KVStaging(layers, {FULL: shape, SWA: shape}, 4, 4, torch.float32, 50_000).max_tokens(10**6) == (
+        50_000 - 3 * 4 * 2 * (8 + 6) * 4
+    ) // (2 * (8 + 6) * 4)
+    assert (
+        KVStaging(layers, {FULL: shape, SWA: shape}, 1 << 30, 4, torch.float32, 50_000).max_tokens(10**6)
+        == 50_000 // per_token
+    )
+
+
 def test_a_superseded_transfer_never_touches_the_newer_one_of_its_id() -> None:
     """A retry's transfer of the same request id replaces an earlier one still arriving (the
     receiver discards it and begins anew); the earlier one's pages, finish and discard, by its own

@@ -25,13 +25,14 @@ from swaserve.config import ModelConfig
 from swaserve.launcher import Cluster
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
-from tests.helpers.cluster import WORKER_ARGS, scrape, value, wait_idle
+from tests.helpers.cluster import WORKER_ARGS, scrape, value, wait_idle, workers
 
 pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
 
 # the tiny model: 384 bytes of full KV per token + the SWA window (8 tokens x 2304 bytes); 48 KiB
 # stage a 40-token prompt (33.8 KB), not two at once, and never a 120-token one (64.5 KB)
 STAGING = 48 * 1024
+TOKEN_BYTES, WINDOW_BYTES = 384, 8 * 2304
 SHORT, LONG = 40, 120
 MODEL = "mimo-v2-tiny-v2"
 
@@ -66,13 +67,14 @@ def test_staging_sizes(tiny_dir: Path) -> None:
     m = ModelConfig.from_pretrained(tiny_dir)
     per_token = len(m.full_layers) * m.full.num_kv_heads * (m.full.head_dim + m.full.v_head_dim) * 4
     window = len(m.swa_layers) * m.swa.num_kv_heads * (m.swa.head_dim + m.swa.v_head_dim) * 4 * m.window
+    assert (per_token, window) == (TOKEN_BYTES, WINDOW_BYTES)
     assert SHORT * per_token + window <= STAGING < 2 * (SHORT * per_token + window)
     assert LONG * per_token + window > STAGING
 
 
 def stage_hog(c: Cluster, tiny_dir: Path, n: int) -> str:
     """Stage a transfer of ``n`` tokens' KV on the decode worker that no Generate claims (as a
-    prefill worker would, over ``KVTransfer.Transfer``): it holds staging until aborted."""
+    prefill worker would, over ``KVTransfer.Push``): it holds staging until aborted."""
     from services.transport import GrpcKVSender
     from swaserve.config import FULL, SWA
     from swaserve.transfer.kv_transfer import KVPayload
@@ -142,18 +144,30 @@ def test_staging_full_is_a_503_and_an_error_event(small: Cluster, tiny_dir: Path
     wait_idle(small)
 
 
-def test_a_prompt_whose_kv_is_larger_than_the_staging_is_a_400(small: Cluster) -> None:
-    """No retry can stage it: a 400 naming the limit (a 503 made clients retry in vain)."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_whose_kv_is_larger_than_the_staging_is_a_400(small: Cluster, stream: bool) -> None:
+    """No retry can stage it: a 400 naming the limit (a 503 made clients retry in vain), up front
+    from the decode worker's reported limit, so a stream gets it before any event too."""
     url = small.url
     before = scrape(url)
-    r = httpx.post(f"{url}/v1/completions", json=body(prompt(LONG, 5)), timeout=60)
+    limit = (STAGING - WINDOW_BYTES) // TOKEN_BYTES  # 80 prompt tokens
+    reported = {w["role"]: w["max_transfer_tokens"] for w in workers(url).values()}
+    assert reported == {"prefill": None, "decode": limit}, reported
+    r = httpx.post(f"{url}/v1/completions", json=body(prompt(limit + 1, 5), stream=stream), timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert "too long for this deployment's decode workers" in err["message"], err
-    assert "larger than this decode worker's whole KV staging" in err["message"], err
+    assert f"at most {limit} prompt tokens, --staging-memory" in err["message"], err
     after = scrape(url)
     invalid = value(after, "swaserve:router_requests_total", status="invalid")
     assert invalid - value(before, "swaserve:router_requests_total", status="invalid") == 1
+    retries = [
+        sum(v for (n, _), v in m.items() if n == "swaserve:router_retries_total") for m in (before, after)
+    ]
+    assert retries[0] == retries[1]  # refused before any attempt
+    ok = httpx.post(f"{url}/v1/completions", json=body(prompt(limit, 5), stream=stream), timeout=60)
+    assert ok.status_code == 200, ok.text  # the longest prompt that fits is served
+    assert "error" not in ok.text
     wait_idle(small)
 
 
