@@ -159,10 +159,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 REAP_LEAD_S = 20.0
 
 
-def _reap_children(why: str) -> None:
+def _reap_children(why: str, keep: tuple[str, ...] = ()) -> None:
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    children = [
+        c for c in psutil.Process().children(recursive=True) if not any(k in _cmdline(c) for k in keep)
+    ]
     if children and _real_stderr is not None:
         names = "; ".join(_cmdline(c) for c in children)
         os.write(_real_stderr, f"\n{why}: killing {len(children)} child processes ({names})\n".encode())
@@ -184,7 +186,12 @@ def _cmdline(p: Any) -> str:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if session.config.pluginmanager.has_plugin("dsession"):
         return  # pytest-xdist's controller: its children are the workers, which reap their own
-    _reap_children("left after the session")
+    _reap_children("left after the session", keep=MP_HELPERS)
+
+
+# multiprocessing's helpers end with this process (their pipe from it closes) and clean up after
+# it (the resource tracker unlinks leaked shared memory): not reaped at session end
+MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 @pytest.fixture(scope="session")
