@@ -97,15 +97,25 @@ class GCacheServicer(gcgrpc.GCacheServicer):
                     reply.errors.append(why)
                 group.clear()
 
+            failed: Exception | None = None
             async for chunk in request_iterator:
+                if failed is not None:
+                    continue  # refused: the rest is read and dropped, the status sent after it
                 n += 1
-                if n > limits.max_batch:
-                    raise BadRequest(f"more than {limits.max_batch} objects in one PutData stream")
-                group.append((chunk.reservation, chunk.object))
-                size += len(chunk.object)
-                if size >= COMMIT_GROUP_BYTES or len(group) >= COMMIT_GROUP_OBJECTS:
-                    await flush()
-                    size = 0
+                try:
+                    if n > limits.max_batch:
+                        raise BadRequest(f"more than {limits.max_batch} objects in one PutData stream")
+                    group.append((chunk.reservation, chunk.object))
+                    size += len(chunk.object)
+                    if size >= COMMIT_GROUP_BYTES or len(group) >= COMMIT_GROUP_OBJECTS:
+                        await flush()
+                        size = 0
+                except Exception as e:
+                    failed = e
+            if failed is not None:
+                # a status sent while a grpc.aio client is still writing reaches it as INTERNAL
+                # ("Internal error from Core", grpc/grpc#36066), so it goes after its last message
+                raise failed
             await flush()
             return reply
 
