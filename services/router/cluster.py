@@ -261,14 +261,17 @@ class ClusterEngine(EngineClient):
         return out
 
     # -- selection ----------------------------------------------------------------------------
-    def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
+    def candidates(
+        self, role: str, avoid: set[WorkerHandle], transfer_tokens: int = 0
+    ) -> dict[str, WorkerHandle]:
         """Workers of ``role`` a request may go to (``WorkerPool.candidates``)."""
-        return self.pool.candidates(role, avoid)
+        return self.pool.candidates(role, avoid, transfer_tokens)
 
     async def _choose(
         self, rid: str, prompt: list[int], hashes: list[int], params: SamplingParams, avoid: set[WorkerHandle]
     ) -> tuple[WorkerHandle, WorkerHandle, list[Lease]]:
-        ps, ds = self.candidates("prefill", avoid), self.candidates("decode", avoid)
+        ps = self.candidates("prefill", avoid)
+        ds = self.candidates("decode", avoid, handoff_tokens(prompt, params))
         if needs_prior_output(params):
             ps, ds = exact_resume_workers(ps, "prefill"), exact_resume_workers(ds, "decode")
         total = len(prompt) + params.max_tokens
@@ -279,6 +282,26 @@ class ClusterEngine(EngineClient):
         except NoInstanceError as e:
             raise NoWorkerAvailable(str(e)) from e
         return ps[d.instance], ds[d_lease.instance], [p_lease, d_lease]
+
+    def _check_staging(self, n: int) -> None:
+        """Refuse, before any attempt, a prompt of ``n`` tokens handed to a decode worker that no
+        decode worker's whole staging holds (a 400: a retry never helps), or that only decode
+        workers that look down hold (a 503)."""
+        staged = self.pool.max_transfer_tokens()
+        if not n or staged is None:
+            return
+        if n > staged:
+            raise ValueError(
+                f"the prompt is too long for this deployment's decode workers: its KV ({n} tokens) "
+                f"is larger than any decode worker's whole KV staging (at most {staged} prompt "
+                "tokens, --staging-memory)"
+            )
+        up = self.pool.max_transfer_tokens(reachable=True)
+        if up is None or n > up:
+            raise NoWorkerAvailable(
+                f"no decode worker whose KV staging holds a prompt of {n} tokens is reachable now "
+                f"(the reachable ones hold at most {up or 0}), retry later"
+            )
 
     def _release(self, *leases: Lease) -> None:
         asyncio.get_running_loop().run_in_executor(self.routing.executor, self.routing.release, *leases)
@@ -322,13 +345,7 @@ class ClusterEngine(EngineClient):
                     f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                     f"exceeds max_model_len {self.max_model_len}"
                 )
-            staged = self.pool.max_transfer_tokens()
-            if staged is not None and len(prompt_token_ids) > staged:
-                raise ValueError(
-                    f"the prompt is too long for this deployment's decode workers: its KV "
-                    f"({len(prompt_token_ids)} tokens) is larger than any decode worker's whole KV "
-                    f"staging (at most {staged} prompt tokens, --staging-memory)"
-                )
+            self._check_staging(handoff_tokens(prompt_token_ids, params))
             hashes = self.routing.hashes(prompt_token_ids)
             while True:
                 attempt += 1
@@ -438,6 +455,12 @@ class ClusterEngine(EngineClient):
         if current is not None:
             p, d, wire_id = current
             await asyncio.gather(self._abort(p, wire_id), self._abort(d, wire_id))
+
+
+def handoff_tokens(prompt: list[int], params: SamplingParams) -> int:
+    """Prompt tokens whose KV a prefill worker hands to a decode worker for this request: all of
+    them, or 0 when it ends at its first token (``max_tokens`` <= 1: no decode worker)."""
+    return len(prompt) if params.max_tokens > 1 else 0
 
 
 def exact_resume_workers(workers: dict[str, WorkerHandle], role: str) -> dict[str, WorkerHandle]:

@@ -194,9 +194,10 @@ class WorkerPool:
         ]
         return min([default, *lens])
 
-    def max_transfer_tokens(self) -> int | None:
+    def max_transfer_tokens(self, reachable: bool = False) -> int | None:
         """The longest prompt some decode worker in use can stage (``Load.max_transfer_tokens``,
-        the most of theirs); None before any has reported one."""
+        the most of theirs; ``reachable``: of those that looked reachable at their last poll or
+        call); None before any has reported one."""
         lens = [
             w.load.max_transfer_tokens
             for w in self.handles.values()
@@ -204,6 +205,7 @@ class WorkerPool:
             and not w.draining
             and not w.shutting_down
             and w.refusal is None
+            and (w.healthy or not reachable)
             and w.load is not None
             and w.load.max_transfer_tokens
         ]
@@ -222,12 +224,15 @@ class WorkerPool:
         states = "; ".join(f"{w.address}: {w.reason}" for w in mine)
         return f"no {role} worker can take requests ({states})"
 
-    def candidates(self, role: str, avoid: set[WorkerHandle]) -> dict[str, WorkerHandle]:
+    def candidates(
+        self, role: str, avoid: set[WorkerHandle], transfer_tokens: int = 0
+    ) -> dict[str, WorkerHandle]:
         """Workers of ``role`` a request may go to: the reachable ones not in ``avoid`` (the
         workers that failed this request), else the unreachable-looking ones not in it (a poll may
         be behind). Never one in ``avoid``, even when it is the only one; never a draining (removed
-        or shutting down) or refused worker. Empty: the request cannot go anywhere
-        (docs/DESIGN.md#servicesrouterclusterpy)."""
+        or shutting down) or refused worker; with ``transfer_tokens``, never a decode worker whose
+        whole staging holds less (``Load.max_transfer_tokens``). Empty: the request cannot go
+        anywhere (docs/DESIGN.md#servicesrouterclusterpy)."""
         mine = [
             w
             for w in self.handles.values()
@@ -236,6 +241,11 @@ class WorkerPool:
             and not w.shutting_down
             and w.refusal is None
             and w not in avoid
+            and (
+                w.load is None
+                or not w.load.max_transfer_tokens
+                or w.load.max_transfer_tokens >= transfer_tokens
+            )
         ]
         pool = [w for w in mine if w.healthy] or mine
         return {w.address: w for w in pool}

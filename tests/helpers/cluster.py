@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +17,33 @@ import httpx
 import pytest
 
 from swaserve.launcher import Cluster
+from swaserve.procs import ServiceProcess, free_port, grpc_ready
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
 
 MODEL = "mimo-v2-tiny-v2"
 WORKER_ARGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", "16MiB", "--page-size", "4"]
+
+
+def extra_worker(
+    c: Cluster, role: str, name: str, *args: str, model: Path | None = None
+) -> tuple[str, ServiceProcess]:
+    """A worker the routers were not started with (ready when this returns); ``model``: another
+    checkpoint than the cluster's."""
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", f"services.{role}", "--model", str(model or c.model), "--port", str(port),
+           "--metrics-port", str(free_port()), "--num-threads", "1", *WORKER_ARGS, *args]  # fmt: skip
+    svc = ServiceProcess(name, cmd, grpc_ready(addr))
+    svc.start()
+    try:
+        svc.wait_ready(300)
+    except BaseException:
+        svc.stop()
+        raise
+    return addr, svc
+
+
 CLIENT_TIMEOUT = 60.0  # < the routers' --request-timeout
 # a short poll deadline: a worker that does not answer is marked down within about 2 x 1.2 s
 FAST_POLLS = [

@@ -119,3 +119,31 @@ def test_an_abort_a_hung_worker_missed_is_sent_again_once_it_answers_a_poll() ->
         assert not w.pending_aborts
 
     asyncio.run(run())
+
+
+def test_a_decode_worker_whose_staging_cannot_hold_the_prompt_is_never_a_candidate() -> None:
+    """``Load.max_transfer_tokens``: a prompt goes only to decode workers whose whole staging holds
+    its KV (one that has not reported a limit may be tried); the largest limit, of all and of the
+    reachable ones, is what the router refuses prompts against before any attempt."""
+    from swaserve.v1 import worker_pb2 as pb
+
+    pool = WorkerPool(RouterRouting(RoutingOptions()))
+    small, big, unknown = (WorkerHandle(f"10.0.0.{i}:1", "decode", None, None) for i in (1, 2, 3))  # type: ignore[arg-type]
+    pool.handles = {w.address: w for w in (small, big, unknown)}
+    assert pool.max_transfer_tokens() is None  # nothing reported yet: no limit known
+    small.load, big.load = (
+        pb.Load(role="decode", max_transfer_tokens=5),
+        pb.Load(role="decode", max_transfer_tokens=792),
+    )
+    assert set(pool.candidates("decode", set(), 5)) == {small.address, big.address, unknown.address}
+    assert set(pool.candidates("decode", set(), 6)) == {big.address, unknown.address}
+    assert set(pool.candidates("decode", set(), 793)) == {unknown.address}
+    assert set(pool.candidates("decode", set(), 0)) == {small.address, big.address, unknown.address}
+    assert pool.max_transfer_tokens() == pool.max_transfer_tokens(reachable=True) == 792
+    big.healthy = False  # down: still the deployment's limit, not a reachable one
+    assert pool.max_transfer_tokens() == 792 and pool.max_transfer_tokens(reachable=True) == 5
+    assert set(pool.candidates("decode", set(), 300)) == {unknown.address}
+    unknown.draining = True  # removed: only the down one is left for the prompt, as a last resort
+    assert set(pool.candidates("decode", set(), 300)) == {big.address}
+    big.shutting_down = True
+    assert pool.max_transfer_tokens() == 5 and pool.candidates("decode", set(), 300) == {}

@@ -25,7 +25,7 @@ from swaserve.config import ModelConfig
 from swaserve.launcher import Cluster
 from swaserve.v1 import worker_pb2 as pb
 from swaserve.v1 import worker_pb2_grpc as wgrpc
-from tests.helpers.cluster import WORKER_ARGS, scrape, value, wait_idle, workers
+from tests.helpers.cluster import WORKER_ARGS, extra_worker, scrape, value, wait_idle, workers
 
 pytestmark = pytest.mark.cluster  # starts router and workers (``Cluster``) as child processes
 
@@ -168,6 +168,58 @@ def test_a_prompt_whose_kv_is_larger_than_the_staging_is_a_400(small: Cluster, s
     ok = httpx.post(f"{url}/v1/completions", json=body(prompt(limit, 5), stream=stream), timeout=60)
     assert ok.status_code == 200, ok.text  # the longest prompt that fits is served
     assert "error" not in ok.text
+    # one token (or none, echo): the prefill worker answers alone, no KV is handed to decode
+    for extra in ({"max_tokens": 1}, {"max_tokens": 0, "echo": True, "logprobs": 1}):
+        one = httpx.post(
+            f"{url}/v1/completions", json=body(prompt(limit + 1, 5), stream=stream, **extra), timeout=60
+        )
+        assert one.status_code == 200 and "error" not in one.text, (extra, one.text)
+    wait_idle(small)
+
+
+def test_a_prompt_only_a_larger_staging_holds_goes_to_that_decode_worker(small: Cluster) -> None:
+    """A second decode worker with 4x the staging: prompts over the first one's limit go to it
+    only (no failed transfer, no retry), streamed or not. With it down, such a prompt is a 503
+    before any stream event (not a 400: the deployment takes it once that worker is back)."""
+    url = small.url
+    limit, big = ((n - WINDOW_BYTES) // TOKEN_BYTES for n in (STAGING, 4 * STAGING))  # 80, 464
+    addr, svc = extra_worker(small, "decode", "decode-big", "--staging-memory", str(4 * STAGING))
+    try:
+        r = httpx.post(f"{url}/workers", json={"url": addr, "role": "decode"}, timeout=60)
+        assert r.status_code in (200, 201), r.text
+        assert workers(url)[addr]["max_transfer_tokens"] == big
+        before = scrape(url)
+        for stream in (False, True):
+            for seed in range(3):
+                r = httpx.post(
+                    f"{url}/v1/completions", json=body(prompt(limit + 40, seed), stream=stream), timeout=60
+                )
+                assert r.status_code == 200 and "error" not in r.text, r.text
+        after = scrape(url)
+        retries = [
+            sum(v for (n, _), v in m.items() if n == "swaserve:router_retries_total") for m in (before, after)
+        ]
+        assert retries[0] == retries[1]  # never sent to the small one
+        svc.kill()
+        assert svc.proc is not None
+        svc.proc.wait(timeout=30)
+        # the router has not polled since: the first such request finds it gone (a 503)
+        r = httpx.post(f"{url}/v1/completions", json=body(prompt(limit + 40, 7)), timeout=60)
+        assert r.status_code == 503, r.text
+        assert workers(url)[addr]["state"] == "down"
+        for stream in (False, True):
+            r = httpx.post(
+                f"{url}/v1/completions", json=body(prompt(limit + 40, 8), stream=stream), timeout=60
+            )
+            assert r.status_code == 503, r.text  # up front: no stream, no first token
+            err = r.json()["error"]
+            assert err["code"] == "no_worker_available", err
+            assert f"at most {limit}" in err["message"] and "reachable" in err["message"], err
+        r = httpx.post(f"{url}/v1/completions", json=body(prompt(limit, 9)), timeout=60)
+        assert r.status_code == 200, r.text  # the small one still serves what it holds
+    finally:
+        svc.stop()
+        httpx.request("DELETE", f"{url}/workers", json={"url": addr}, timeout=30)
     wait_idle(small)
 
 

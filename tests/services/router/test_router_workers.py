@@ -38,12 +38,13 @@ from swaserve.config import ModelConfig
 from swaserve.launcher import Cluster
 from swaserve.model.identity import model_identity
 from swaserve.model.multimodal import media_digest
-from swaserve.procs import ServiceProcess, free_port, grpc_ready, http_ready
+from swaserve.procs import ServiceProcess, free_port, http_ready
 from swaserve.redis_server import RedisServer
 from tests.helpers.cluster import (
     CLIENT_TIMEOUT,
     MODEL,
     WORKER_ARGS,
+    extra_worker,
     metric,
     prompt,
     retried,
@@ -74,25 +75,6 @@ def cluster(tiny_dir: Path, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[
     c = Cluster(tiny_dir, prefill=2, decode=1, routers=2, worker_args=WORKER_ARGS, router_args=ROUTER_ARGS)
     with running(c):
         yield c
-
-
-def extra_worker(
-    c: Cluster, role: str, name: str, *args: str, model: Path | None = None
-) -> tuple[str, ServiceProcess]:
-    """A worker the routers were not started with (ready when this returns); ``model``: another
-    checkpoint than the cluster's."""
-    port = free_port()
-    addr = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", f"services.{role}", "--model", str(model or c.model), "--port", str(port),
-           "--metrics-port", str(free_port()), "--num-threads", "1", *WORKER_ARGS, *args]  # fmt: skip
-    svc = ServiceProcess(name, cmd, grpc_ready(addr))
-    svc.start()
-    try:
-        svc.wait_ready(300)
-    except BaseException:
-        svc.stop()
-        raise
-    return addr, svc
 
 
 def body(prompt: list[int], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
