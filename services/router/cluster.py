@@ -391,7 +391,12 @@ class ClusterEngine(EngineClient):
                     resume = progress.should_resume(started[0])
                     if e.worker is not None:
                         avoid.add(e.worker)  # never again for this request
-                    left_out = [r for r in ("prefill", "decode") if not self.candidates(r, avoid)]
+                    held = handoff_tokens(prompt, wparams)  # decode workers must hold its KV
+                    left_out = [
+                        r
+                        for r in ("prefill", "decode")
+                        if not self.candidates(r, avoid, held * (r == "decode"))
+                    ]
                     if attempt > self.max_retries or left_out:  # left_out: no worker to retry on
                         last = e.no_other_worker(left_out[0]) if left_out else e
                         raise (last.interrupted(len(progress.tokens)) if resume else last.final()) from e

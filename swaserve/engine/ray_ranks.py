@@ -105,19 +105,22 @@ def init_ray(address: str | None, num_cpus: int) -> LocalRayHead | None:
         return None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS")
+    # as ray.init(address="auto") does for a cluster on this machine: the token `ray start` or the
+    # head made or found (~/.ray/auth_token, unless RAY_AUTH_MODE / RAY_AUTH_TOKEN say otherwise)
+    # authenticates us; with an explicit address Ray itself never looks (and its C++ client
+    # crashed the worker on the refusals)
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
     if address:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         ray.init(address=address, configure_logging=False, log_to_driver=True)
         return None
     from swaserve.engine.ray_head import LOOPBACK, loopback_node
 
     head = LocalRayHead(num_cpus)
     try:
-        # as ray.init(address="auto") does for a local cluster: the token the head made or found
-        # (~/.ray/auth_token, unless RAY_AUTH_MODE / RAY_AUTH_TOKEN say otherwise) authenticates us
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         with loopback_node():
             ray.init(

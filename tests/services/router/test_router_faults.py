@@ -72,9 +72,10 @@ def test_staging_sizes(tiny_dir: Path) -> None:
     assert LONG * per_token + window > STAGING
 
 
-def stage_hog(c: Cluster, tiny_dir: Path, n: int) -> str:
-    """Stage a transfer of ``n`` tokens' KV on the decode worker that no Generate claims (as a
-    prefill worker would, over ``KVTransfer.Push``): it holds staging until aborted."""
+def stage_hog(c: Cluster, tiny_dir: Path, n: int, addr: str | None = None) -> str:
+    """Stage a transfer of ``n`` tokens' KV on the decode worker (``addr``: that one) that no
+    Generate claims (as a prefill worker would, over ``KVTransfer.Push``): it holds staging
+    until aborted."""
     from services.transport import GrpcKVSender
     from swaserve.config import FULL, SWA
     from swaserve.transfer.kv_transfer import KVPayload
@@ -89,7 +90,8 @@ def stage_hog(c: Cluster, tiny_dir: Path, n: int) -> str:
              torch.zeros(hi - lo, shape.num_kv_heads, shape.v_head_dim))
             for _ in range(layers[kind])
         ]  # fmt: skip
-    (addr,) = c.worker_addresses["decode"]
+    if addr is None:
+        (addr,) = c.worker_addresses["decode"]
 
     async def send() -> None:
         sender = GrpcKVSender(4, layers)  # WORKER_ARGS' page size
@@ -177,9 +179,12 @@ def test_a_prompt_whose_kv_is_larger_than_the_staging_is_a_400(small: Cluster, s
     wait_idle(small)
 
 
-def test_a_prompt_only_a_larger_staging_holds_goes_to_that_decode_worker(small: Cluster) -> None:
+def test_a_prompt_only_a_larger_staging_holds_goes_to_that_decode_worker(
+    small: Cluster, tiny_dir: Path
+) -> None:
     """A second decode worker with 4x the staging: prompts over the first one's limit go to it
-    only (no failed transfer, no retry), streamed or not. With it down, such a prompt is a 503
+    only (no failed transfer, no retry), streamed or not; its staging full, a 503 "overloaded"
+    (a retry cannot go to the small one). With it down, such a prompt is a 503
     before any stream event (not a 400: the deployment takes it once that worker is back)."""
     url = small.url
     limit, big = ((n - WINDOW_BYTES) // TOKEN_BYTES for n in (STAGING, 4 * STAGING))  # 80, 464
@@ -200,6 +205,11 @@ def test_a_prompt_only_a_larger_staging_holds_goes_to_that_decode_worker(small: 
             sum(v for (n, _), v in m.items() if n == "swaserve:router_retries_total") for m in (before, after)
         ]
         assert retries[0] == retries[1]  # never sent to the small one
+        stage_hog(small, tiny_dir, 400, addr)  # the big one's staging full for such a prompt now
+        r = httpx.post(f"{url}/v1/completions", json=body(prompt(limit + 40, 6)), timeout=60)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "overloaded" and "retry later" in err["message"], err  # not "no worker"
         svc.kill()
         assert svc.proc is not None
         svc.proc.wait(timeout=30)
