@@ -163,8 +163,11 @@ class EPEngineClient(LocalEngineClient):
             c.launch = functools.partial(launch, r)
 
     async def _release_ray(self) -> None:
+        head_gone = self._ray_head is not None and self._ray_head.proc.poll() is not None
         if self._group is not None:
-            await asyncio.to_thread(self._group.remove)
+            if not head_gone:  # a local Ray that ended took the actors and the group with it,
+                # and Ray's calls would wait 60 s for its GCS
+                await asyncio.to_thread(self._group.remove)
             self._group = None
         if self._ray_head is not None:
             import ray

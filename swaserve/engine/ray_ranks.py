@@ -64,6 +64,7 @@ class LocalRayHead:
             stdout=subprocess.PIPE,
             env=env,
             text=True,
+            start_new_session=True,  # its own process group: Ray's processes, for ``stop``
         )
         timer = threading.Timer(timeout_s, self.proc.kill)
         timer.start()
@@ -80,16 +81,21 @@ class LocalRayHead:
         self.address = report.split()[1]
 
     def stop(self) -> int | None:
-        """End the head (Ray and its processes with it); returns its exit code (idempotent)."""
+        """End the head (Ray and its processes with it); returns its exit code (idempotent).
+        Whatever of its process group is left (a head that was killed leaves Ray's agents
+        running) is killed."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
         try:
-            return self.proc.wait(HEAD_STOP_TIMEOUT_S)
+            code = self.proc.wait(HEAD_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log.warning("the local Ray head did not stop in %.0f s: killing it", HEAD_STOP_TIMEOUT_S)
             self.proc.kill()
-            return self.proc.wait()
+            code = self.proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return code
 
 
 def init_ray(address: str | None, num_cpus: int) -> LocalRayHead | None:

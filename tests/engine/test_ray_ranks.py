@@ -123,3 +123,25 @@ def test_a_local_ray_head_ends_with_its_parent() -> None:
     finally:
         front.kill()
         front.wait()
+
+
+def test_stopping_a_local_ray_head_that_was_killed_leaves_none_of_its_processes() -> None:
+    """SIGKILL on the head leaves Ray's agents running (orphans, for about a minute); ``stop``
+    kills what is left of its process group."""
+    import os
+    import signal
+
+    import psutil
+
+    from swaserve.engine.ray_ranks import LocalRayHead
+
+    head = LocalRayHead(num_cpus=1)
+    try:
+        procs = psutil.Process(head.proc.pid).children(recursive=True)
+        assert procs
+        os.kill(head.proc.pid, signal.SIGKILL)
+        head.proc.wait(10)
+    finally:
+        head.stop()
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, [p.name() for p in alive]
