@@ -84,6 +84,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self.engine, self.opts, self.metrics = engine, opts, metrics
         self.staging = staging_for(engine, opts.staging_bytes) if opts.role == "decode" else None
         self.staged_at: dict[str, float] = {}  # staged transfers (open or complete) -> when begun
+        self._max_transfer: tuple[int, int] | None = None  # (max_model_len, longest prompt staged)
         self.media = MediaFetcher(opts.dialer, opts.media_staging_bytes, opts.media_fetch_timeout_s)
         self.aborted: dict[str, float] = {}  # recently aborted ids: a late transfer for them is refused
         self.open = 0
@@ -307,10 +308,18 @@ class WorkerService(wgrpc.WorkerServicer):
             kv_format=self.kv_format,
             max_model_len=self.engine.max_model_len,
             features=list(WORKER_FEATURES),
-            max_transfer_tokens=(
-                self.staging.max_tokens(self.engine.max_model_len) if self.staging is not None else 0
-            ),
+            max_transfer_tokens=self._max_transfer_tokens(),
         )
+
+    def _max_transfer_tokens(self) -> int:
+        """``Load.max_transfer_tokens`` (0: no staging), searched once per ``max_model_len``
+        rather than on every poll."""
+        if self.staging is None:
+            return 0
+        limit = self.engine.max_model_len
+        if self._max_transfer is None or self._max_transfer[0] != limit:
+            self._max_transfer = (limit, self.staging.max_tokens(limit))
+        return self._max_transfer[1]
 
     async def expire_staging(self) -> None:
         """Drop transfers not claimed (or not completed) in time: a router that died between its
