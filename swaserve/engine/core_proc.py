@@ -11,7 +11,8 @@ With expert parallelism (``ep_size`` > 1) the core is one rank of a ``torch.dist
 (gloo on CPU, NCCL on CUDA; ``engine.ep_client`` starts the ranks): every loop iteration all ranks
 agree with one all-reduce whether any has work and then step together (a rank without work runs
 an idle forward). A failed step or collective ends the process (exit 1): its peers' collectives
-then fail too, and the front fails the instance.
+then fail too, and the front fails the instance. The group's store and sockets listen on
+loopback only (the ranks are processes of one machine).
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+import urllib.parse
 from typing import Any
 
 import msgspec
@@ -297,15 +301,38 @@ def _join_ep_group(spec: CoreSpec) -> Any:
     cuda = torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda"))
     if cuda:
         spec.config = dataclasses.replace(cfg, device=f"cuda:{spec.ep_rank % torch.cuda.device_count()}")
+    timeout = datetime.timedelta(seconds=cfg.ep_timeout_s)
+    host, port = _loopback_rendezvous(spec.ep_init)
+    if spec.ep_rank == 0:  # torch's own TCPStore server would listen on every interface
+        listener = socket.create_server((host, port), backlog=max(128, cfg.ep_size))
+        store = dist.TCPStore(host, port, cfg.ep_size, True, timeout, master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(host, port, cfg.ep_size, False, timeout)
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=spec.ep_init,
-        rank=spec.ep_rank,
-        world_size=cfg.ep_size,
-        timeout=datetime.timedelta(seconds=cfg.ep_timeout_s),
+        "nccl" if cuda else "gloo", store=store, rank=spec.ep_rank, world_size=cfg.ep_size, timeout=timeout
     )
     log.info("expert-parallel rank %d of %d joined", spec.ep_rank, cfg.ep_size)
     return TorchComm()
+
+
+def _loopback_rendezvous(init: str) -> tuple[str, int]:
+    """(host, port) of an EP group's ``tcp://127.0.0.1:PORT`` rendezvous; the ranks are processes
+    of one machine, so gloo's pairs and NCCL's bootstrap listen on the loopback interface too
+    (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless set).
+
+    Raises:
+        ValueError: ``init`` is not a TCP address on a loopback host.
+    """
+    url = urllib.parse.urlsplit(init)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"EP rendezvous {init!r}: expected tcp://HOST:PORT")
+    if not ipaddress.ip_address(url.hostname).is_loopback:
+        raise ValueError(f"EP rendezvous {init!r}: the ranks of an instance meet on a loopback address")
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    return url.hostname, url.port
 
 
 def _serve_ep(loop: CoreLoop, inp: Any, spec: CoreSpec) -> int:

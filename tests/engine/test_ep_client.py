@@ -5,11 +5,13 @@ survivor waits forever), open requests fail with ``EngineDead`` and ``on_dead`` 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from swaserve.config import EngineConfig
@@ -65,9 +67,17 @@ def test_a_hung_rank_ends_the_instance_after_the_ep_timeout(tiny_dir: Path) -> N
     assert took < 20, took  # ep_timeout_s 3 s, plus exiting
 
 
+def _listening(pid: int) -> list[str]:
+    """The TCP addresses a process listens on."""
+    conns = psutil.Process(pid).net_connections(kind="tcp")
+    return [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
+
+
 def test_ep_with_mtp_equals_one_engine_without_it(tmp_path: Path, tiny_dir: Path) -> None:
     """MTP layers are dense (no collective): each rank drafts and verifies its own requests while
-    the MoE exchanges keep the ranks in step; greedy tokens equal one engine without MTP."""
+    the MoE exchanges keep the ranks in step; greedy tokens equal one engine without MTP. The
+    ranks' rendezvous store and gloo pairs listen on loopback only (torch's store server alone
+    listens on every interface)."""
     from swaserve.engine.llm_engine import LLMEngine
     from swaserve.model.checkpoint import make_checkpoint
 
@@ -81,6 +91,10 @@ def test_ep_with_mtp_equals_one_engine_without_it(tmp_path: Path, tiny_dir: Path
         c = EPEngineClient(model, EngineConfig(**base, ep_size=2, speculative_num_steps=3))  # type: ignore[arg-type]
         await c.start()
         try:
+            pids = [r.pid for r in c.ranks]
+            listening = [ip for pid in pids if pid is not None for ip in _listening(pid)]
+            assert len(pids) == 2 and listening, (pids, listening)  # rank 0's store, the gloo pairs
+            assert all(ipaddress.ip_address(ip).is_loopback for ip in listening), listening
 
             async def one(i: int, p: list[int]) -> list[int]:
                 out: list[int] = []
