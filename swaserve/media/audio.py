@@ -24,7 +24,8 @@ float32, ~4e-5 off in the log domain at low-energy bins), then returned as float
 Token count (``audio_num_tokens``, the processor's formula): the tokenizer's conv stack gives
 ``(T + 2 - 3) // 2 + 1`` frames at 50 Hz, its pooler halves that (rounding up) to 25 Hz codes, and
 the LLM takes one embedding per group of 4 codes (rounding up): 6.25 tokens per second.
-Errors from untrusted bytes are ``MediaError``.
+Errors from untrusted bytes are ``MediaError``. PyAV is imported by the functions that use it (the
+engine loads ``AudioParams`` without FFmpeg).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import av
 import numpy as np
 
 from swaserve.media import MediaError
@@ -153,6 +153,8 @@ class AudioMeta(NamedTuple):
 
 
 def _open(data: bytes) -> Any:
+    import av
+
     if not data:
         raise MediaError("audio: empty data")
     try:
@@ -175,6 +177,8 @@ def _audio_stream(container: Any) -> Any:
 
 
 def _declared_seconds(container: Any, stream: Any) -> float | None:
+    import av
+
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
@@ -191,6 +195,8 @@ def probe_audio(data: bytes) -> AudioMeta:
     Raises:
         MediaError: not a media file, no audio stream, or an unsupported rate or channel count.
     """
+    import av
+
     with _open(data) as container:
         stream = _audio_stream(container)
         seconds = _declared_seconds(container, stream)
@@ -259,6 +265,8 @@ def decode_channels(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
             data chunk past the end of the file), an unsupported format, or longer than
             ``max_seconds``.
     """
+    import av
+
     if _wav_truncated(data):
         raise MediaError("audio: truncated WAV file (data chunk runs past the end)")
     with _open(data) as container:

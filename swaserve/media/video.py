@@ -19,8 +19,8 @@ PyAV: the time range is split into chunks, each decoded by its own thread from i
 container (seek back to a keyframe, decode, keep only the frames the chunk owns), and the result
 is pixel-equal to one sequential decode. Errors from untrusted bytes are ``MediaError``.
 
-torch is imported by the functions that use it, on first use: the router loads this module to
-count tokens and starts without torch. The sampling and the timestamps call torch on purpose: the
+torch and PyAV are imported by the functions that use them, on first use: the router loads this
+module to count tokens and starts without torch, and the engine loads its configs without FFmpeg. The sampling and the timestamps call torch on purpose: the
 processor computes them with torch ops (a float32 ``linspace`` whose CPU kernel rounds by its SIMD
 width), which a numpy imitation misses in the last bit for many lengths (so it could round to
 another frame).
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import av
 import numpy as np
 
 from swaserve.media import MediaError
@@ -161,6 +160,8 @@ class VideoTokens(NamedTuple):
 
 
 def _open(data: bytes) -> Any:
+    import av
+
     if not data:
         raise MediaError("the video is empty (0 bytes)")
     try:
@@ -171,6 +172,8 @@ def _open(data: bytes) -> Any:
 
 def _video_stream(container: Any) -> Any:
     """The first video stream that is not an attached picture (cover art), or MediaError."""
+    import av
+
     fmt = container.format.name
     if fmt.endswith("_pipe") or fmt == "image2":
         raise MediaError(f"this is a still image ({fmt.removesuffix('_pipe')}), not a video")
@@ -182,6 +185,8 @@ def _video_stream(container: Any) -> Any:
 
 
 def _codec_name(stream: Any) -> str:
+    import av
+
     try:
         name = stream.codec_context.name
     except (AttributeError, av.FFmpegError):
@@ -196,6 +201,8 @@ def _codec_name(stream: Any) -> str:
 
 
 def _meta(container: Any, stream: Any) -> VideoMeta:
+    import av
+
     codec = _codec_name(stream)
     w, h = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
     if not (0 < w <= MAX_SIDE and 0 < h <= MAX_SIDE) or w * h > MAX_FRAME_PIXELS:
@@ -351,6 +358,8 @@ def _scan(container: Any, stream: Any, targets: list[int], s: _Stream, seeked: b
     After a seek (``seeked``), frames before the first keyframe are dropped (they may lean on
     references the seek skipped) and that keyframe must not be later than the first target.
     """
+    import av
+
     out: dict[int, np.ndarray] = {}
     i, count, started = 0, 0, not seeked
     prev: Any = None
@@ -409,6 +418,8 @@ def _scan(container: Any, stream: Any, targets: list[int], s: _Stream, seeked: b
 def _decode_chunk(data: bytes, targets: list[int], s: _Stream, from_start: bool) -> dict[int, np.ndarray]:
     """One chunk in its own container: seek back to a keyframe at or before ``targets[0]`` (one
     further back each time the seek lands late; from the start as the last resort), decode."""
+    import av
+
     back = int(1 / s.time_base)  # one second, ticks
     seek_to = targets[0]
     while True:
@@ -454,6 +465,7 @@ def decode_frames(data: bytes, times: Sequence[float], threads: int = 1) -> torc
             ``2 * num_frames + 256`` frames per chunk); a result over ``MAX_OUTPUT_BYTES``.
         ValueError: ``threads < 1``, or a negative or non-finite time.
     """
+    import av
     import torch
 
     if threads < 1:

@@ -4,6 +4,8 @@ multi-threaded decoding that equals a sequential decode frame for frame. Videos 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -270,3 +272,14 @@ def test_corrupt_bytes_only_raise_media_error(videos: dict[str, bytes]) -> None:
                 bad[pos] ^= 1 << int(rng.integers(0, 8))
             with contextlib.suppress(MediaError):
                 assert _decode_all(bytes(bad), threads=3).shape[1:] == (3, 48, 64)
+
+
+@pytest.mark.cluster  # a fresh interpreter (subprocess)
+def test_the_engine_and_media_configs_load_without_pyav() -> None:
+    """PyAV (~0.1 s to import, FFmpeg's libraries) loads on first decode, not with every engine."""
+    code = (
+        "import sys; import swaserve.engine.client, swaserve.model.multimodal, swaserve.media.audio; "
+        "print('av' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
