@@ -90,8 +90,9 @@ async def _loopback(lengths: tuple[int, ...], repeats: int) -> list[dict[str, An
     import grpc
 
     from services.kv_convert import PAGES_PER_MESSAGE
+    from services.kv_receiver import KVTransferService
     from services.transport import GrpcKVSender
-    from services.worker import KVTransferService, WorkerMetrics
+    from services.worker_metrics import WorkerMetrics
     from swaserve.model.checkpoint import tokenizer_dir
     from swaserve.transfer.kv_transfer import KVPayload, KVStaging, LayerShape, expected_pages
     from swaserve.v1 import kv_transfer_pb2_grpc as kvgrpc

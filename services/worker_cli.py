@@ -6,7 +6,7 @@ prefill worker given ``--redis-url`` (or ``SWASERVE_INDEX_REDIS_URL``; not ``RED
 and a stream nobody reads in approximate mode would only cost work) publishes its prefix cache's block
 events for the routers' precise-mode index (``--index-block-tokens``, default 64).
 
-SIGTERM (or SIGINT) drains the worker (``services.worker.drain``: health NOT_SERVING, new work
+SIGTERM (or SIGINT) drains the worker (``services.worker_serve.drain``: health NOT_SERVING, new work
 refused, streams in flight finish within ``--shutdown-timeout``) and exits 0; a second signal, or
 one before the worker is ready, stops it at once. TLS: ``--grpc-tls-*`` (``services.tls``).
 """
@@ -147,7 +147,8 @@ def worker_app(role: str) -> typer.Typer:
         grpc_tls_server_name: GrpcTlsServerNameOption = None,
     ) -> None:
         from services.tls import Dialer, server_credentials
-        from services.worker import WorkerOptions, serve_worker
+        from services.worker import WorkerOptions
+        from services.worker_serve import serve_worker
         from swaserve.engine.factory import build_engine_client, check_ep, check_kv_formats
         from swaserve.model.checkpoint import default_model_dir
 
