@@ -86,7 +86,8 @@ class WorkerService(wgrpc.WorkerServicer):
         mdigest = None if engine.media_config is None else engine.media_config.digest()
         self.identity = model_identity(cfg, engine.tokenizer, engine.model_name, mdigest)
         formats = engine_formats(engine.engine_config, cfg)
-        self.kv_format = format_label(str(engine.kv_dtype).removeprefix("torch."), formats)
+        label = format_label(str(engine.kv_dtype).removeprefix("torch."), formats)
+        self.kv_format = f"{label} page={engine.engine_config.page_size}"  # KV transfers need both
         self.boot_id = uuid.uuid4().hex  # this process: a restart draws a new one
         self.sender: KVSender = GrpcKVSender(
             engine.engine_config.page_size,

@@ -67,7 +67,7 @@ def test_quantized_pd_equals_one_engine_and_names_its_format(
         assert r["choices"][0]["token_ids"] == w
     ws = workers(c.url)
     assert len(ws) == 2 and {w["kv_format"] for w in ws.values()} == {
-        f"float32 full={full_fmt} swa={swa_fmt}"
+        f"float32 full={full_fmt} swa={swa_fmt} page=4"
     }, ws
     wait_idle(c)
     m = scrape(c.metrics_urls["decode-0"])

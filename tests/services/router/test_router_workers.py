@@ -514,21 +514,24 @@ def test_a_change_made_while_redis_is_down_reaches_the_other_router_when_it_is_b
 
 
 def test_a_worker_of_another_kv_format_is_refused(cluster: Cluster) -> None:
-    """Prefill pages go to decode workers unconverted: a worker storing int8 KV pages cannot join
-    workers storing the model dtype (400 kv_format_mismatch naming both); /workers shows each
-    worker's format."""
+    """Prefill pages go to decode workers unconverted and unre-paged: a worker storing int8 KV pages,
+    or pages of another size, cannot join workers storing the model dtype in 4-token pages (400
+    kv_format_mismatch naming both); /workers shows each worker's format."""
     a = cluster.urls[0]
     ws = workers(a)
-    assert {w["kv_format"] for w in ws.values()} == {"float32 full=auto swa=auto"}, ws
-    addr, svc = extra_worker(cluster, "decode", "decode-int8", "--kv-cache-dtype", "int8")
-    try:
-        r = httpx.post(f"{a}/workers", json={"url": addr, "role": "decode"}, timeout=30)
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["code"] == "kv_format_mismatch", r.text
-        assert (
-            "'float32 full=int8/g0/scale=f32-after-data swa=int8/g0/scale=f32-after-data'" in err["message"]
-        )
-        assert "'float32 full=auto swa=auto'" in err["message"] and "--kv-cache-dtype" in err["message"]
-        assert set(workers(a)) == set(ws)  # nothing was added
-    finally:
-        svc.stop()
+    assert {w["kv_format"] for w in ws.values()} == {"float32 full=auto swa=auto page=4"}, ws
+    int8 = "'float32 full=int8/g0/scale=f32-after-data swa=int8/g0/scale=f32-after-data page=4'"
+    for name, args, theirs, flag in [
+        ("decode-int8", ("--kv-cache-dtype", "int8"), int8, "--kv-cache-dtype"),
+        ("decode-page8", ("--page-size", "8"), "'float32 full=auto swa=auto page=8'", "--page-size"),
+    ]:
+        addr, svc = extra_worker(cluster, "decode", name, *args)
+        try:
+            r = httpx.post(f"{a}/workers", json={"url": addr, "role": "decode"}, timeout=30)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "kv_format_mismatch", r.text
+            assert theirs in err["message"] and flag in err["message"], err["message"]
+            assert "'float32 full=auto swa=auto page=4'" in err["message"]
+            assert set(workers(a)) == set(ws)  # nothing was added
+        finally:
+            svc.stop()
