@@ -87,7 +87,9 @@ class WorkerService(wgrpc.WorkerServicer):
         self.identity = model_identity(cfg, engine.tokenizer, engine.model_name, mdigest)
         formats = engine_formats(engine.engine_config, cfg)
         label = format_label(str(engine.kv_dtype).removeprefix("torch."), formats)
-        self.kv_format = f"{label} page={engine.engine_config.page_size}"  # KV transfers need both
+        ecfg = engine.engine_config  # KV transfers need all of these to agree
+        layout = "" if ecfg.kv_layout == "hybrid" else f" layout={ecfg.kv_layout}"
+        self.kv_format = f"{label} page={ecfg.page_size}{layout}"
         self.boot_id = uuid.uuid4().hex  # this process: a restart draws a new one
         self.sender: KVSender = GrpcKVSender(
             engine.engine_config.page_size,

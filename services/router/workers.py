@@ -395,7 +395,7 @@ class WorkerPool:
             if o.address != address and o.healthy and theirs and theirs != mine:
                 return (
                     f"its KV format is {mine!r}, the workers in routing use {theirs!r} ({o.address}): "
-                    "prefill pages are never converted, so give every worker the same --dtype, --page-size, "
+                    "prefill pages are never converted, so give every worker the same --dtype, --page-size, --kv-layout, "
                     "--kv-cache-dtype, --kv-cache-dtype-swa, --kv-quant-group, --kv-kivi-group and "
                     "--kv-kivi-residual"
                 )
