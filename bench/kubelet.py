@@ -229,6 +229,7 @@ class Kubelet:
         env = {
             k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "SWASERVE_CACHE", "TMPDIR")
         }
+        env["PATH"] = f"{self._image_bin()}{os.pathsep}{env.get('PATH', os.defpath)}"
         env.update(self.env)
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
         if pod.template["spec"].get("automountServiceAccountToken"):
@@ -245,6 +246,15 @@ class Kubelet:
                 ref = src["secretKeyRef"]
                 env[e["name"]] = self._resolve(self.secrets[ref["name"]][ref["key"]])
         return env
+
+    def _image_bin(self) -> Path:
+        """A directory on the containers' PATH whose ``redis-server`` is this machine's, for
+        containers that start it from a shell script (``python`` is mapped in ``_argv``)."""
+        path = self.workdir / "image-bin"
+        path.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            (path / "redis-server").symlink_to(_redis_binary())
+        return path
 
     @staticmethod
     def _expand(text: str, env: Mapping[str, str]) -> str:

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import typer
 
@@ -148,6 +153,9 @@ TYPOS = [
         "/prefill/buckets/0/ep/size",
     ),
     ({"decode": {"ep": {"size": 2}}}, "additional properties 'ep'"),  # EP is the prefill workers'
+    ({"decode": {"env": [{"value": "bar"}]}}, "/decode/env/0"),  # an EnvVar needs its name
+    ({"image": {"variant": "rocm"}}, "/image/variant"),
+    ({"model": {"kvArgs": "--page-size 8"}}, "/model/kvArgs"),
 ]
 
 
@@ -240,6 +248,31 @@ FAILS = [
         {"model": {"speculativeNumSteps": 2}, "decode": {"engineArgs": ["--speculative-num-steps", "0"]}},
         "set model.speculativeNumSteps instead",
     ),
+    ({"decode": {"engineArgs": ["--page-size", "8"]}}, "engineArgs has --page-size: set it in model.kvArgs"),
+    (
+        {"prefill": {"defaults": {"engineArgs": ["--kv-cache-dtype=int8"]}}},
+        "engineArgs has --kv-cache-dtype=int8: set it in model.kvArgs",
+    ),
+    ({"decode": {"engineArgs": ["--kv-kivi-residual", "64"]}}, "engineArgs has --kv-kivi-residual"),
+    (
+        {"decode": {"podLabels": {"app.kubernetes.io/component": "x"}}},
+        "podLabels has app.kubernetes.io/component",
+    ),
+    ({"router": {"podLabels": {"swaserve.io/role": "decode"}}}, "router: podLabels has swaserve.io/role"),
+    ({"gcache": {"enabled": True, "podLabels": {"app.kubernetes.io/name": "x"}}}, "gcache: podLabels has"),
+    (
+        {"encoder": {"enabled": True, "podLabels": {"app.kubernetes.io/instance": "x"}}},
+        "encoder: podLabels has",
+    ),
+    (
+        {"serviceAccount": {"create": False}},
+        "router.discovery.mode kubernetes with serviceAccount.create false needs serviceAccount.name",
+    ),
+    (  # 6.4G is 6.4 GiB to the GCache node (--dram), over a 6Gi limit
+        {"gcache": {"enabled": True, "dram": "6.4G"}},
+        "gcache.dram 6.4G does not fit gcache.resources.limits.memory 6Gi",
+    ),
+    ({"gcache": {"enabled": True, "nvme": {"capacity": "71G"}}}, "71G is more than its pvc volume's 70Gi"),
     ({"gcache": {"enabled": True, "ucx": {"tcpPortRange": "50200-50100"}}}, "needs 1 <= LO <= HI <= 65535"),
     ({"encoder": {"enabled": True, "device": "cuda"}}, "encoder.device cuda needs encoder.gpus >= 1"),
     (
@@ -302,6 +335,50 @@ def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], message
         render(values)
 
 
+def test_kv_args_reach_every_prefill_and_decode_worker_and_labels_of_others_are_kept() -> None:
+    values = {
+        "model": {"kvArgs": ["--kv-cache-dtype", "fp8_e4m3", "--page-size=8"]},
+        "prefill": {
+            "buckets": [{"name": "a", "promptLenRange": "0-4k"}, {"name": "b", "promptLenRange": "4k-"}]
+        },
+        "decode": {"podLabels": {"team": "kv", "app.kubernetes.io/part-of": "serving"}},
+    }
+    docs = render(values)
+    workers = [
+        d
+        for d in _objects(docs, "Deployment")
+        if "swaserve.io/role" in d["spec"]["template"]["metadata"]["labels"]
+    ]
+    assert len(workers) == 3
+    for d in workers:
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert _arg({"args": args}, "--kv-cache-dtype") == "fp8_e4m3" and "--page-size=8" in args, args
+    labels = _by_name(docs, "Deployment", f"{RELEASE}-swaserve-decode")["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    assert labels["team"] == "kv" and labels["app.kubernetes.io/part-of"] == "serving"
+    assert labels["app.kubernetes.io/component"] == "decode"
+
+
+def test_a_bucket_clears_the_defaults_expert_placement() -> None:
+    ranks = [list(range(8)), list(range(8, 16))]
+    values = {
+        "prefill": {
+            "defaults": {"ep": {"size": 2, "placement": {"ranks": ranks}}},
+            "buckets": [
+                {"name": "short", "promptLenRange": "0-4k", "ep": {"size": 1, "placement": {}}},
+                {"name": "long", "promptLenRange": "4k-"},
+            ],
+        }
+    }
+    docs = render(values)
+    short = _by_name(docs, "Deployment", f"{RELEASE}-swaserve-prefill-short")["spec"]["template"]["spec"]
+    assert not [a for a in short["containers"][0]["args"] if a.startswith("--ep-")]
+    assert {
+        d["metadata"]["name"] for d in _objects(docs, "ConfigMap") if d["metadata"]["name"].endswith("-ep")
+    } == {f"{RELEASE}-swaserve-prefill-long-ep"}
+
+
 def test_a_probe_handler_can_be_replaced_by_nulling_the_default() -> None:
     values = {
         "router": {"livenessProbe": {"tcpSocket": None, "httpGet": {"path": "/health", "port": "http"}}}
@@ -325,6 +402,45 @@ def test_user_env_replaces_the_charts_entry_of_the_same_name() -> None:
     assert "REDIS_PASSWORD" in names  # the chart's other entries stay
 
 
+@pytest.mark.cluster  # runs the rendered command: sh and this machine's redis-server
+def test_the_bundled_redis_reads_its_password_from_stdin_not_argv(tmp_path: Path) -> None:
+    import redis
+
+    from swaserve.procs import free_port
+    from swaserve.redis_server import redis_binary
+
+    spec = _by_name(render({}), "StatefulSet", f"{RELEASE}-swaserve-redis")["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    args, port = list(c["args"]), free_port()
+    args[args.index("--port") + 1], args[args.index("--bind") + 1] = str(port), "127.0.0.1"
+    args[args.index("--dir") + 1] = str(tmp_path)
+    image_bin = tmp_path / "bin"
+    image_bin.mkdir()
+    (image_bin / "redis-server").symlink_to(redis_binary())
+    password = "a \"quoted\\ pa$$ word's"
+    env = {"PATH": f"{image_bin}{os.pathsep}{os.environ['PATH']}", "REDIS_PASSWORD": password}
+    proc = subprocess.Popen(
+        [*c["command"], *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        client = redis.Redis(port=port, password=password, socket_timeout=5)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong", socket_timeout=5).ping()
+        cmdline = " ".join(psutil.Process(proc.pid).cmdline())  # exec'd: the server itself
+        assert "redis-server" in cmdline and password not in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_long_names_are_cut_to_what_keda_accepts() -> None:
     values = {
         "prefill": {"buckets": [{"name": "b" * 20, "promptLenRange": "0-", "autoscaling": {"enabled": True}}]}
@@ -341,7 +457,7 @@ def test_redis_password_reaches_every_client_from_a_secret() -> None:
     redis = _by_name(docs, "StatefulSet", f"{RELEASE}-swaserve-redis")["spec"]["template"]["spec"][
         "containers"
     ][0]
-    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert redis["env"][0]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-swaserve-redis"
     for name in (f"{RELEASE}-swaserve-router", f"{RELEASE}-swaserve-prefill-all"):
         c = _by_name(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e for e in c["env"]}
@@ -602,6 +718,10 @@ def test_keys_come_from_secrets_never_from_values_or_args() -> None:
     for _, t in _pod_templates(docs):
         args = " ".join(t["spec"]["containers"][0].get("args", []))
         assert "api-key" not in args and "admin-token" not in args
+    for _, t in _pod_templates(render({})):  # the bundled Redis reads its password from stdin
+        for c in t["spec"]["containers"]:
+            argv = [*c.get("command", []), *c.get("args", [])]
+            assert not [a for a in argv if "$(REDIS_PASSWORD)" in a or a == "--requirepass"], argv
 
 
 def test_tls_mounts_certificates_and_probes_use_the_plaintext_health_port() -> None:
@@ -969,7 +1089,7 @@ def test_encoder_options_image_threads_prestop_and_local_media() -> None:
     ]
     assert _arg({"args": router}, "--allowed-local-media-path") == "/models/media"
     # the other pods keep the chart's image
-    assert _container(docs, "Deployment", ROUTER)["image"] == "swaserve:0.1.0"
+    assert _container(docs, "Deployment", ROUTER)["image"] == "swaserve:0.1.0-cpu"
 
 
 def test_encoder_network_policy_admits_routers_and_prefill_workers_only() -> None:

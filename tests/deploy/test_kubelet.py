@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.helpers.chart import NAMESPACE, RELEASE, render
@@ -27,10 +28,12 @@ PREFILL, DECODE, ROUTER = f"{FULL}-prefill-all", f"{FULL}-decode", f"{FULL}-rout
 
 def chart_values(model_dir: Path) -> dict[str, Any]:
     """The chart on the tiny model (a hostPath volume), fast polls and short drains."""
-    worker = {"engineArgs": [*WORKER_ARGS, "--num-threads", "1"], "preStopSleep": 1, "shutdownTimeout": 30}
+    i = WORKER_ARGS.index("--page-size")  # the KV's identity: one value for every worker
+    engine = [*WORKER_ARGS[:i], *WORKER_ARGS[i + 2 :], "--num-threads", "1"]
+    worker = {"engineArgs": engine, "preStopSleep": 1, "shutdownTimeout": 30}
     return {
         "model": {"source": "hostPath", "hostPath": {"path": str(model_dir)}, "mountPath": "/models", "path": "/models",
-                  "servedModelName": "m"},
+                  "servedModelName": "m", "kvArgs": WORKER_ARGS[i : i + 2]},
         "router": {
             "replicas": 1,
             "pollInterval": 0.2,
@@ -123,6 +126,11 @@ def test_the_chart_runs_discovers_scales_and_drains(tiny_dir: Path, tmp_path: Pa
         }
         wait_for("the router to discover the worker pods", lambda: _in_use(base, token) == expected)
         assert httpx.get(f"{base}/workers", timeout=10).status_code == 401
+        # the bundled Redis runs with the Secret's password (the router authenticates) off its argv
+        password = kubelet.secrets[f"{FULL}-redis"]["password"]
+        [redis] = [p for p in kubelet.pods.values() if p.labels.get("app.kubernetes.io/component") == "redis"]
+        assert password not in (redis.dir / "argv").read_text()
+        assert redis.proc is not None and password not in " ".join(psutil.Process(redis.proc.pid).cmdline())
         for pod in kubelet.pods.values():  # each worker serves its own load, labelled as routers label it
             if pod.name in addr:
                 text = httpx.get(f"http://{pod.ip}:9090/metrics", timeout=10).text

@@ -37,7 +37,7 @@ app.kubernetes.io/name={{ .Chart.Name }},app.kubernetes.io/instance={{ .Release.
 {{- end -}}
 
 {{- define "swaserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) .Values.image.tag) -}}
 {{- end -}}
 
 {{- define "swaserve.apiKeySecret" -}}
@@ -259,14 +259,14 @@ topologySpreadConstraints:
 {{- end }}
 {{- $g := .Values.gcache }}
 {{- with dig "limits" "memory" "" $g.resources }}
-{{- if ge (include "swaserve.sizeBytes" $g.dram | int64) (include "swaserve.quantityBytes" . | int64) }}
+{{- if ge (include "swaserve.bytes" $g.dram | int64) (include "swaserve.quantityBytes" . | int64) }}
 {{- fail (printf "gcache.dram %s does not fit gcache.resources.limits.memory %s (the node holds its DRAM tier plus about 1 GiB)" $g.dram .) }}
 {{- end }}
 {{- end }}
 {{- if $g.nvme.enabled }}
 {{- $room := "" }}
 {{- if eq $v.type "pvc" }}{{ $room = $v.size }}{{ else if eq $v.type "emptyDir" }}{{ $room = $v.emptyDir.sizeLimit }}{{ end }}
-{{- if and $room (gt (include "swaserve.sizeBytes" $g.nvme.capacity | int64) (include "swaserve.quantityBytes" $room | int64)) }}
+{{- if and $room (gt (include "swaserve.bytes" $g.nvme.capacity | int64) (include "swaserve.quantityBytes" $room | int64)) }}
 {{- fail (printf "gcache.nvme.capacity %s is more than its %s volume's %s (the tier preallocates its slot files)" $g.nvme.capacity $v.type $room) }}
 {{- end }}
 {{- end }}
@@ -365,14 +365,6 @@ comes from a Secret and may have a query of its own: the client reads a second "
 {{- end -}}
 {{- end -}}
 
-{{/* Bytes of a size the services' CLIs take (512MiB, 4GiB, 1.5G, 4096): a B suffix dropped, K
-    read as k, then as a Kubernetes quantity. */}}
-{{- define "swaserve.sizeBytes" -}}
-{{- $s := trimSuffix "B" (toString .) -}}
-{{- if hasSuffix "K" $s }}{{ $s = printf "%sk" (trimSuffix "K" $s) }}{{ end -}}
-{{- include "swaserve.quantityBytes" $s -}}
-{{- end -}}
-
 {{/* Encoders' guards. */}}
 {{- define "swaserve.encoderChecks" -}}
 {{- $e := .Values.encoder }}
@@ -447,4 +439,15 @@ comes from a Secret and may have a query of its own: the client reads a second "
 {{- range $r := . }}{{ $experts := list }}{{ range $e := $r }}{{ $experts = append $experts (int $e) }}{{ end }}{{ $ranks = append $ranks $experts }}{{ end -}}
 {{- dict "ranks" $ranks | toJson -}}
 {{- end -}}
+{{- end -}}
+
+{{/* A component's podLabels (dict: labels, owner), refused where they would replace the chart's
+    own: the Deployments' selectors, the discovery and the NetworkPolicies match on those. */}}
+{{- define "swaserve.podLabels" -}}
+{{- range $k, $_ := .labels }}
+{{- if or (has $k (list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component")) (hasPrefix "swaserve.io/" $k) }}
+{{- fail (printf "%s: podLabels has %s, one of the chart's own labels (selectors and worker discovery match on them): choose another key" $.owner $k) }}
+{{- end }}
+{{- end }}
+{{- with .labels }}{{ toYaml . }}{{ end }}
 {{- end -}}

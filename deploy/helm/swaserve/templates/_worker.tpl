@@ -26,6 +26,11 @@ placement's ConfigMap (prefill.yaml) mounted as the --ep-placement file.
 {{- if hasPrefix "--speculative-num-steps" (toString $a) }}
 {{- fail (printf "%s: engineArgs has %s: set model.speculativeNumSteps instead (prefill and decode must agree: prefill sends the first drafts with the KV)" $.name $a) }}
 {{- end }}
+{{- range $flag := list "--dtype" "--page-size" "--kv-layout" "--kv-cache-dtype" "--kv-quant-group" "--kv-kivi-" "--kv-sink-tokens" }}
+{{- if hasPrefix $flag (toString $a) }}
+{{- fail (printf "%s: engineArgs has %s: set it in model.kvArgs instead (every prefill and decode worker must store the same KV: prefill pages reach decode workers unconverted)" $.name $a) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- $port := int $root.Values.workerPorts.grpc -}}
 {{- $ep := default (dict "size" 1) $spec.ep -}}
@@ -79,9 +84,7 @@ spec:
         {{- with .bucket }}
         swaserve.io/bucket: {{ . }}
         {{- end }}
-        {{- with $spec.podLabels }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
+        {{- include "swaserve.podLabels" (dict "labels" $spec.podLabels "owner" .name) | nindent 8 }}
       annotations:
         swaserve.io/grpc-port: {{ $port | quote }}
         {{- with $placement }}
@@ -128,6 +131,9 @@ spec:
             {{- with $root.Values.model.speculativeNumSteps }}
             - --speculative-num-steps
             - {{ . | quote }}
+            {{- end }}
+            {{- with $root.Values.model.kvArgs }}
+            {{- toYaml . | nindent 12 }}
             {{- end }}
             {{- with include "swaserve.grpcServerTlsArgs" $root }}{{ . | nindent 12 }}{{- end }}
             {{- with include "swaserve.grpcClientTlsArgs" $root }}{{ . | nindent 12 }}{{- end }}
