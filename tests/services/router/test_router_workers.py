@@ -515,7 +515,7 @@ def test_a_change_made_while_redis_is_down_reaches_the_other_router_when_it_is_b
 
 def test_a_worker_of_another_kv_format_is_refused(cluster: Cluster) -> None:
     """Prefill pages go to decode workers unconverted and unre-paged: a worker storing int8 KV pages,
-    or pages of another size, cannot join workers storing the model dtype in 4-token pages (400
+    pages of another size or every layer's whole KV cannot join workers storing the model dtype in 4-token pages (400
     kv_format_mismatch naming both); /workers shows each worker's format."""
     a = cluster.urls[0]
     ws = workers(a)
@@ -524,6 +524,12 @@ def test_a_worker_of_another_kv_format_is_refused(cluster: Cluster) -> None:
     for name, args, theirs, flag in [
         ("decode-int8", ("--kv-cache-dtype", "int8"), int8, "--kv-cache-dtype"),
         ("decode-page8", ("--page-size", "8"), "'float32 full=auto swa=auto page=8'", "--page-size"),
+        (
+            "decode-full",
+            ("--kv-layout", "full"),
+            "'float32 full=auto swa=auto page=4 layout=full'",
+            "--kv-layout",
+        ),
     ]:
         addr, svc = extra_worker(cluster, "decode", name, *args)
         try:
