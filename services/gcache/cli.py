@@ -14,6 +14,7 @@ import errno
 import gc
 import logging
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,13 @@ class NodeServer:
         if o.nvme_dir is not None:
             nvme = NvmeTier(o.nvme_dir, o.nvme, direct=o.direct_io)
             self._direct = o.direct_io and (nvme.direct or direct_io_works(Path(o.nvme_dir)))
+            free = shutil.disk_usage(o.nvme_dir).free
+            if nvme.given + free < o.nvme:
+                log.warning(
+                    "--nvme %d bytes but %s has %d free (%d already in its slot files): writes past "
+                    "that fail and are dropped (gcache_io_errors_total); lower --nvme",
+                    o.nvme, o.nvme_dir, free, nvme.given,
+                )  # fmt: skip
         return PageStore(
             DramTier(o.dram),
             nvme,

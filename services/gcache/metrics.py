@@ -37,6 +37,8 @@ COUNTERS = {
     "put_refused": "Puts refused for lack of room (FULL).",
     "put_no_parent": "Full pages refused because their parent is not stored (NO_PARENT).",
     "lease_expired": "Read leases that ran out before their get.",
+    "io_errors": "Reads and writes the tier's disk failed (a full or failing NVMe device): the page "
+    "is a miss or stays where it was, and the NVMe tier takes no new pages for 30 s.",
 }
 KINDS = ("full", "swa")
 OP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -314,7 +314,7 @@ class GCacheNode:
                     out.append((True, ""))
                 except (KeyError, CorruptPage) as e:
                     out.append((False, str(e.args[0]) if e.args else type(e).__name__))
-                except OSError as e:  # the slot stays reserved until reclaimed
+                except OSError as e:  # the store released the slot and counted it (io_errors)
                     log.warning("gcache write failed: %s", e)
                     out.append((False, f"write failed: {e}"))
             return out

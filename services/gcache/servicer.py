@@ -45,6 +45,8 @@ class GCacheServicer(gcgrpc.GCacheServicer):
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Unavailable as e:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        except OSError as e:  # the node's disk or memory failed this call; the node goes on
+            await self._abort(context, grpc.StatusCode.INTERNAL, f"GCache node I/O error: {e}")
         finally:
             self.node.observe(op, "grpc", time.perf_counter() - t0)
 

@@ -113,6 +113,16 @@ def decode_header(obj: bytes | bytearray | memoryview) -> Header:
     return Header(kind, index, salt, key, parent, tuple(toks.tolist()), plen, pcrc)
 
 
+def check_stored(raw: bytes | memoryview) -> Header:
+    """The header of the object at the start of ``raw`` (a slot's bytes, padding after the object),
+    checked with its payload (``verify``). Raises ``CorruptPage``."""
+    h = decode_header(raw)
+    if h.object_size > len(raw):
+        raise CorruptPage("object larger than its slot")
+    verify(raw[: h.object_size], kind=h.kind, salt=h.salt, key=h.key)
+    return h
+
+
 def verify(
     obj: bytes | bytearray | memoryview,
     *,

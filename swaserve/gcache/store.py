@@ -16,6 +16,9 @@ NVMe tier's file reads and writes; injected clock).
   kind (prefix-closed: never a parent before its children).
 - ``recover``: a restarted node rebuilds its index from the NVMe slots (header and payload CRC);
   torn or bad slots are dropped.
+- NVMe I/O errors (a full or failing disk) cost that page only: a failed write drops the move or
+  the put, a failed read is a miss; the tier then takes no new pages for ``NVME_BACKOFF_S`` (DRAM
+  evicts instead of demoting) and ``io_errors`` counts them (``last_io_error`` says the last).
 
 Design and sources (Mooncake Store leases / two-phase put, SGLang HiCache): docs/DESIGN.md#gcache"""
 
@@ -36,6 +39,7 @@ from swaserve.gcache.tiers import NvmeTier, Slot, Tier
 __all__ = ["BUSY", "EXISTS", "FULL", "HEAP_SLACK", "NO_PARENT", "Block", "Entry", "PageId", "PageStore"]
 
 EXISTS, BUSY, FULL, NO_PARENT = "exists", "busy", "full", "no_parent"
+NVME_BACKOFF_S = 30.0  # after an NVMe I/O error the tier takes no new pages for this long
 
 
 @dataclass
@@ -80,6 +84,8 @@ class PageStore:
         self._ids = itertools.count(1)
         self.stats: Counter[tuple[str, str, str]] = Counter()  # (what, tier, kind) -> count
         self.recovered = {"pages": 0, "dropped": 0}
+        self.nvme_off_until = -1.0  # clock time before which the NVMe tier takes no new pages
+        self.last_io_error = ""
         # index blocks stored / removed since the last drain (the node publishes them)
         self.events: list[tuple[str, Block]] = []
         if nvme is not None:
@@ -121,9 +127,19 @@ class PageStore:
             self._count("put_zombies", e.tier, e.kind)
             self.abort(rid)
         cap = self.dram.capacity
-        if self.nvme is not None and cap and self.dram.used > self.high * cap:
+        if self._nvme_ok() and cap and self.dram.used > self.high * cap:
             while self.dram.used > self.low * cap and self._demote_any():
                 pass
+
+    def _nvme_ok(self) -> bool:
+        """Whether the NVMe tier exists and takes new pages (no I/O error in the backoff)."""
+        return self.nvme is not None and self.clock() >= self.nvme_off_until
+
+    def _io_error(self, tier: Tier, kind: int, err: OSError) -> None:
+        self._count("io_errors", tier, kind)
+        self.last_io_error = f"{tier.name}: {err}"
+        if tier is self.nvme:
+            self.nvme_off_until = self.clock() + NVME_BACKOFF_S
 
     def _demote_any(self) -> bool:
         best = None
@@ -200,7 +216,14 @@ class PageStore:
         except CorruptPage:
             self.abort(rid)
             raise
-        e.tier.write(e.slot, obj)
+        try:
+            e.tier.write(e.slot, obj)
+        except OSError as err:
+            del self.pending[rid], self._pending_ids[e.pid]
+            self._unpin(e.parent_pid)
+            Tier.release(e.tier, e.slot)
+            self._io_error(e.tier, e.kind, err)
+            raise
         del self.pending[rid], self._pending_ids[e.pid]
         self._unpin(e.parent_pid)
         e.committed = True
@@ -231,13 +254,13 @@ class PageStore:
         dsize = dram.slot_size(size)
         if dram.capacity >= dsize:
             slot = dram.alloc(size)
-            while slot is None and nvme is not None and self._demote(dsize):
+            while slot is None and self._nvme_ok() and self._demote(dsize):
                 slot = dram.alloc(size)
             while slot is None and (self._evict(dram, dsize) or self._reassign(dram, dsize)):
                 slot = dram.alloc(size)
             if slot is not None:
                 return dram, slot
-        if nvme is not None:
+        if nvme is not None and self._nvme_ok():
             slot = self._nvme_slot(size)
             if slot is not None:
                 return nvme, slot
@@ -274,7 +297,7 @@ class PageStore:
                 ]
                 spare = [i for i in tier.classes[other].free if i < span.start]
                 # DRAM with an NVMe tier behind it: the class's coldest pages move down, not out
-                down = self._demote if tier is self.dram and self.nvme is not None else None
+                down = self._demote if tier is self.dram and self._nvme_ok() else None
                 made = down(other) if down is not None else self._evict(tier, other)
                 if len(spare) >= len(inside) or any(e.leased for e in inside) or not made:
                     break
@@ -301,7 +324,12 @@ class PageStore:
         slot = self._nvme_slot(e.size) if to is self.nvme else to.alloc(e.size)
         if slot is None:
             return False
-        to.write(slot, e.tier.read(e.slot, e.size))
+        try:
+            to.write(slot, e.tier.read(e.slot, e.size))
+        except OSError as err:  # the page stays where it is; the slot's bytes are garbage
+            Tier.release(to, slot)
+            self._io_error(to if to is self.nvme else e.tier, e.kind, err)
+            return False
         self._count("demotions" if to is self.nvme else "promotions", e.tier, e.kind)
         e.tier.release(e.slot)
         e.tier, e.slot, e.nvme_reads = to, slot, 0
@@ -375,14 +403,17 @@ class PageStore:
         if e is None:
             return None
         tier = e.tier
-        obj = tier.read(e.slot, e.size) if copy or tier is self.nvme else tier.view(e.slot, e.size)
-        if tier is self.nvme:
-            try:
+        try:
+            obj = tier.read(e.slot, e.size) if copy or tier is self.nvme else tier.view(e.slot, e.size)
+            if tier is self.nvme:
                 codec.verify(obj, kind=e.kind, salt=codec.decode_header(obj).salt, key=e.key)
-            except CorruptPage:
+        except (CorruptPage, OSError) as err:
+            if isinstance(err, OSError):
+                self._io_error(tier, e.kind, err)
+            else:
                 self._count("corrupt_pages", tier, e.kind)
-                self.remove([pid])
-                return None
+            self.remove([pid])
+            return None
         self._heat_up(e, self.clock())
         self._count("reads", tier, e.kind)
         self._count("bytes_read", tier, e.kind, e.size)
@@ -400,7 +431,8 @@ class PageStore:
             return
         if dram.free_slots(dram.slot_size(e.size)) == 0:
             cold = self.heat.coldest(dram, dram.slot_size(e.size), lambda x: x.leased == 0)
-            if cold is None or cold.score >= e.score or not self._move(cold, self.nvme):  # type: ignore[arg-type]
+            nvme = self.nvme if self._nvme_ok() else None
+            if cold is None or cold.score >= e.score or nvme is None or not self._move(cold, nvme):
                 return
         self._move(e, dram)
 
@@ -440,14 +472,9 @@ class PageStore:
         for slot, size in nvme.scan():
             raw = nvme.read(slot, size)
             try:
-                h = codec.decode_header(raw)
-                if h.object_size > size:
-                    raise CorruptPage("object larger than its slot")
-                obj = raw[: h.object_size]
-                codec.verify(obj, kind=h.kind, salt=h.salt, key=h.key)
+                h = codec.check_stored(raw)
             except CorruptPage:
-                if any(raw[:4]):
-                    self.recovered["dropped"] += 1
+                self.recovered["dropped"] += any(raw[:4])  # a slot never written is no loss
                 continue
             pid = (h.key, h.kind)
             if pid in self.index:

@@ -240,7 +240,8 @@ class NvmeTier(Tier):
         """Free a slot and erase its header, so a restart never brings back a page the index
         dropped (evicted, moved to DRAM, corrupt)."""
         super().release(slot)
-        with mmap.mmap(-1, ALIGN) as zero:
+        with mmap.mmap(-1, ALIGN) as zero, contextlib.suppress(OSError):
+            # a failing disk: the stale header fails recovery's CRC check or names a valid page
             os.pwrite(self._open(slot[0]), zero, slot[1] * slot[0])
 
     def write(self, slot: Slot, data: bytes | memoryview) -> None:

@@ -432,3 +432,61 @@ def test_reading_a_long_chain_page_by_page_lifts_no_ancestor_each_time() -> None
     check(store)
     # eviction still takes the deepest of the coldest level first
     assert store.heat.coldest(store.dram, size, store._evictable) is store.index[pages[-1]["pid"]]
+
+
+def test_a_full_or_failing_nvme_disk_costs_pages_not_the_store(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The disk refuses writes (ENOSPC) and reads (EIO) from some point on, as a full or failing
+    device does: demotions and puts onto it are dropped and counted, DRAM evicts instead of
+    demoting for the backoff, reads of pages there are misses, and every call keeps working;
+    once the disk works again and the backoff has passed, demotion resumes."""
+    import errno
+
+    from swaserve.gcache import store as store_mod
+    from swaserve.gcache import tiers
+
+    clock = Clock()
+    # 10 sessions of 4 pages: leaves to evict while the disk is broken
+    pages = [p for k in range(10) for p in chain(list(range(1000 * k, 1000 * k + 16)), payload=3000)]
+    dsize = DramTier(0).slot_size(len(pages[0]["obj"]))
+    store = PageStore(DramTier(dsize * 4), NvmeTier(tmp_path, 1 << 20, False), clock=clock, promote_reads=9)
+    for p in pages[:12]:
+        put(store, p)
+        clock.t += 1
+    on_disk = [pid for pid, e in store.index.items() if e.tier is store.nvme]
+    assert on_disk and store.stats[("io_errors", "nvme", "full")] == 0
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+    broken = {"on": True}
+
+    def pwrite(fd: int, data, offset: int) -> int:  # type: ignore[no-untyped-def]
+        if broken["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    def preadv(fd: int, bufs, offset: int) -> int:  # type: ignore[no-untyped-def]
+        if broken["on"]:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(tiers.os, "pwrite", pwrite)
+    monkeypatch.setattr(tiers.os, "preadv", preadv)
+    for p in pages[12:20]:  # each put needs a DRAM slot: demotion fails once, then DRAM evicts
+        assert isinstance(put(store, p), int)
+        clock.t += 1
+        check(store)
+    assert store.stats[("io_errors", "nvme", "full")] == 1 and "No space left" in store.last_io_error
+    assert store.stats[("evictions", "dram", "full")] > 0  # instead of demotions
+    found, lease = store.lookup([p["pid"] for p in pages[16:20]])
+    assert all(found) and all(store.read(p["pid"]) == p["obj"] for p in pages[16:20])
+    store.release(lease)
+    assert store.read(on_disk[0]) is None and on_disk[0] not in store.index  # EIO: a miss
+    assert store.stats[("io_errors", "nvme", "full")] == 2
+    check(store)
+    broken["on"] = False
+    clock.t += store_mod.NVME_BACKOFF_S + 1
+    before = store.stats[("demotions", "dram", "full")]
+    for p in pages[20:32]:
+        put(store, p)
+        clock.t += 1
+    assert store.stats[("demotions", "dram", "full")] > before  # the disk is used again
+    check(store)
+    store.close()
