@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from swaserve.engine.stats import EngineStats
 from swaserve.metrics import PREFIX, token_bytes_family
-from swaserve.metrics_engine import ep_families, spec_families
+from swaserve.metrics_engine import ep_families, l3_families, spec_families
 from swaserve.metrics_router import WORKER_LABEL
 
 TEXT_FORMAT = "text/plain; version=0.0.4"
@@ -139,6 +139,8 @@ class WorkerLoadCollector(Collector):
             yield from spec_families(s.spec, dict(zip(names, self._labels, strict=True)))
         if s.ep is not None:  # expert parallel: expert load balance per MoE layer
             yield from ep_families(s.ep, dict(zip(names, self._labels, strict=True)))
+        if s.l3:  # an L3 tier (--l3-url): its lookups, fetches, losses and puts
+            yield from l3_families(s.l3, dict(zip(names, self._labels, strict=True)))
 
 
 class _Quiet(WSGIRequestHandler):

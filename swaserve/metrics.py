@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from swaserve.engine.stats import EngineStats
 from swaserve.engine.types import FinishReason, RequestOutput
 from swaserve.kvcache.stats import PoolStats
-from swaserve.metrics_engine import PREFIX, ep_families, spec_families
+from swaserve.metrics_engine import PREFIX, ep_families, l3_families, spec_families
 from swaserve.metrics_router import WORKER_LABEL, RouterStats, router_families
 
 # Bucket boundaries in seconds (the same sets vLLM exports, so SLO targets sit on boundaries).
@@ -185,6 +185,8 @@ class EngineStatsCollector(Collector):
             yield from spec_families(s.spec, {"model_name": self._model})
         if s.ep is not None:
             yield from ep_families(s.ep, {"model_name": self._model})
+        if s.l3:
+            yield from l3_families(s.l3, {"model_name": self._model})
         if r is not None:
             yield from router_families(r, self._model)
 

@@ -1,11 +1,12 @@
 """Metric families of engine features that only some engines have: MTP speculative decoding
-(vLLM's ``spec_decode_*`` counters) and expert parallelism (expert load balance per MoE layer).
+(vLLM's ``spec_decode_*`` counters), expert parallelism (expert load balance per MoE layer) and
+the L3 KV tier (GCache: lookups, fetches, losses, puts).
 Shared by ``serve``'s and the router's collector (``metrics``) and each worker's own port
 (``services.worker_metrics``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -59,3 +60,47 @@ def ep_families(ep: EPStats, labels: dict[str, str]) -> Iterator[Metric]:
         top.add_metric([*values, str(layer)], x)
         bal.add_metric([*values, str(layer)], b)
     yield from (mean, top, bal)
+
+
+# L3Tier.stats key -> (metric, help); lost_<reason> -> l3_fetches_lost_total{reason}
+L3_COUNTERS = {
+    "lookups": ("l3_lookups", "L3 lookups started (a prompt that could gain --l3-min-tokens)."),
+    "lookup_misses": ("l3_lookup_misses", "L3 lookups that found nothing worth fetching."),
+    "fetched_pages": ("l3_fetched_pages", "KV pages fetched from L3 into the host tier."),
+    "fetched_tokens": ("l3_fetched_tokens", "Prompt tokens whose KV was fetched from L3."),
+    "corrupt_pages": ("l3_corrupt_pages", "Pages fetched from L3 that failed their checks (not used)."),
+    "unfulfilled_staging_full": (
+        "l3_unfetched_host_full_tokens",
+        "Prompt tokens L3 held but no fetch took: no host-tier room for them.",
+    ),
+    "put_pages": ("l3_put_pages", "KV pages written to L3."),
+    "put_errors": ("l3_put_errors", "L3 writes that failed (node unreachable, refused, timed out)."),
+    "puts_dropped": ("l3_puts_dropped", "L3 writes not attempted: the write backlog was full."),
+}
+
+
+def l3_families(l3: Mapping[str, int], labels: dict[str, str]) -> Iterator[Metric]:
+    """The L3 tier's counters (``engine.l3_tier.L3Tier.stats``) with ``labels``: a fetch that
+    failed or ran out of time costs only its hit, so these are how an operator sees L3 trouble."""
+    names, values = list(labels), list(labels.values())
+    for key, (name, doc) in L3_COUNTERS.items():
+        fam = CounterMetricFamily(PREFIX + name, doc, labels=names)
+        fam.add_metric(values, l3.get(key, 0))
+        yield fam
+    lost = CounterMetricFamily(
+        PREFIX + "l3_fetches_lost",
+        "L3 fetches that ended without a hit, by reason (error: a node failed; deadline: "
+        "--l3-timeout-s ran out; missing, corrupt: pages gone or bad between lookup and read).",
+        labels=[*names, "reason"],
+    )
+    for reason in ("error", "deadline", "missing", "corrupt"):
+        lost.add_metric([*values, reason], l3.get(f"lost_{reason}", 0))
+    yield lost
+    nodes = CounterMetricFamily(
+        PREFIX + "l3_node_errors",
+        "Operations on one GCache node that failed (it answers absent meanwhile), by operation.",
+        labels=[*names, "op"],
+    )
+    for op in ("lookup", "get", "put", "remove"):
+        nodes.add_metric([*values, op], l3.get(f"node_errors_{op}", 0))
+    yield nodes

@@ -18,6 +18,7 @@ import contextlib
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -283,6 +284,11 @@ class RegistryL3:
         self._read_at = -float("inf")
         self._clients: dict[str, GCacheClient] = {}  # by address
         self.sharded = ShardedL3(lambda: list(self.nodes), lambda node: _NodeStore(self, node))
+
+    @property
+    def node_errors(self) -> Counter[str]:
+        """Failed node operations by kind (``ShardedL3.node_errors``)."""
+        return self.sharded.node_errors
 
     def client(self, node_id: str) -> GCacheClient:
         """The client of a live node. Raises ``L3Error`` when it is not live any more."""

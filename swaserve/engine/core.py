@@ -484,6 +484,7 @@ class EngineCore:
             if self.spec is not None
             else None,
             ep=copy.deepcopy(self.ep.stats) if self.ep is not None else None,
+            l3=self.l3.counters() if self.l3 is not None else {},
         )
 
     def drain_cache_events(self, resync: bool = False) -> list[BlockEvent]:

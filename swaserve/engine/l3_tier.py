@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ class L3Tier:
         self.known: OrderedDict[bytes, None] = OrderedDict()
         self.chain = ChainKeys(self.P, self.seed)
         self.stats: Counter[str] = Counter()
+        self._warned_at, self._failures = -math.inf, 0
         cache.l3_sink = self.sink
 
     # -- read path --------------------------------------------------------------------------------
@@ -205,7 +207,7 @@ class L3Tier:
             try:
                 result = f.future.result()
             except Exception as e:  # L3Error or a transport's own: a miss
-                log.debug("L3 %s failed: %s", f.stage, e)
+                self._warn(f"L3 {f.stage} failed: {e}")
                 self._abandon(f, "error")
                 done.append(self.fetches.pop(rid).req)
                 continue
@@ -216,6 +218,24 @@ class L3Tier:
             done.append(self.fetches.pop(rid).req)
         self._reap_puts()
         return done
+
+    def counters(self) -> dict[str, int]:
+        """``stats`` and, from a store over several nodes, its failed node operations
+        (``node_errors_<op>``: such a store answers "absent" for a failed node)."""
+        out = dict(self.stats)
+        for op, n in dict(getattr(self.io.store, "node_errors", {})).items():
+            out[f"node_errors_{op}"] = n
+        return out
+
+    def _warn(self, what: str) -> None:
+        """Log an L3 failure (each costs only its hit): the first, then at most one a minute."""
+        now = self.clock()
+        if now - self._warned_at >= 60.0:
+            log.warning("%s (%d failures since the last warning; swaserve:l3_fetches_lost_total)",
+                        what, self._failures + 1)  # fmt: skip
+            self._warned_at, self._failures = now, 0
+        else:
+            self._failures += 1
 
     def _plan(self, f: _Fetch, found: Found) -> bool:
         best = best_stop(found.present, f.d, self.wp, self.min_pages)
@@ -281,8 +301,14 @@ class L3Tier:
         if f.full or f.swa:
             self.cache.free_host(f.full, f.swa)
             f.full, f.swa = [], []
+        if f.stage == "lookup":  # its leases end once granted (now, if they are), unread
+            f.future.add_done_callback(self._release_late)
         if count:
             self.stats[f"lost_{why}"] += 1
+
+    def _release_late(self, fut: concurrent.futures.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.io.run(self.io.store.get, fut.result(), [])
 
     # -- write path -------------------------------------------------------------------------------
     def sink(self, y: RadixNode, swa_only: bool) -> None:
@@ -338,7 +364,8 @@ class L3Tier:
             self.backlog -= nbytes
             try:
                 oks = fut.result()
-            except Exception:
+            except Exception as e:
+                self._warn(f"L3 put failed: {e}")
                 self.stats["put_errors"] += 1
                 continue
             for k, ok in zip(keys, oks, strict=False):

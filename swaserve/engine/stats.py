@@ -30,6 +30,7 @@ class EngineStats:
     computed_tokens_total: int = 0  # tokens run through the model since start (prefill chunks + decode)
     spec: SpecStats | None = None  # MTP speculative decoding's counters (None: off)
     ep: EPStats | None = None  # expert load per MoE layer across the EP group (None: no EP)
+    l3: dict[str, int] = field(default_factory=dict)  # the L3 tier's counters (empty: no L3)
 
 
 def merge_stats(ranks: Sequence[EngineStats]) -> EngineStats:

@@ -10,13 +10,20 @@ caller checks each with ``codec.verify`` against its own chain. Transport failur
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
+import logging
+import math
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from swaserve.gcache.store import Block, PageId, PageStore
+
+log = logging.getLogger("swaserve.l3")
 
 Object = bytes | memoryview  # a page object as a get returns it (a view: no copy was made)
 
@@ -187,11 +194,22 @@ class _Leases:
 
 class ShardedL3:
     """``L3Store`` over several nodes. ``live()``: the node ids usable now (e.g. from the Redis
-    registry); ``connect(node_id)``: its ``L3Store``. A node that fails answers "absent"."""
+    registry); ``connect(node_id)``: its ``L3Store``. A node that fails answers "absent" (its
+    pages are misses, its puts not stored), counted in ``node_errors`` by operation and logged
+    (the first failure of a node, then at most one a minute)."""
 
     def __init__(self, live: Callable[[], Sequence[str]], connect: Callable[[str], L3Store]) -> None:
         self.live, self.connect = live, connect
         self._stores: dict[str, L3Store] = {}
+        self.node_errors: Counter[str] = Counter(dict.fromkeys(("lookup", "get", "put", "remove"), 0))
+        self._warned: dict[str, float] = {}
+
+    def _failed(self, node: str, op: str, err: L3Error) -> None:
+        self.node_errors[op] += 1
+        now = time.monotonic()
+        if now - self._warned.get(node, -math.inf) >= 60.0:
+            self._warned[node] = now
+            log.warning("gcache node %s: %s failed (%s); its pages are misses meanwhile", node, op, err)
 
     def _store(self, node: str) -> L3Store:
         s = self._stores.get(node)
@@ -215,7 +233,8 @@ class ShardedL3:
         async def one(node: str, idx: list[int]) -> None:
             try:
                 f = await self._store(node).lookup([pids[i] for i in idx])
-            except L3Error:
+            except L3Error as e:
+                self._failed(node, "lookup", e)
                 return
             leases.by_node[node] = f
             for i, ok in zip(idx, f.present, strict=True):
@@ -235,13 +254,22 @@ class ShardedL3:
             f = leases.by_node.get(node, Found([True] * len(idx)))
             try:
                 objs = await self._store(node).get(f, [pids[i] for i in idx])
-            except L3Error:
+            except L3Error as e:
+                self._failed(node, "get", e)
                 return
             for i, o in zip(idx, objs, strict=True):
                 out[i] = o
 
-        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()))
+        # the lookup's leases on nodes this get reads nothing from end too (a get of no pages)
+        rest = {n: f for n, f in leases.by_node.items() if n not in groups and f.lease}
+        await asyncio.gather(
+            *(one(n, idx) for n, idx in groups.items()), *(self._release(n, f) for n, f in rest.items())
+        )
         return out
+
+    async def _release(self, node: str, found: Found) -> None:
+        with contextlib.suppress(L3Error):
+            await self._store(node).get(found, [])
 
     async def put(self, pages: Sequence[PutPage]) -> list[bool]:
         # a segment's first page has its parent on another node (or none): stored without it
@@ -255,7 +283,8 @@ class ShardedL3:
         async def one(node: str, idx: list[int]) -> None:
             try:
                 oks = await self._store(node).put([pages[i] for i in idx])
-            except L3Error:
+            except L3Error as e:
+                self._failed(node, "put", e)
                 return
             for i, ok in zip(idx, oks, strict=True):
                 out[i] = ok
@@ -268,8 +297,8 @@ class ShardedL3:
         for node, idx in groups.items():
             try:
                 await self._store(node).remove([pids[i] for i in idx])
-            except L3Error:
-                continue
+            except L3Error as e:
+                self._failed(node, "remove", e)
 
     async def close(self) -> None:
         for s in self._stores.values():

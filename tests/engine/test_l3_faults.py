@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +31,8 @@ class Faulty:
     async def lookup(self, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> Found:
         if self.fault == "error":
             raise L3Error("injected: node unreachable")
+        if self.fault == "slow_lookup":  # answers (with a lease) after the fetch's deadline
+            await asyncio.sleep(0.6)
         return await self.inner.lookup(pids, places)
 
     async def get(self, found: Found, pids: Sequence[PageId], places: Sequence[bytes] | None = None) -> list:
@@ -71,9 +74,9 @@ def filled(tiny_dir: Path, **kw) -> EngineConfig:  # type: ignore[no-untyped-def
     return cfg
 
 
-@pytest.mark.parametrize("fault", ["evicted", "corrupt", "error", "hang"])
+@pytest.mark.parametrize("fault", ["evicted", "corrupt", "error", "hang", "slow_lookup"])
 def test_fault_costs_only_the_hit(tiny_dir: Path, base, fault: str) -> None:  # type: ignore[no-untyped-def]
-    cfg = filled(tiny_dir, l3_timeout_s=0.3 if fault == "hang" else 2.0)
+    cfg = filled(tiny_dir, l3_timeout_s=0.3 if fault in ("hang", "slow_lookup") else 2.0)
     store = local_store(cfg.l3_url.split("://")[1])  # type: ignore[union-attr]
     before = len(store.index)
     b = LLMEngine(tiny_dir, cfg)
@@ -89,6 +92,7 @@ def test_fault_costs_only_the_hit(tiny_dir: Path, base, fault: str) -> None:  # 
         "corrupt": "lost_corrupt",
         "error": "lost_error",
         "hang": "lost_deadline",
+        "slow_lookup": "lost_deadline",
     }[fault]
     assert lost.get(want, 0) > 0, dict(l3.stats)
     if fault in ("evicted", "corrupt"):
@@ -96,6 +100,24 @@ def test_fault_costs_only_the_hit(tiny_dir: Path, base, fault: str) -> None:  # 
         assert len(store.index) < before  # the bad or evicted page is gone from the store
     if fault == "corrupt":
         assert l3.stats["corrupt_pages"] > 0
+    if fault == "error":  # what an operator sees: the counters on /metrics
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from swaserve.metrics import EngineStatsCollector
+
+        reg = CollectorRegistry()
+        reg.register(EngineStatsCollector(b.core.stats, "m"))
+        text = generate_latest(reg).decode()
+        lookups = f'swaserve:l3_lookups_total{{model_name="m"}} {float(l3.stats["lookups"])}'
+        lost = (
+            f'swaserve:l3_fetches_lost_total{{model_name="m",reason="error"}} {float(l3.stats["lost_error"])}'
+        )
+        assert lookups in text and lost in text and l3.stats["lookups"] > 0, text
+    if fault == "slow_lookup":  # the leases granted after the deadline end once they arrive
+        deadline = time.monotonic() + 10
+        while store.leases:
+            assert time.monotonic() < deadline, f"{len(store.leases)} leases left held"
+            time.sleep(0.05)
 
 
 def test_no_host_room_means_no_fetch_and_is_counted(tiny_dir: Path, base) -> None:  # type: ignore[no-untyped-def]

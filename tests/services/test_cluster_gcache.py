@@ -142,6 +142,10 @@ def test_evicted_prefixes_come_back_from_l3_exactly(cluster: Cluster, reference:
     # and the worker counts them as L3 hits
     got_l3 = node_counter(cluster, "worker_prefix_cache_hits_total", "prefill-0", 'tier="l3"') - l3_hits
     assert 0 < got_l3 <= sum(cached(again))
+    # and its L3 counters: lookups, pages fetched, no fetch lost
+    assert node_counter(cluster, "l3_lookups_total", "prefill-0") > 0
+    assert node_counter(cluster, "l3_fetched_pages_total", "prefill-0") > 0
+    assert node_counter(cluster, "l3_fetches_lost_total", "prefill-0") == 0
     # the router knew: the node's blocks (precise index) credited to the worker
     assert metric(cluster.url, "swaserve:router_decisions_total", reason="l3") > routed_l3
 

@@ -51,6 +51,14 @@ def test_two_nodes_share_the_pages_and_a_dead_one_costs_only_its_own(redis_url: 
             found = await l3.lookup(pids, places)
             assert all(found.present)
             assert await l3.get(found, pids, places) == [p.obj for p in pages]
+            # a get of no pages (a miss, no staging room) or of one node's pages ends the leases
+            # the lookup took on every node, not only those it reads from
+            for read in ([], pids[:16]):
+                await l3.get(await l3.lookup(pids, places), read, places[: len(read)])
+                for addr in (addr_a, addr_b):
+                    c = GCacheClient(addr, "grpc")
+                    assert sum(t.leased for t in (await c.info()).tiers) == 0, (addr, len(read))
+                    await c.close()
             await l3.close()
             held = {}
             for name, addr in (("a", addr_a), ("b", addr_b)):
@@ -86,6 +94,7 @@ def test_two_nodes_share_the_pages_and_a_dead_one_costs_only_its_own(redis_url: 
             got = await l3.get(found, pids, places)
             assert [g is not None for g in got] == held["b"]
             assert all(g == p.obj for g, p in zip(got, pages, strict=True) if g is not None)
+            assert l3.node_errors["lookup"] > 0  # node a failed: counted for the metrics
             await l3.close()
 
         run(after())
