@@ -229,7 +229,16 @@ GCACHE = Row(
             (f"sum(rate(swaserve:gcache_put_zombies_total{R}))", "puts never committed"),
             (f"sum(rate(swaserve:gcache_lease_expired_total{R}))", "leases expired"),
             (f"sum(rate(swaserve:gcache_corrupt_pages_total{R}))", "corrupt pages"),
-        ), "short", "Pages per second. Corrupt pages are deleted, never served: a disk or memory fault."),
+            (f"sum by (tier) (rate(swaserve:gcache_io_errors_total{R}))", "{{tier}} I/O errors"),
+        ), "short", "Pages per second. Corrupt pages are deleted, never served; I/O errors (a full or "
+           "failing disk) cost the page and pause the NVMe tier for 30 s."),
+        Panel("L3 fetches lost, prefill side", (
+            (f"sum by (reason) (rate(swaserve:l3_fetches_lost_total{{{M}}}{R}))", "lost: {{reason}}"),
+            (f"sum by (op) (rate(swaserve:l3_node_errors_total{{{M}}}{R}))", "node {{op}} failed"),
+            (f"sum(rate(swaserve:l3_put_errors_total{{{M}}}{R}))", "puts failed"),
+        ), "short", "Per second, from the prefill workers: L3 fetches that ended without a hit (each "
+           "costs only its hit), failed operations on one node, failed writes. A steady rise: a node "
+           "or the network is in trouble."),
         Panel("GCache nodes serving and draining", (
             ("sum(1 - swaserve:gcache_draining)", "serving"),
             ("sum(swaserve:gcache_draining)", "draining"),

@@ -173,6 +173,13 @@ SERIES: list[Series] = [
     _c("swaserve:gcache_put_zombies_total", 6, **G2, tier="dram", kind="swa"),
     _c("swaserve:gcache_lease_expired_total", 3, **G1, tier="dram", kind="full"),
     _c("swaserve:gcache_corrupt_pages_total", 0, **G1, tier="nvme", kind="full"),
+    _c("swaserve:gcache_io_errors_total", 6, **G1, tier="nvme", kind="full"),
+    # the prefill workers' L3 counters (their own port)
+    _c("swaserve:l3_fetches_lost_total", 60, **X1, reason="error"),
+    _c("swaserve:l3_fetches_lost_total", 30, **X2, reason="error"),
+    _c("swaserve:l3_fetches_lost_total", 6, **X1, reason="deadline"),
+    _c("swaserve:l3_node_errors_total", 12, **X1, op="lookup"),
+    _c("swaserve:l3_put_errors_total", 3, **X2),
     _g("swaserve:gcache_draining", 0, **G1),
     _g("swaserve:gcache_draining", 1, **G2),
     # media encoders e1 (images) and e2 (audio, a few images); the prefill worker's failed fetches
@@ -354,6 +361,10 @@ EXPECTED: dict[tuple[str, str, str], list[tuple[str, float]]] = {
     (OV, "GCache refusals and faults", "puts never committed"): [("{}", 0.1)],
     (OV, "GCache refusals and faults", "leases expired"): [("{}", 0.05)],
     (OV, "GCache refusals and faults", "corrupt pages"): [("{}", 0)],
+    (OV, "GCache refusals and faults", "{{tier}} I/O errors"): [('{tier="nvme"}', 0.1)],
+    (OV, "L3 fetches lost, prefill side", "lost: {{reason}}"): [('{reason="error"}', 1.5), ('{reason="deadline"}', 0.1)],
+    (OV, "L3 fetches lost, prefill side", "node {{op}} failed"): [('{op="lookup"}', 0.2)],
+    (OV, "L3 fetches lost, prefill side", "puts failed"): [("{}", 0.05)],
     (OV, "GCache nodes serving and draining", "serving"): [("{}", 1)],
     (OV, "GCache nodes serving and draining", "draining"): [("{}", 1)],
     # encoders: items/s by modality and outcome over both encoders

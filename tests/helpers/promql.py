@@ -185,7 +185,7 @@ def lint(expr: str, known: set[str]) -> list[str]:
 # -- the names swaserve exports ---------------------------------------------------------------------
 def exported_names() -> set[str]:
     """Every sample name a ``serve`` process, a router (with Redis and discovery) and a worker expose
-    (with MTP and EP on), rendered by the real metrics code and parsed back."""
+    (with MTP, EP and an L3 tier on), rendered by the real metrics code and parsed back."""
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -209,6 +209,7 @@ def exported_names() -> set[str]:
         cache_pages={"full": 1},
         spec=SpecStats(2, 6, 3, [2, 1, 0]),
         ep=EPStats([0, 0], [3.0, 1.0], [4, 2], [0.75, 0.5]),
+        l3={"lookups": 1},  # an L3 tier: its families
     )
     router = RouterStats(
         workers=(WorkerStats("decode", "h:1", True, 1, 1, 1, 1, pools),),
