@@ -5,7 +5,8 @@ One fetch per item (a video's frame-pair spans share it), items in parallel; eac
 its bytes in a byte-bounded staging budget until the request's prefill is done (its first token)
 or it ends. A full budget, an encoder that is down or does not have the item, a timeout, a CRC
 error: ``MediaFetchError`` — the worker fails the request as retryable, and the router sends it
-elsewhere (with the items resubmitted).
+elsewhere (with the items resubmitted). An item the encoder refused (INVALID_ARGUMENT: data whose
+header passed the router's checks but does not decode): ``MediaRejected``, a 400, no retry.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 
 class MediaFetchError(RuntimeError):
     """The media of a request could not be fetched (retryable elsewhere)."""
+
+
+class MediaRejected(MediaFetchError):
+    """The encoder refused an item as invalid (corrupt or truncated data its header hid): the
+    request is a client error, not retried."""
 
 
 class MediaFetcher:
@@ -76,6 +82,8 @@ class MediaFetcher:
             try:
                 emb = await self.clients.get(src).fetch(key, self.timeout_s, rows * hidden * 4 + (1 << 20))
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise MediaRejected(f"media item {idx[0]}: {e.details()}") from e
                 raise MediaFetchError(
                     f"media fetch from encoder {src} failed: {e.code().name}: {e.details()}"
                 ) from e

@@ -30,7 +30,7 @@ from services.convert import (
     usage,
 )
 from services.kv_receiver import staging_for, transfer_layers
-from services.media_fetch import MediaFetcher, MediaFetchError
+from services.media_fetch import MediaFetcher, MediaFetchError, MediaRejected
 from services.tls import Dialer
 from services.transport import GrpcKVSender, KVSender
 from services.worker_metrics import WorkerMetrics
@@ -161,7 +161,7 @@ class WorkerService(wgrpc.WorkerServicer):
         deadline: float | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         fetch: asyncio.Task[None] | None = None
-        failed: list[str] = []
+        failed: list[MediaFetchError] = []
         try:
             gen = self.engine.generate(
                 prompt, params, rid, export_kv=export, prefilled=prefilled, media=media
@@ -172,10 +172,10 @@ class WorkerService(wgrpc.WorkerServicer):
                     continue
                 if o.new_token_ids:
                     self.media.release(rid)  # the prompt (its media) is in the KV now
-                if failed and o.finished:
-                    err = pb.Error(
-                        message=failed[0], retryable=True, code=grpc.StatusCode.UNAVAILABLE.value[0]
-                    )
+                if failed and o.finished:  # bad media: the client's error; else another worker may do it
+                    bad = isinstance(failed[0], MediaRejected)
+                    code = grpc.StatusCode.INVALID_ARGUMENT if bad else grpc.StatusCode.UNAVAILABLE
+                    err = pb.Error(message=str(failed[0]), retryable=not bad, code=code.value[0])
                     yield pb.GenerateResponse(error=err, usage=usage(o))
                     return
                 if o.new_token_ids or o.new_text or o.prompt_logprobs is not None:
@@ -219,15 +219,17 @@ class WorkerService(wgrpc.WorkerServicer):
                 with contextlib.suppress(asyncio.CancelledError):
                     await fetch
 
-    async def _fetch_media(self, rid: str, media: MediaInputs, wanted: list[int], failed: list[str]) -> None:
+    async def _fetch_media(
+        self, rid: str, media: MediaInputs, wanted: list[int], failed: list[MediaFetchError]
+    ) -> None:
         """Fetch and hand over a request's missing media; on failure end it (``failed`` says why:
-        the stream then ends with a retryable error)."""
+        the stream then ends with a retryable error, or a refusal for media the encoder found bad)."""
         try:
             await self.media.supply(self.engine, rid, media, wanted, self.engine.model_config.hidden_size)
         except MediaFetchError as e:
             log.warning("request %s: %s", rid, e)
             self.metrics.media_fetch_failed.inc()
-            failed.append(str(e))
+            failed.append(e)
             await self.engine.abort(rid)
 
     async def _push(self, target: str, payload: KVPayload, deadline: float | None = None) -> int:

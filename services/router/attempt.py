@@ -91,8 +91,8 @@ class DispatchError(RuntimeError):
         if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return Overloaded(f"no decode worker has room for the request's KV now, retry later ({self})")
         if self.code == grpc.StatusCode.UNAVAILABLE:
-            role = self.worker.role if self.worker is not None else "a"
-            return NoWorkerAvailable(f"no {role} worker available, retry later ({self})")
+            role = f"{self.worker.role} " if self.worker is not None else ""
+            return NoWorkerAvailable(f"no {role}worker available, retry later ({self})")
         return RuntimeError(f"request failed: {self}")
 
     def no_other_worker(self, role: str) -> DispatchError:

@@ -23,6 +23,7 @@ import base64
 import binascii
 import dataclasses
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,8 @@ from swaserve.media.video import frame_size, grid_timestamps, probe_video, sampl
 from swaserve.model.multimodal import TOKEN_TEXT, MultimodalConfig
 
 MODALITY_MIME = {"image": "image/", "video": "video/", "audio": "audio/"}
-AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm", "mp4", "pcm16")
+# container formats (probed: the label is not trusted); raw PCM has no header to probe
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm", "mp4")
 
 
 def _an(word: str) -> str:
@@ -149,8 +151,8 @@ class MediaFront:
         parsed = urlparse(url)
         if parsed.scheme in ("http", "https"):
             return await self._fetch(url, parsed.hostname or "", modality)
-        if parsed.scheme == "file":
-            return self._local(unquote(parsed.path), modality)
+        if parsed.scheme == "file":  # off the loop: a slow disk or share must not stall the server
+            return await asyncio.to_thread(self._local, unquote(parsed.path), modality)
         raise ProtocolError(
             f"unsupported {modality} URL scheme {parsed.scheme or url[:16]!r}", param="messages"
         )
@@ -170,7 +172,7 @@ class MediaFront:
             )
         if len(payload) * 3 // 4 > self.options.max_item_bytes:
             raise ProtocolError(
-                f"a {modality} item is over {self.options.max_item_bytes} bytes", param="messages"
+                f"{_an(modality)} item is over {self.options.max_item_bytes} bytes", param="messages"
             )
         try:
             return base64.b64decode(payload, validate=True)
@@ -186,10 +188,11 @@ class MediaFront:
             )
         if host not in allowed:
             raise ProtocolError(f"host {host!r} is not in --allowed-media-domains", param="messages")
-        limit = self.options.max_item_bytes
+        limit, timeout_s = self.options.max_item_bytes, self.options.fetch_timeout_s
         try:
-            async with (
-                httpx.AsyncClient(timeout=self.options.fetch_timeout_s, follow_redirects=False) as client,
+            async with (  # the whole fetch, not each read, within timeout_s
+                asyncio.timeout(timeout_s),
+                httpx.AsyncClient(timeout=timeout_s, follow_redirects=False) as client,
                 client.stream("GET", url) as r,
             ):
                 if r.status_code != 200:
@@ -200,10 +203,15 @@ class MediaFront:
                 async for chunk in r.aiter_bytes():
                     buf += chunk
                     if len(buf) > limit:
-                        raise ProtocolError(f"a {modality} item is over {limit} bytes", param="messages")
+                        raise ProtocolError(f"{_an(modality)} item is over {limit} bytes", param="messages")
                 return bytes(buf)
+        except (TimeoutError, httpx.TimeoutException) as e:
+            raise ProtocolError(
+                f"fetching the {modality} URL timed out after {timeout_s:g} s", param="messages"
+            ) from e
         except httpx.HTTPError as e:
-            raise ProtocolError(f"fetching the {modality} URL failed: {e}", param="messages") from e
+            why = str(e) or type(e).__name__
+            raise ProtocolError(f"fetching the {modality} URL failed: {why}", param="messages") from e
 
     def _local(self, path: str, modality: str) -> bytes:
         root = self.options.allowed_local_path
@@ -215,11 +223,19 @@ class MediaFront:
         if os.path.commonpath([real, base]) != base:
             raise ProtocolError(f"{path} is not under --allowed-local-media-path", param="messages")
         try:
-            if os.path.getsize(real) > self.options.max_item_bytes:
-                raise ProtocolError(
-                    f"a {modality} item is over {self.options.max_item_bytes} bytes", param="messages"
-                )
-            with open(real, "rb") as f:
+            # a FIFO, device or socket could block its reader for good: regular files only,
+            # opened without blocking and checked again on the descriptor (no swap in between)
+            if not stat.S_ISREG(os.stat(real).st_mode):
+                raise ProtocolError(f"{path} is not a regular file", param="messages")
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise ProtocolError(f"{path} is not a regular file", param="messages")
+                if st.st_size > self.options.max_item_bytes:
+                    raise ProtocolError(
+                        f"{_an(modality)} item is over {self.options.max_item_bytes} bytes", param="messages"
+                    )
                 return f.read()
         except OSError as e:
             raise ProtocolError(f"cannot read {path}: {e.strerror}", param="messages") from e

@@ -5,7 +5,10 @@ of bad media a 400 that leaves the server serving."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import os
 from base64 import b64decode
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from swaserve.api.media import MediaFront
+from swaserve.api.errors import ProtocolError
+from swaserve.api.media import MediaFront, MediaOptions
 from swaserve.api.server import build_app
 from swaserve.config import EngineConfig
 from swaserve.encoder.runner import MediaEncoder
@@ -207,6 +211,8 @@ BAD = [
     ),
     ([{"type": "image_file", "image_file": {"file_id": "x"}}], "type"),
     ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "xyz"}}], "input_audio.format"),
+    # raw PCM has no header to probe: refused by name rather than failing as unreadable
+    ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "pcm16"}}], "input_audio.format"),
     (
         [_img(data_url("image/png", png(8, 8, 1))), {"type": "text", "text": "<|image_pad|>"}],
         "may not contain",
@@ -264,3 +270,45 @@ def test_low_detail_images_are_smaller_and_encode_consistently(tiny_dir: Path, t
     assert low.items[0].key != auto.items[0].key and low.items[0].size is not None
     enc = MediaEncoder(d).encode([auto.items[0], low.items[0]])  # row counts checked inside
     assert [e.shape[0] for e in enc] == [auto.items[0].num_tokens, low.items[0].num_tokens]
+
+
+def _front(tiny_dir: Path, **options: Any) -> MediaFront:
+    mm = MultimodalConfig.from_pretrained(tiny_dir)
+    assert mm is not None
+    return MediaFront(mm, None, MediaOptions(**options))
+
+
+@pytest.mark.anyio
+async def test_a_local_fifo_or_device_is_refused_without_blocking(tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO under --allowed-local-media-path would block its reader (the whole server, when read
+    on the event loop) until someone writes to it: only regular files are read."""
+    os.mkfifo(tmp_path / "fifo.png")
+    (tmp_path / "ok.png").write_bytes(make_png())
+    front = _front(tiny_dir, allowed_local_path=str(tmp_path))
+    with pytest.raises(ProtocolError, match="not a regular file"):
+        await asyncio.wait_for(front.load(f"file://{tmp_path}/fifo.png", "image"), 10)
+    assert await front.load(f"file://{tmp_path}/ok.png", "image") == make_png()
+
+
+@pytest.mark.anyio
+async def test_a_url_that_trickles_bytes_is_cut_at_the_fetch_timeout(tiny_dir: Path) -> None:
+    """The fetch timeout bounds the whole fetch, not each read: a server sending a byte every
+    0.2 s never lets a per-read timeout fire."""
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(1000):
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    front = _front(tiny_dir, allowed_domains=("127.0.0.1",), fetch_timeout_s=1.0)
+    try:
+        with pytest.raises(ProtocolError, match="timed out after 1 s"):
+            await asyncio.wait_for(front.load(f"http://127.0.0.1:{port}/cat.png", "image"), 20)
+    finally:
+        server.close()

@@ -154,6 +154,20 @@ def test_a_bad_image_is_a_400_and_others_are_served(cluster: Cluster) -> None:
     r = asyncio.run(_ask(cluster.url, bad))
     assert r.status_code == 400, r.text
     assert asyncio.run(_ask(cluster.url, REQUESTS["audio"])).status_code == 200
+    # a header the router reads fine over a body the encoder cannot decode: its refusal is the
+    # client's error too (a 400 with the encoder's reason, not retried into a 503)
+    whole = png(256, 144, 3)
+    cut = [{"type": "image_url", "image_url": {"url": data_url("image/png", whole[: len(whole) // 2])}}]
+
+    def retries() -> float:
+        return sum(v for (n, _), v in scrape(cluster.url).items() if n == "swaserve:router_retries_total")
+
+    before = retries()
+    r = asyncio.run(_ask(cluster.url, cut))
+    assert r.status_code == 400 and "corrupt or truncated" in r.text, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert retries() == before
+    assert asyncio.run(_ask(cluster.url, REQUESTS["audio"])).status_code == 200
 
 
 def test_a_killed_encoder_costs_a_retry_on_the_other(cluster: Cluster, tiny_dir: Path) -> None:
