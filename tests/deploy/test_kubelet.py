@@ -323,6 +323,11 @@ def test_the_chart_runs_gcache_nodes_that_prefill_workers_find(tiny_dir: Path, t
 
         used = {n for _, e in h.all_exprs() for n in h.selector_names(pp.parse(e)) if "gcache_" in n}
         assert used and used <= set(metrics[f"{GCACHE}-0"]), used - set(metrics[f"{GCACHE}-0"])
+        # and every L3 name they query is on the prefill worker's (its lookups counted there)
+        worker = _scrape(f"http://{prefill.ip}:9090/metrics")
+        used = {n for _, e in h.all_exprs() for n in h.selector_names(pp.parse(e)) if ":l3_" in n}
+        assert used and used <= set(worker), used - set(worker)
+        assert worker["swaserve:l3_lookups_total"] > 0
 
         # a node restarted: drains and exits 0, leaves the registry, comes back under the same name
         # on the same claim and recovers the pages it had on NVMe

@@ -40,6 +40,9 @@ NO_DATA = {
     **{q.key: "no encoder" for q in h.dashboard_queries() if "swaserve:encoder_" in q.expr},
     # no expert-parallel worker (tests/deploy/test_kubelet.py scrapes the chart's EP prefill pod)
     **{q.key: "no EP worker" for q in h.dashboard_queries() if "swaserve:ep_" in q.expr},
+    # no L3 tier on the workers (tests/deploy/test_kubelet.py scrapes the chart's prefill pod with
+    # GCache on for these)
+    **{q.key: "no L3 tier" for q in h.dashboard_queries() if "swaserve:l3_" in q.expr},
 }
 
 
