@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from swaserve.gcache import codec
 from swaserve.gcache.codec import KIND_NAMES, CorruptPage
 from swaserve.gcache.heat import HEAP_SLACK, Block, Entry, HeatHeaps, PageId, level
+from swaserve.gcache.recovery import stored_pages
 from swaserve.gcache.tiers import NvmeTier, Slot, Tier
 
 __all__ = ["BUSY", "EXISTS", "FULL", "HEAP_SLACK", "NO_PARENT", "Block", "Entry", "PageId", "PageStore"]
@@ -463,31 +464,16 @@ class PageStore:
 
     # -- recovery and accounting ------------------------------------------------------------------
     def recover(self) -> None:
-        """Rebuild the index from the NVMe slots: valid objects come back (a key seen twice keeps
-        one copy); torn, bad or duplicate slots are freed and counted in ``recovered``."""
-        nvme = self.nvme
-        assert nvme is not None
-        used: dict[int, set[int]] = {s: set() for s in nvme.classes}
+        """Rebuild the index from the NVMe slots (``recovery.stored_pages``); the dropped slots
+        are counted in ``recovered``."""
+        assert self.nvme is not None
+        pages, self.recovered["dropped"] = stored_pages(self.nvme)
+        for e in pages:
+            self.index[e.pid] = e
+            self.children.setdefault(e.parent_pid, set()).add(e.pid)
+        self.recovered["pages"] = len(pages)
         now = self.clock()
-        for slot, size in nvme.scan():
-            raw = nvme.read(slot, size)
-            try:
-                h = codec.check_stored(raw)
-            except CorruptPage:
-                self.recovered["dropped"] += any(raw[:4])  # a slot never written is no loss
-                continue
-            pid = (h.key, h.kind)
-            if pid in self.index:
-                self.recovered["dropped"] += 1
-                continue
-            e = Entry(h.key, h.kind, h.parent, h.index, h.object_size, nvme, slot, committed=True)
-            self.index[pid] = e
-            self.children.setdefault(e.parent_pid, set()).add(pid)
-            used[slot[0]].add(slot[1])
-            self.recovered["pages"] += 1
-        for size, ids in used.items():
-            nvme.claim(size, ids)
-        for e in sorted(self.index.values(), key=lambda x: -x.index):  # children first: parents end hotter
+        for e in sorted(pages, key=lambda x: -x.index):  # children first: parents end hotter
             self._heat_up(e, now)
 
     def blocks(self) -> list[Block]:
