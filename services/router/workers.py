@@ -385,8 +385,8 @@ class WorkerPool:
     def kv_format_mismatch(self, address: str, load: pb.Load) -> str | None:
         """Why a worker reporting ``load`` cannot join the workers in routing: another KV format
         (``Load.kv_format``: dtype, page formats and page size). Prefill pages go to any decode
-        worker as they are (never converted or re-paged), so one router's workers share one format; the first in
-        routing sets it (None: the same, or either does not say)."""
+        worker as they are (never converted or re-paged), so one router's workers share one
+        format; the first in routing sets it (None: the same, or either does not say)."""
         mine = load.kv_format
         if not mine:
             return None
@@ -395,9 +395,9 @@ class WorkerPool:
             if o.address != address and o.healthy and theirs and theirs != mine:
                 return (
                     f"its KV format is {mine!r}, the workers in routing use {theirs!r} ({o.address}): "
-                    "prefill pages are never converted, so give every worker the same --dtype, --page-size, --kv-layout, "
-                    "--kv-cache-dtype, --kv-cache-dtype-swa, --kv-quant-group, --kv-kivi-group and "
-                    "--kv-kivi-residual"
+                    "prefill pages are never converted, so give every worker the same --dtype, "
+                    "--page-size, --kv-layout, --kv-cache-dtype, --kv-cache-dtype-swa, "
+                    "--kv-quant-group, --kv-kivi-group and --kv-kivi-residual"
                 )
         return None
 

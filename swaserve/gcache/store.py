@@ -220,9 +220,7 @@ class PageStore:
         try:
             e.tier.write(e.slot, obj)
         except OSError as err:
-            del self.pending[rid], self._pending_ids[e.pid]
-            self._unpin(e.parent_pid)
-            Tier.release(e.tier, e.slot)
+            self.abort(rid)
             self._io_error(e.tier, e.kind, err)
             raise
         del self.pending[rid], self._pending_ids[e.pid]
@@ -327,8 +325,8 @@ class PageStore:
             return False
         try:
             to.write(slot, e.tier.read(e.slot, e.size))
-        except OSError as err:  # the page stays where it is; the slot's bytes are garbage
-            Tier.release(to, slot)
+        except OSError as err:  # the page stays where it is
+            to.release(slot)
             self._io_error(to if to is self.nvme else e.tier, e.kind, err)
             return False
         self._count("demotions" if to is self.nvme else "promotions", e.tier, e.kind)
