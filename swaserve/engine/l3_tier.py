@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from swaserve.engine.request import Request
 from swaserve.gcache import codec
 from swaserve.gcache.codec import FULL_KIND, SWA_KIND
 from swaserve.gcache.keys import Salt, page_keys
-from swaserve.gcache.l3 import Found, PutPage, placements
+from swaserve.gcache.l3 import Found, PutPage, Throttle, placements
 from swaserve.kvcache.prefix_cache import PrefixCache
 from swaserve.kvcache.radix import RadixNode
 from swaserve.kvcache.storage import PagedKV
@@ -154,7 +153,7 @@ class L3Tier:
         self.known: OrderedDict[bytes, None] = OrderedDict()
         self.chain = ChainKeys(self.P, self.seed)
         self.stats: Counter[str] = Counter()
-        self._warned_at, self._failures = -math.inf, 0
+        self._throttle = Throttle(clock=self.clock)
         cache.l3_sink = self.sink
 
     # -- read path --------------------------------------------------------------------------------
@@ -229,13 +228,10 @@ class L3Tier:
 
     def _warn(self, what: str) -> None:
         """Log an L3 failure (each costs only its hit): the first, then at most one a minute."""
-        now = self.clock()
-        if now - self._warned_at >= 60.0:
-            log.warning("%s (%d failures since the last warning; swaserve:l3_fetches_lost_total)",
-                        what, self._failures + 1)  # fmt: skip
-            self._warned_at, self._failures = now, 0
-        else:
-            self._failures += 1
+        held = self._throttle()
+        if held is not None:
+            log.warning("%s (%d more failures since the last warning; swaserve:l3_fetches_lost_total)",
+                        what, held)  # fmt: skip
 
     def _plan(self, f: _Fetch, found: Found) -> bool:
         best = best_stop(found.present, f.d, self.wp, self.min_pages)

@@ -187,6 +187,25 @@ def owner(place: bytes, nodes: Sequence[str]) -> str:
     return max(nodes, key=weight)
 
 
+class Throttle:
+    """Lets an event through at most once per ``period_s`` per key (the first always): a call
+    returns how many were held back since the last one let through, or None while holding back.
+    ``clock``: seconds, monotonic."""
+
+    def __init__(self, period_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.period_s, self.clock = period_s, clock
+        self._last: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+
+    def __call__(self, key: str = "") -> int | None:
+        now = self.clock()
+        if now - self._last.get(key, -math.inf) < self.period_s:
+            self._held[key] += 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)
+
+
 @dataclass
 class _Leases:
     by_node: dict[str, Found] = field(default_factory=dict)
@@ -202,14 +221,16 @@ class ShardedL3:
         self.live, self.connect = live, connect
         self._stores: dict[str, L3Store] = {}
         self.node_errors: Counter[str] = Counter(dict.fromkeys(("lookup", "get", "put", "remove"), 0))
-        self._warned: dict[str, float] = {}
+        self._throttle = Throttle()  # per node
 
     def _failed(self, node: str, op: str, err: L3Error) -> None:
         self.node_errors[op] += 1
-        now = time.monotonic()
-        if now - self._warned.get(node, -math.inf) >= 60.0:
-            self._warned[node] = now
-            log.warning("gcache node %s: %s failed (%s); its pages are misses meanwhile", node, op, err)
+        held = self._throttle(node)
+        if held is not None:
+            log.warning(
+                "gcache node %s: %s failed (%s; %d more failures since the last warning); its pages "
+                "are misses meanwhile", node, op, err, held,
+            )  # fmt: skip
 
     def _store(self, node: str) -> L3Store:
         s = self._stores.get(node)
